@@ -1,0 +1,155 @@
+/* Reduction kernels (see kernels.h). float16 and bfloat16 are widened to float32, combined,
+ * and rounded back to nearest-even: the same single rounding numpy (float16) and torch
+ * (bfloat16) apply, so results match them bit for bit. Integer sums wrap like numpy's. */
+#include "kernels.h"
+#include <string.h>
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
+    if (exp == 0) {
+        if (man == 0) {
+            f = sign;
+        } else { /* subnormal: normalise the mantissa */
+            exp = 113;
+            while (!(man & 0x400u)) { man <<= 1; exp--; }
+            f = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 0x1f) {
+        f = sign | 0x7f800000u | (man << 13);
+    } else {
+        f = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float out;
+    memcpy(&out, &f, 4);
+    return out;
+}
+
+static inline uint16_t f32_to_f16(float x) {
+    const uint32_t inf32 = 255u << 23, max16 = (127u + 16u) << 23;
+    const uint32_t denorm_magic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+    uint32_t f;
+    memcpy(&f, &x, 4);
+    uint32_t sign = f & 0x80000000u;
+    f ^= sign;
+    uint16_t o;
+    if (f >= max16) {
+        o = (f > inf32) ? 0x7e00u : 0x7c00u;
+    } else if (f < (113u << 23)) { /* result is subnormal or zero: let the FPU round */
+        float ff, magic;
+        memcpy(&ff, &f, 4);
+        memcpy(&magic, &denorm_magic, 4);
+        ff += magic;
+        uint32_t r;
+        memcpy(&r, &ff, 4);
+        o = (uint16_t)(r - denorm_magic);
+    } else { /* normal: rebias, round to nearest even on the dropped 13 bits */
+        uint32_t odd = (f >> 13) & 1u;
+        f += ((uint32_t)(15 - 127) << 23) + 0xfffu + odd;
+        o = (uint16_t)(f >> 13);
+    }
+    return (uint16_t)(o | (sign >> 16));
+}
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#define SUM(a, b) ((a) + (b))
+#define MIN(a, b) ((b) < (a) ? (b) : (a))
+#define MAX(a, b) ((b) > (a) ? (b) : (a))
+
+#define NATIVE_LOOP(T, OPM)                                                         \
+    do {                                                                            \
+        T *d = (T *)dst;                                                            \
+        const T *x = (const T *)a, *y = (const T *)b;                               \
+        for (size_t i = 0; i < count; i++) d[i] = OPM(x[i], y[i]);                 \
+    } while (0)
+
+/* Integer sums wrap (two's complement) as numpy's do; computed unsigned to avoid UB. */
+#define WRAP_SUM_LOOP(T, U)                                                         \
+    do {                                                                            \
+        T *d = (T *)dst;                                                            \
+        const T *x = (const T *)a, *y = (const T *)b;                               \
+        for (size_t i = 0; i < count; i++) d[i] = (T)((U)x[i] + (U)y[i]);          \
+    } while (0)
+
+#define WIDE_LOOP(TO_F, FROM_F, OPM)                                                \
+    do {                                                                            \
+        uint16_t *d = (uint16_t *)dst;                                              \
+        const uint16_t *x = (const uint16_t *)a, *y = (const uint16_t *)b;          \
+        for (size_t i = 0; i < count; i++) {                                        \
+            float u = TO_F(x[i]), v = TO_F(y[i]);                                   \
+            d[i] = FROM_F(OPM(u, v));                                               \
+        }                                                                           \
+    } while (0)
+
+#define BY_OP(LOOP, ...)                                                            \
+    switch (op) {                                                                   \
+    case OP_SUM: LOOP(__VA_ARGS__, SUM); return 0;                                  \
+    case OP_MIN: LOOP(__VA_ARGS__, MIN); return 0;                                  \
+    case OP_MAX: LOOP(__VA_ARGS__, MAX); return 0;                                  \
+    default: return -1;                                                             \
+    }
+
+size_t mp_itemsize(int dtype) {
+    static const size_t sizes[DT_COUNT] = {2, 2, 4, 8, 4, 8};
+    return (dtype >= 0 && dtype < DT_COUNT) ? sizes[dtype] : 0;
+}
+
+int mp_reduce2(void *dst, const void *a, const void *b, size_t count, int dtype, int op) {
+    switch (dtype) {
+    case DT_F16: BY_OP(WIDE_LOOP, f16_to_f32, f32_to_f16)
+    case DT_BF16: BY_OP(WIDE_LOOP, bf16_to_f32, f32_to_bf16)
+    case DT_F32: BY_OP(NATIVE_LOOP, float)
+    case DT_F64: BY_OP(NATIVE_LOOP, double)
+    case DT_I32:
+        if (op == OP_SUM) { WRAP_SUM_LOOP(int32_t, uint32_t); return 0; }
+        BY_OP(NATIVE_LOOP, int32_t)
+    case DT_I64:
+        if (op == OP_SUM) { WRAP_SUM_LOOP(int64_t, uint64_t); return 0; }
+        BY_OP(NATIVE_LOOP, int64_t)
+    default:
+        return -1;
+    }
+}
+
+int mp_divide(void *buf, size_t count, int dtype, long divisor) {
+    switch (dtype) {
+    case DT_F16: {
+        uint16_t *p = (uint16_t *)buf;
+        float dv = (float)divisor;
+        for (size_t i = 0; i < count; i++) p[i] = f32_to_f16(f16_to_f32(p[i]) / dv);
+        return 0;
+    }
+    case DT_BF16: {
+        uint16_t *p = (uint16_t *)buf;
+        float dv = (float)divisor;
+        for (size_t i = 0; i < count; i++) p[i] = f32_to_bf16(bf16_to_f32(p[i]) / dv);
+        return 0;
+    }
+    case DT_F32: {
+        float *p = (float *)buf, dv = (float)divisor;
+        for (size_t i = 0; i < count; i++) p[i] /= dv;
+        return 0;
+    }
+    case DT_F64: {
+        double *p = (double *)buf, dv = (double)divisor;
+        for (size_t i = 0; i < count; i++) p[i] /= dv;
+        return 0;
+    }
+    default:
+        return -1;
+    }
+}

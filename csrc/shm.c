@@ -1,0 +1,228 @@
+/* Note [Shared-memory protocol]
+ * Ranks on one node share a control block (an MPI-3 shared window) with one slot per rank:
+ *
+ *   slot r: arrive1 (own cache line) | arrive2 (own cache line) | record[0] | record[1]
+ *   record: header words | pid, input address, output address, status | inline payload
+ *
+ * Call number `seq` (the same on every rank) writes record[seq & 1], then publishes
+ * arrive1 = seq and waits for every rank's arrive1 >= seq. Every rank then reads every
+ * header: they must agree (the last word is free), so a mismatch is seen by all ranks at
+ * once and all of them report it. Records are double-buffered: a rank can only overwrite
+ * record[seq & 1] again at call seq + 2, after every rank has arrived at seq + 1 and so has
+ * finished reading call seq. Inline calls need no second barrier for that reason.
+ *
+ * Sliced calls (large buffers): rank r reduces slice r of every rank's input, own data first
+ * and then the peers' in rank order after r, and writes the result into slice r of every
+ * rank's output. Only rank r touches slice r of any buffer, so in-place calls are safe, and
+ * each input byte is read once and each output byte written once on the whole node.
+ * Peers are reached by cross-memory attach (process_vm_readv/writev) or, where the kernel
+ * forbids it, through staging segments in a shared window. A second barrier (arrive2)
+ * orders the writes into a rank's output before that rank returns; each rank's status is
+ * published before it, so a peer failure is reported by every rank. */
+#define _GNU_SOURCE
+#include "shm.h"
+#include "kernels.h"
+#include <errno.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef struct {
+    int64_t header[SHM_HEADER_WORDS];
+    int64_t pid, in_addr, out_addr, status;
+    char pad[128 - (SHM_HEADER_WORDS + 4) * 8];
+    char payload[SHM_INLINE_BYTES];
+} record_t;
+
+typedef struct {
+    uint64_t arrive1;
+    char pad1[120];
+    uint64_t arrive2;
+    char pad2[120];
+    record_t record[2];
+} slot_t;
+
+_Static_assert(sizeof(slot_t) == SHM_SLOT_BYTES, "slot layout");
+
+static slot_t *slot_of(const shm_call *c, int q) { return (slot_t *)(c->ctrl + (size_t)q * SHM_SLOT_BYTES); }
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Waits until every rank's counter (arrive1 or arrive2) reaches seq. Spins briefly, then
+ * yields the core so oversubscribed ranks still progress. Returns 0, or -1 on timeout with
+ * the ranks that had not arrived marked in r->missing. */
+static int wait_all(const shm_call *c, int second, shm_result *r) {
+    double deadline = 0.0;
+    for (int q = 0; q < c->nranks; q++) {
+        uint64_t *ctr = second ? &slot_of(c, q)->arrive2 : &slot_of(c, q)->arrive1;
+        unsigned spins = 0;
+        while (__atomic_load_n(ctr, __ATOMIC_ACQUIRE) < c->seq) {
+            if (++spins < 256) { cpu_relax(); continue; }
+            sched_yield();
+            if ((spins & 255) == 0) {
+                double t = now_s();
+                if (deadline == 0.0) deadline = t + c->timeout_s;
+                else if (t > deadline) {
+                    for (int p = 0; p < c->nranks; p++) {
+                        uint64_t *cp = second ? &slot_of(c, p)->arrive2 : &slot_of(c, p)->arrive1;
+                        r->missing[p] = __atomic_load_n(cp, __ATOMIC_ACQUIRE) < c->seq;
+                    }
+                    return -1;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+static int peer_read(const shm_call *c, int q, void *local, size_t offset, size_t n) {
+    const record_t *rec = &slot_of(c, q)->record[c->seq & 1];
+    if (c->peers == SHM_PEERS_WINDOW) {
+        memcpy(local, c->segments[q] + offset, n);
+        return 0;
+    }
+    size_t done = 0;
+    while (done < n) {
+        struct iovec l = {(char *)local + done, n - done};
+        struct iovec rv = {(void *)(uintptr_t)(rec->in_addr + offset + done), n - done};
+        ssize_t got = process_vm_readv((pid_t)rec->pid, &l, 1, &rv, 1, 0);
+        if (got <= 0) return got < 0 ? errno : EIO;
+        done += (size_t)got;
+    }
+    return 0;
+}
+
+static int peer_write(const shm_call *c, int q, size_t offset, const void *local, size_t n) {
+    const record_t *rec = &slot_of(c, q)->record[c->seq & 1];
+    if (c->peers == SHM_PEERS_WINDOW) {
+        memcpy(c->segments[q] + offset, local, n);
+        return 0;
+    }
+    size_t done = 0;
+    while (done < n) {
+        struct iovec l = {(char *)local + done, n - done};
+        struct iovec rv = {(void *)(uintptr_t)(rec->out_addr + offset + done), n - done};
+        ssize_t got = process_vm_writev((pid_t)rec->pid, &l, 1, &rv, 1, 0);
+        if (got <= 0) return got < 0 ? errno : EIO;
+        done += (size_t)got;
+    }
+    return 0;
+}
+
+/* Reduces slice [slice_lo, slice_hi) of every rank's input into every rank's output,
+ * chunk by chunk through a cache-sized scratch buffer. Returns 0 or an errno. */
+static int sliced_reduce(const shm_call *c, shm_result *r) {
+    size_t isz = mp_itemsize(c->dtype);
+    size_t chunk = c->chunk_bytes / isz;
+    if (chunk == 0) chunk = 1;
+    char *scratch = NULL;
+    if (c->nranks > 1 && c->slice_hi > c->slice_lo) {
+        scratch = malloc(chunk * isz);
+        if (!scratch) return ENOMEM;
+    }
+    int err = 0;
+    for (size_t lo = c->slice_lo; lo < c->slice_hi && !err; lo += chunk) {
+        size_t n = (c->slice_hi - lo < chunk) ? c->slice_hi - lo : chunk;
+        size_t off = lo * isz, nbytes = n * isz;
+        char *dst = c->out + off;
+        const char *own = c->in + off;
+        if (c->nranks == 1 && dst != own) memcpy(dst, own, nbytes);
+        for (int k = 1; k < c->nranks && !err; k++) {
+            int q = (c->rank + k) % c->nranks;
+            if ((err = peer_read(c, q, scratch, off, nbytes))) r->peer_rank = q;
+            else mp_reduce2(dst, k == 1 ? own : dst, scratch, n, c->dtype, c->op);
+        }
+        if (!err && c->divisor > 1) mp_divide(dst, n, c->dtype, c->divisor);
+        for (int k = 1; k < c->nranks && !err; k++) {
+            int q = (c->rank + k) % c->nranks;
+            if ((err = peer_write(c, q, off, dst, nbytes))) r->peer_rank = q;
+        }
+        if (c->peers == SHM_PEERS_WINDOW && !err) memcpy(c->segments[c->rank] + off, dst, nbytes);
+    }
+    free(scratch);
+    return err;
+}
+
+static void inline_reduce(const shm_call *c) {
+    size_t nbytes = c->count * mp_itemsize(c->dtype);
+    for (int q = 0; q < c->nranks; q++) {
+        const char *p = slot_of(c, q)->record[c->seq & 1].payload;
+        if (q == 0) memcpy(c->out, p, nbytes);
+        else mp_reduce2(c->out, c->out, p, c->count, c->dtype, c->op);
+    }
+    if (c->divisor > 1) mp_divide(c->out, c->count, c->dtype, c->divisor);
+}
+
+void shm_run(const shm_call *c, shm_result *r) {
+    size_t nbytes = c->count * mp_itemsize(c->dtype);
+    slot_t *mine = slot_of(c, c->rank);
+    record_t *rec = &mine->record[c->seq & 1];
+    memcpy(rec->header, c->header, sizeof(rec->header));
+    rec->pid = (int64_t)getpid();
+    rec->in_addr = (int64_t)(uintptr_t)c->in;
+    rec->out_addr = (int64_t)(uintptr_t)c->out;
+    rec->status = 0;
+    if (c->data == SHM_DATA_INLINE && nbytes) memcpy(rec->payload, c->in, nbytes);
+    if (c->data == SHM_DATA_SLICED && c->peers == SHM_PEERS_WINDOW && nbytes)
+        memcpy(c->segments[c->rank], c->in, nbytes);
+    __atomic_store_n(&mine->arrive1, c->seq, __ATOMIC_RELEASE);
+
+    r->status = SHM_OK;
+    if (wait_all(c, 0, r)) { r->status = SHM_TIMEOUT; return; }
+    int agree = 1;
+    for (int q = 0; q < c->nranks; q++) {
+        const int64_t *h = slot_of(c, q)->record[c->seq & 1].header;
+        memcpy(r->headers[q], h, sizeof(r->headers[q]));
+        if (memcmp(h, c->header, (SHM_HEADER_WORDS - 1) * sizeof(int64_t))) agree = 0;
+    }
+    if (!agree) { r->status = SHM_MISMATCH; return; }
+    if (c->data == SHM_DATA_INLINE) { inline_reduce(c); return; }
+    if (c->data != SHM_DATA_SLICED) return;
+
+    int err = sliced_reduce(c, r);
+    rec->status = err ? ((int64_t)r->peer_rank << 32) | (int64_t)err : 0;
+    __atomic_store_n(&mine->arrive2, c->seq, __ATOMIC_RELEASE);
+    if (wait_all(c, 1, r)) { r->status = SHM_TIMEOUT; return; }
+    for (int q = 0; q < c->nranks; q++) {
+        int64_t s = slot_of(c, q)->record[c->seq & 1].status;
+        if (s) {
+            r->status = SHM_PEER_ERROR;
+            r->peer_rank = q;                 /* the rank that failed ... */
+            r->peer_errno = (int)(s & 0xffffffff);
+            r->missing[0] = (int)(s >> 32);   /* ... and the peer it could not reach */
+            return;
+        }
+    }
+    if (c->peers == SHM_PEERS_WINDOW && nbytes) memcpy(c->out, c->segments[c->rank], nbytes);
+}
+
+int shm_cma_probe(pid_t pid, uint64_t addr, size_t nbytes) {
+    char buf[64];
+    if (nbytes > sizeof(buf)) nbytes = sizeof(buf);
+    struct iovec l = {buf, nbytes}, rv = {(void *)(uintptr_t)addr, nbytes};
+    ssize_t got = process_vm_readv(pid, &l, 1, &rv, 1, 0);
+    if (got < 0) return errno;
+    return got == (ssize_t)nbytes ? 0 : EIO;
+}
+
+void shm_allow_peers(void) {
+#ifdef PR_SET_PTRACER
+    prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+#endif
+}

@@ -1,0 +1,52 @@
+/* The shared-memory protocol of ranks on one node: a control block with one slot per rank
+ * (arrival counters and a double-buffered record), and the sliced single-copy all-reduce.
+ * See Note [Shared-memory protocol] in shm.c. */
+#ifndef MPIDP_SHM_H
+#define MPIDP_SHM_H
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#define SHM_HEADER_WORDS 8     /* int64 words every rank writes; all but the last must agree */
+#define SHM_INLINE_BYTES 4096  /* payload carried inside the record itself */
+#define SHM_SLOT_BYTES (256 + 2 * (128 + SHM_INLINE_BYTES))
+
+enum { SHM_OK = 0, SHM_MISMATCH = 1, SHM_TIMEOUT = 2, SHM_PEER_ERROR = 3 };
+enum { SHM_PEERS_CMA = 0, SHM_PEERS_WINDOW = 1 };
+enum { SHM_DATA_NONE = 0, SHM_DATA_INLINE = 1, SHM_DATA_SLICED = 2 };
+
+typedef struct {
+    char *ctrl;            /* base of the control block: nranks * SHM_SLOT_BYTES */
+    int nranks, rank;
+    uint64_t seq;          /* the same on every rank for the same call */
+    const int64_t *header; /* SHM_HEADER_WORDS words */
+    int data;              /* SHM_DATA_* */
+    const char *in;        /* this rank's input (NULL for a handshake only) */
+    char *out;             /* this rank's output; may equal in */
+    size_t count;          /* elements */
+    int dtype, op;
+    long divisor;          /* > 1: divide the reduced result (average) */
+    size_t slice_lo, slice_hi; /* elements this rank reduces (sliced mode) */
+    size_t chunk_bytes;
+    int peers;             /* SHM_PEERS_* */
+    char *const *segments; /* window mode: every rank's staging segment, mapped here */
+    double timeout_s;
+} shm_call;
+
+#define SHM_MAX_RANKS 256
+
+typedef struct {
+    int status;                 /* SHM_* */
+    int64_t headers[SHM_MAX_RANKS][SHM_HEADER_WORDS]; /* on mismatch, or for a handshake: every rank's */
+    int missing[SHM_MAX_RANKS];            /* on timeout: 1 for each rank that had not arrived */
+    int peer_rank, peer_errno;  /* on a peer error */
+} shm_result;
+
+/* Runs one call of the protocol; releases nothing (the caller drops the GIL). */
+void shm_run(const shm_call *c, shm_result *r);
+/* 0 if this process can read `nbytes` at `addr` in process `pid`, else errno. */
+int shm_cma_probe(pid_t pid, uint64_t addr, size_t nbytes);
+/* Lets any process of this user read this one with process_vm_readv (Yama ptrace_scope 1). */
+void shm_allow_peers(void);
+
+#endif

@@ -1,0 +1,35 @@
+"""mpidp: an MPI-native data-parallel training runtime for PyTorch.
+
+``import mpidp`` starts neither MPI nor CUDA; ``mpidp.init()`` starts MPI."""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it; loaded on first access so that importing mpidp
+# stays cheap and side-effect free
+_EXPORTS = {
+    "init": "runtime", "shutdown": "runtime", "is_initialized": "runtime", "rank": "runtime",
+    "size": "runtime", "local_rank": "runtime", "local_size": "runtime",
+    "node_count": "runtime",
+    "allreduce": "collectives", "allreduce_": "collectives", "broadcast": "collectives",
+    "broadcast_": "collectives", "allgather": "collectives", "reduce_scatter": "collectives",
+    "MpidpError": "errors", "CommunicationError": "errors", "MismatchError": "errors",
+    "NotInitializedError": "errors", "BackendUnavailableError": "errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mpidp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

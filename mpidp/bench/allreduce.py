@@ -1,0 +1,279 @@
+"""``python -m mpidp.bench allreduce``: an nccl-tests-style all-reduce sweep of mpidp's
+algorithms against MPI_Allreduce and torch.distributed (gloo), out of place and in place."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+from .harness import (format_size, memory_ceiling, parse_size, rotation, stats, sweep,
+                      time_per_call)
+
+ALGORITHMS = ("auto", "shm", "ring", "hier", "mpi", "gloo")
+OURS = ("auto", "shm", "ring", "hier")
+DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
+          "int32": np.int32, "int64": np.int64, "bfloat16": None}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-b", "--minbytes", default="8", help="smallest size (default 8)")
+    p.add_argument("-e", "--maxbytes", default="64M", help="largest size (default 64M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier (default 4)")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=5, help="warm-up iterations (default 5)")
+    p.add_argument("-r", "--repeats", type=int, default=1,
+                   help="repeat each measurement and keep the median (default 1)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="default float32")
+    p.add_argument("--op", default="sum", choices=("sum", "avg", "min", "max"), help="default sum")
+    p.add_argument("--algorithms", default="auto,shm,ring,mpi,gloo",
+                   help=f"comma-separated, from {','.join(ALGORITHMS)} (default auto,shm,ring,mpi,gloo); "
+                        "mpi is MPI_Allreduce itself, gloo torch.distributed over loopback")
+    p.add_argument("--json", metavar="FILE", help="write every row and the ceiling as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size (needs matplotlib)")
+
+
+class _Gloo:
+    """torch.distributed on gloo over loopback: a reference column only."""
+
+    def __init__(self, comm):
+        import torch.distributed as dist
+        port = comm.bcast(_free_port() if comm.Get_rank() == 0 else None, root=0)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=comm.Get_rank(), world_size=comm.Get_size())
+        self.dist = dist
+
+    def allreduce_(self, tensor, op: str):
+        d = self.dist
+        red = {"sum": d.ReduceOp.SUM, "min": d.ReduceOp.MIN, "max": d.ReduceOp.MAX,
+               "avg": d.ReduceOp.SUM}[op]
+        d.all_reduce(tensor, op=red)
+        if op == "avg":
+            tensor /= d.get_world_size()
+
+    def close(self):
+        self.dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _make(dtype: str, count: int, fill):
+    """Host buffer of ``count`` elements (a torch tensor for bfloat16)."""
+    if dtype == "bfloat16":
+        import torch
+        return torch.from_numpy(np.asarray(fill(count), dtype=np.float32)).to(torch.bfloat16)
+    return np.asarray(fill(count), dtype=DTYPES[dtype])
+
+
+def _as_numpy(x):
+    return x.float().numpy() if not isinstance(x, np.ndarray) else x
+
+
+def _mpi_spec(x):
+    """What a user of mpi4py passes for ``x``: the array itself, or for 16-bit floats (no
+    portable MPI type) a uint16 view, reduced by mpidp's kernel as an MPI user op."""
+    from mpidp.algorithms import mpi_buffer
+    from mpidp.dtypes import F16, BF16, as_host_array
+    a = as_host_array(x)
+    return mpi_buffer(a.flat, a.dtype) if a.dtype in (F16, BF16) else a.flat
+
+
+def _runner(algo: str, comm, op: str, dtype: str, gloo):
+    """(out_of_place(i), in_place(i)) for one algorithm over rotated buffer set i; None where
+    the algorithm has no such mode."""
+    import mpidp
+    if algo in OURS:
+        return (lambda s, d, sm, dm: mpidp.allreduce(s, op=op, algorithm=algo),
+                lambda b, bm: mpidp.allreduce_(b, op=op, algorithm=algo))
+    if algo == "mpi":
+        from mpi4py import MPI
+        from mpidp.algorithms import mpi_op
+        from mpidp.dtypes import DTYPE_NAMES, OP_CODES
+        code = DTYPE_NAMES.index(dtype)
+        mop = mpi_op(code, OP_CODES[op][0])
+        n = comm.Get_size()
+
+        def finish(b):
+            if op == "avg":
+                b /= n
+        def oop(s, d, sm, dm):
+            comm.Allreduce(sm, dm, op=mop)
+            finish(d)
+        def ip(b, bm):
+            comm.Allreduce(MPI.IN_PLACE, bm, op=mop)
+            finish(b)
+        return oop, ip
+    if algo == "gloo":
+        import torch
+        def ip(b, bm):
+            gloo.allreduce_(b if isinstance(b, torch.Tensor) else torch.from_numpy(b), op)
+        return None, ip
+    raise ValueError(f"unknown algorithm {algo!r}; accepted: {', '.join(ALGORITHMS)}")
+
+
+def _expected(count: int, nranks: int, op: str, dtype: str):
+    """Inputs rank r uses for the #wrong check, and the exact reduction of all of them."""
+    base = np.arange(count, dtype=np.int64) % 13
+    inputs = [(base + r) % 13 - 6 for r in range(nranks)]
+    stack = np.stack(inputs) if count else np.zeros((nranks, 0))
+    exact = {"sum": stack.sum(0), "min": stack.min(0), "max": stack.max(0),
+             "avg": stack.sum(0) / nranks}[op]
+    return inputs, exact
+
+
+def _count_wrong(result, exact) -> int:
+    got = _as_numpy(result).astype(np.float64)
+    want = exact.astype(np.float64)
+    tol = 1e-2 if got.dtype != want.dtype else 0
+    return int(np.count_nonzero(np.abs(got - want) > tol * np.maximum(1, np.abs(want))))
+
+
+def measure(comm, args, gloo) -> list:
+    """Every (size, algorithm) row: out-of-place and in-place times across ranks, bandwidths,
+    and #wrong from a separate exact check."""
+    rank, n = comm.Get_rank(), comm.Get_size()
+    itemsize = 2 if args.dtype == "bfloat16" else np.dtype(DTYPES[args.dtype]).itemsize
+    sizes = sweep(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor, itemsize)
+    algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    for a in algos:
+        if a not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {a!r}; accepted: {', '.join(ALGORITHMS)}")
+    rows = []
+    progress = _progress(len(sizes) * len(algos), rank)
+    for nbytes in sizes:
+        count = nbytes // itemsize
+        sets = rotation(nbytes)
+        rng = np.random.default_rng(rank)
+        fill = lambda k: rng.integers(-4, 5, size=k)
+        srcs = [_make(args.dtype, count, fill) for _ in range(sets)]
+        dsts = [_make(args.dtype, count, fill) for _ in range(sets)]
+        smpi, dmpi = [_mpi_spec(x) for x in srcs], [_mpi_spec(x) for x in dsts]
+        inputs, exact = _expected(count, n, args.op, args.dtype)
+        for algo in algos:
+            oop, ip = _runner(algo, comm, args.op, args.dtype, gloo)
+            row = {"size": nbytes, "count": count, "type": args.dtype, "redop": args.op,
+                   "algorithm": algo, "nranks": n}
+            for mode, fn in (("out_of_place", oop), ("in_place", ip)):
+                if fn is None:
+                    row[mode] = None
+                    continue
+                call = (lambda i: fn(srcs[i % sets], dsts[i % sets], smpi[i % sets], dmpi[i % sets])) \
+                    if mode == "out_of_place" else (lambda i: fn(dsts[i % sets], dmpi[i % sets]))
+                reps = [time_per_call(comm, call, args.iters, args.warmup_iters)
+                        for _ in range(args.repeats)]
+                per_rank = np.median(np.stack(reps), axis=0)
+                t = stats(per_rank)
+                algbw = nbytes / t["avg"] / 1e9
+                row_wrong = comm.allreduce(_count_wrong(_check(fn, mode, args.dtype, inputs[rank]),
+                                                        exact))
+                row[mode] = {"time_us": {k: v * 1e6 for k, v in t.items()}, "algbw_GBps": algbw,
+                             "busbw_GBps": algbw * (2 * (n - 1) / n if n > 1 else 1.0),
+                             "wrong": row_wrong}
+            rows.append(row)
+            progress.update(1)
+    progress.close()
+    return rows
+
+
+def _check(fn, mode: str, dtype: str, values):
+    """Runs one call on known inputs and returns its result."""
+    src = _make(dtype, len(values), lambda k: values)
+    if mode == "in_place":
+        fn(src, _mpi_spec(src))
+        return src
+    dst = _make(dtype, len(values), lambda k: values)
+    result = fn(src, dst, _mpi_spec(src), _mpi_spec(dst))
+    return dst if result is None else result
+
+
+def _progress(total: int, rank: int):
+    from tqdm import tqdm
+    return tqdm(total=total, desc="allreduce sweep", disable=rank != 0 or not sys.stderr.isatty(),
+                leave=False)
+
+
+def table(rows: list, ceiling: dict, nranks: int) -> str:
+    """nccl-tests' columns, one line per (size, algorithm)."""
+    head = (f"{'size':>10} {'count':>10} {'type':>8} {'redop':>5} {'algorithm':>9} | "
+            f"{'out-of-place':^38} | {'in-place':^38}\n"
+            f"{'(B)':>10} {'(elements)':>10} {'':>8} {'':>5} {'':>9} | "
+            + f"{'time_us':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'of max':>6} | " * 2)
+    lines = [head.rstrip(" |")]
+    bound = ceiling["copy_GBps"]
+    for r in rows:
+        cells = []
+        for mode in ("out_of_place", "in_place"):
+            m = r[mode]
+            if m is None:
+                cells.append(f"{'n/a':>9} {'':>7} {'':>7} {'':>6} {'':>6}")
+            else:
+                cells.append(f"{m['time_us']['avg']:9.1f} {m['algbw_GBps']:7.2f} "
+                             f"{m['busbw_GBps']:7.2f} {m['wrong']:6d} "
+                             f"{m['algbw_GBps'] / bound:6.0%}")
+        lines.append(f"{r['size']:>10} {r['count']:>10} {r['type']:>8} {r['redop']:>5} "
+                     f"{r['algorithm']:>9} | " + " | ".join(cells))
+    busbw = bound * (2 * (nranks - 1) / nranks if nranks > 1 else 1)
+    lines.append(f"# ceiling: copy {ceiling['copy_GBps']:.2f} GB/s, add {ceiling['add_GBps']:.2f} "
+                 f"GB/s per rank with {nranks} ranks at once; all-reduce bound algbw "
+                 f"{bound:.2f} GB/s, busbw {busbw:.2f} GB/s ('of max' = algbw / bound)")
+    return "\n".join(lines)
+
+
+def plot(rows: list, ceiling: dict, nranks: int, path: str) -> None:
+    """busbw (in place) against size, one line per algorithm, the ceiling drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for algo in dict.fromkeys(r["algorithm"] for r in rows):
+        pts = [(r["size"], r["in_place"]["busbw_GBps"]) for r in rows
+               if r["algorithm"] == algo and r["in_place"]]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=algo)
+    factor = 2 * (nranks - 1) / nranks if nranks > 1 else 1
+    ax.axhline(ceiling["copy_GBps"] * factor, color="k", linestyle="--",
+               label=f"memory bound ({ceiling['copy_GBps'] * factor:.1f} GB/s)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("busbw, in place (GB/s)")
+    ax.set_title(f"all-reduce, {nranks} ranks, {rows[0]['type'] if rows else ''}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    import mpidp
+    g = mpidp.init()
+    comm = g.comm
+    rank, n = comm.Get_rank(), comm.Get_size()
+    algos = [a.strip() for a in args.algorithms.split(",")]
+    gloo = _Gloo(comm) if "gloo" in algos else None
+    ceiling = memory_ceiling(comm)
+    rows = measure(comm, args, gloo)
+    if gloo is not None:
+        gloo.close()
+    if rank == 0:
+        print(f"# mpidp allreduce benchmark: {n} ranks, {g.node_count} node(s), shm peers: "
+              f"{g.shm().mode_name if g.single_node else 'n/a'}, dtype {args.dtype}, op {args.op}, "
+              f"iters {args.iters}, warmup {args.warmup_iters}, repeats {args.repeats}")
+        print(table(rows, ceiling, n))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"nranks": n, "nodes": g.node_count, "ceiling": ceiling, "rows": rows,
+                           "argv": sys.argv}, f, indent=1)
+        if args.plot:
+            plot(rows, ceiling, n, args.plot)
+    wrong = sum((r[m] or {}).get("wrong", 0) for r in rows for m in ("out_of_place", "in_place"))
+    return 1 if wrong else 0

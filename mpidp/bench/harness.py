@@ -1,0 +1,77 @@
+"""Timing across ranks for mpidp's benchmarks: size sweeps with nccl-tests' flags, rotated
+buffers, per-rank times reduced to min/avg/max, and the machine's memory-bandwidth ceiling."""
+from __future__ import annotations
+
+import re
+import time
+from typing import Callable, List, Sequence
+
+import numpy as np
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
+          "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'8', '4K', '64M', '1G' (binary units, as nccl-tests) -> bytes."""
+    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"size {text!r}: expected a number with an optional K, M or G suffix")
+    return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def format_size(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return f"{nbytes}B" if nbytes < 1024 else f"{nbytes}"
+
+
+def sweep(minbytes: int, maxbytes: int, factor: int, itemsize: int) -> List[int]:
+    """Sizes from minbytes to maxbytes multiplying by factor, rounded down to whole elements
+    (at least one)."""
+    if minbytes <= 0 or maxbytes < minbytes or factor < 2:
+        raise ValueError(f"need 0 < -b ({minbytes}) <= -e ({maxbytes}) and -f ({factor}) >= 2")
+    sizes, s = [], minbytes
+    while s <= maxbytes:
+        sizes.append(max(itemsize, s // itemsize * itemsize))
+        s *= factor
+    return sizes
+
+
+def rotation(nbytes: int, budget_bytes: int = 64 << 20, cap: int = 64) -> int:
+    """How many buffer sets to rotate through so that small sizes do not run from cache."""
+    return max(1, min(cap, budget_bytes // max(nbytes, 1)))
+
+
+def time_per_call(comm, call: Callable[[int], None], iters: int, warmup: int) -> np.ndarray:
+    """Runs call(i) warmup + iters times between barriers; returns every rank's seconds per
+    call (an array of comm size, the same on every rank)."""
+    for i in range(warmup):
+        call(i)
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for i in range(iters):
+        call(i)
+    local = (time.perf_counter() - t0) / max(iters, 1)
+    return np.array(comm.allgather(local))
+
+
+def stats(values: Sequence[float]) -> dict:
+    v = np.asarray(values, dtype=float)
+    return {"min": float(v.min()), "avg": float(v.mean()), "max": float(v.max())}
+
+
+def memory_ceiling(comm, nbytes: int = 256 << 20, iters: int = 5) -> dict:
+    """Copy and add bandwidth (GB/s of bytes produced per rank) with every rank working at
+    once, as ranks share the memory bus. An all-reduce must read each input once and write
+    each output once — a copy's traffic — so the copy rate bounds its algbw."""
+    n = nbytes // 4
+    a = np.ones(n, np.float32)
+    b = np.ones(n, np.float32)
+    c = np.empty(n, np.float32)
+    copy_s = time_per_call(comm, lambda i: np.copyto(c, a), iters, 1)
+    add_s = time_per_call(comm, lambda i: np.add(a, b, out=c), iters, 1)
+    return {"bytes": nbytes,
+            "copy_GBps": nbytes / copy_s.max() / 1e9,
+            "add_GBps": nbytes / add_s.max() / 1e9}

@@ -1,0 +1,182 @@
+"""Collectives on host arrays (C-contiguous numpy arrays and CPU torch tensors):
+``allreduce``, ``allreduce_``, ``broadcast``, ``broadcast_``, ``allgather``, ``reduce_scatter``.
+
+Every function here is a synchronisation point: every rank of the group must call it, in the
+same order. Inputs are checked across ranks first (mpidp.handshake); bad input on any rank
+raises on every rank, and the runtime stays usable afterwards."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import algorithms, handshake, runtime
+from .dtypes import FLOATING, OP_CODES, OPS, as_host_array, empty_like, write_back
+from .handshake import ALLGATHER, ALLREDUCE, ALGORITHM_CODES, BROADCAST, REDUCE_SCATTER
+from .ring import partition
+
+
+def _op_codes(op: Any, dtype: int) -> tuple:
+    codes = OP_CODES.get(op) if isinstance(op, str) else None
+    if codes is None:
+        raise ValueError(f"unknown op {op!r}; accepted: {', '.join(OPS)}")
+    if codes[1] and dtype not in FLOATING:
+        raise ValueError("op 'avg' needs a floating dtype (float16, bfloat16, float32, "
+                         "float64); use 'sum' for integers and divide as you need")
+    return codes
+
+
+def allreduce(x: Any, op: str = "sum", algorithm: str = "auto"):
+    """Reduces ``x`` over every rank and returns the result as a new array or tensor of the
+    same type, shape and dtype; ``x`` is unchanged. ``op``: sum, avg, min, max.
+    ``algorithm``: auto, shm, ring, hier, mpi (see README). Every rank must call it."""
+    return _allreduce(x, op, algorithm, inplace=False)
+
+
+def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
+    """In-place ``allreduce``: ``x`` holds the result afterwards, and is returned."""
+    return _allreduce(x, op, algorithm, inplace=True)
+
+
+def _allreduce(x, op, algorithm, inplace):
+    g = runtime.group()
+    try:
+        a = as_host_array(x)
+        opc, avg = _op_codes(op, a.dtype)
+        algo = algorithms.choose(g, algorithm, a.flat.nbytes)
+    except (TypeError, ValueError) as exc:
+        if g.size > 1:
+            handshake.exchange(g, handshake.error_header(ALLREDUCE, exc), "allreduce", exc)
+        raise
+    src = a.flat
+    out, dst = (a.original, src) if inplace else empty_like(a)
+    divisor = g.size if avg else 1
+    if g.size == 1:
+        if dst is not src:
+            dst[...] = src
+    else:
+        hdr = (ALLREDUCE, ALGORITHM_CODES[algo], opc + 4 * avg, a.dtype, len(src),
+               hash(a.shape), 0, 0)
+        if algo == "shm":
+            status, info = algorithms.shm(g, src, dst, a.dtype, opc, divisor, hdr)
+            if status:
+                raise handshake.mismatch_error("allreduce", info, g.rank)
+        else:
+            handshake.exchange(g, hdr, "allreduce")
+            if algo == "mpi":
+                algorithms.mpi_allreduce(g, src, dst, a.dtype, opc, divisor)
+            elif algo == "ring":
+                algorithms.ring(g, src, dst, a.dtype, opc, divisor)
+            else:
+                algorithms.hier(g, src, dst, a.dtype, opc, divisor, hdr)
+    if inplace:
+        write_back(a)
+    return out
+
+
+def broadcast(x: Any, root: int = 0):
+    """Returns a new array or tensor holding root's ``x`` on every rank; ``x`` is unchanged.
+    Every rank passes an ``x`` of the same shape and dtype."""
+    return _broadcast(x, root, inplace=False)
+
+
+def broadcast_(x: Any, root: int = 0):
+    """In-place ``broadcast``: every rank's ``x`` holds root's values afterwards."""
+    return _broadcast(x, root, inplace=True)
+
+
+def _broadcast(x, root, inplace):
+    g = runtime.group()
+    try:
+        a = as_host_array(x)
+        if not isinstance(root, (int, np.integer)) or isinstance(root, bool) \
+                or not 0 <= root < g.size:
+            raise ValueError(f"root {root!r} is not a rank of this group (0..{g.size - 1})")
+    except (TypeError, ValueError) as exc:
+        if g.size > 1:
+            handshake.exchange(g, handshake.error_header(BROADCAST, exc), "broadcast", exc)
+        raise
+    out, flat = (a.original, a.flat) if inplace else empty_like(a)
+    if not inplace:
+        flat[...] = a.flat
+    if g.size > 1:
+        handshake.exchange(g, handshake.header(BROADCAST, 0, int(root), a.dtype, len(a.flat),
+                                               a.shape), "broadcast")
+        g.comm.Bcast(flat.view(np.uint8), root=int(root))
+    if inplace:
+        write_back(a)
+    return out
+
+
+def allgather(x: Any):
+    """Concatenates every rank's ``x`` along dimension 0, in rank order, into a new array or
+    tensor. The first dimension may differ between ranks; the others and the dtype may not."""
+    g = runtime.group()
+    try:
+        a = as_host_array(x)
+        if len(a.shape) == 0:
+            raise ValueError("allgather needs at least one dimension (it concatenates along 0)")
+    except (TypeError, ValueError) as exc:
+        if g.size > 1:
+            handshake.exchange(g, handshake.error_header(ALLGATHER, exc), "allgather", exc)
+        raise
+    row = int(np.prod(a.shape[1:], dtype=np.int64))
+    if g.size == 1:
+        rows = [a.shape[0]]
+    else:
+        hdr = handshake.header(ALLGATHER, 0, 0, a.dtype, row, a.shape[1:], free=a.shape[0])
+        rows = [int(r) for r in handshake.exchange(g, hdr, "allgather")]
+    out, flat = empty_like(a, (sum(rows),) + tuple(a.shape[1:]))
+    itemsize = a.flat.itemsize
+    counts = [r * row * itemsize for r in rows]
+    displs = [sum(counts[:i]) for i in range(len(counts))]
+    if g.size == 1:
+        flat[...] = a.flat
+    else:
+        g.comm.Allgatherv(a.flat.view(np.uint8), [flat.view(np.uint8), counts, displs])
+    return out
+
+
+def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto"):
+    """Reduces ``x`` over every rank and returns this rank's block along dimension 0, the
+    blocks split as ``numpy.array_split`` splits. ``algorithm``: auto or ring (our ring's
+    reduce-scatter phase) or mpi (MPI_Reduce_scatter). ``x`` is unchanged."""
+    g = runtime.group()
+    try:
+        a = as_host_array(x)
+        if len(a.shape) == 0:
+            raise ValueError("reduce_scatter needs at least one dimension (it splits along 0)")
+        opc, avg = _op_codes(op, a.dtype)
+        if algorithm not in ("auto", "ring", "mpi"):
+            raise ValueError(f"unknown reduce_scatter algorithm {algorithm!r}; accepted: "
+                             "auto, ring, mpi")
+    except (TypeError, ValueError) as exc:
+        if g.size > 1:
+            handshake.exchange(g, handshake.error_header(REDUCE_SCATTER, exc), "reduce_scatter",
+                               exc)
+        raise
+    algo = "ring" if algorithm == "auto" else algorithm
+    row = int(np.prod(a.shape[1:], dtype=np.int64))
+    chunks = partition(len(a.flat), g.size, unit=max(row, 1)) if row else \
+        tuple((0, 0) for _ in range(g.size))
+    offset, count = chunks[g.rank]
+    rows = np.array_split(np.empty(a.shape[0]), g.size)[g.rank].shape[0]
+    out, flat = empty_like(a, (rows,) + tuple(a.shape[1:]))
+    if g.size == 1:
+        flat[...] = a.flat
+        return out
+    hdr = handshake.header(REDUCE_SCATTER, ALGORITHM_CODES[algo], opc + 4 * avg, a.dtype,
+                           len(a.flat), a.shape)
+    handshake.exchange(g, hdr, "reduce_scatter")
+    if algo == "ring":
+        work = a.flat.copy()
+        algorithms.ring_reduce_scatter(g, work, a.dtype, opc, chunks)
+        flat[...] = work[offset:offset + count]
+    else:
+        g.comm.Reduce_scatter(algorithms.mpi_buffer(a.flat, a.dtype),
+                              algorithms.mpi_buffer(flat, a.dtype),
+                              [c for _, c in chunks], op=algorithms.mpi_op(a.dtype, opc))
+    if avg and count:
+        from . import host_kernels
+        host_kernels.divide(flat, a.dtype, g.size)
+    return out

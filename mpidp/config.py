@@ -1,0 +1,97 @@
+"""The one reader of ``MPIDP_*`` environment variables: every tunable and its default."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping
+
+ALGORITHMS = ("auto", "shm", "ring", "hier", "mpi")
+SHM_PEER_MODES = ("auto", "cma", "window")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Settings read once from the environment (see README, "Configuration")."""
+
+    algorithm: str = "auto"            # MPIDP_ALGORITHM: default for algorithm="auto"
+    ring_piece_bytes: int = 1 << 20    # MPIDP_RING_PIECE_BYTES: pipelining unit of the ring
+    shm_chunk_bytes: int = 256 << 10   # MPIDP_SHM_CHUNK_BYTES: cache-resident unit of shm
+    shm_inline_bytes: int = 4096       # MPIDP_SHM_INLINE_BYTES: carried in the control block
+    shm_peers: str = "auto"            # MPIDP_SHM_PEERS: auto | cma | window
+    hier_min_bytes: int = 64 << 10     # MPIDP_HIER_MIN_BYTES: below it, auto uses mpi across nodes
+    emulate_node_size: int = 0         # MPIDP_EMULATE_NODE_SIZE: k > 0 treats k ranks as a node
+    timeout_s: float = 300.0           # MPIDP_TIMEOUT_S: a shm wait longer than this fails
+    abort_on_exception: bool = True    # MPIDP_ABORT_ON_EXCEPTION: abort the job on any rank's error
+    require_extension: bool = False    # MPIDP_REQUIRE_EXTENSION (default: on when CI is set)
+
+
+def _parse_bool(name: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{name}={text!r}: expected one of 1, 0, true, false, yes, no, on, off")
+
+
+def _parse_int(name: str, text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected an integer") from None
+    if value < minimum:
+        raise ValueError(f"{name}={text!r}: must be >= {minimum}")
+    return value
+
+
+def _parse_choice(name: str, text: str, choices: tuple[str, ...]) -> str:
+    if text not in choices:
+        raise ValueError(f"{name}={text!r}: expected one of {', '.join(choices)}")
+    return text
+
+
+def from_env(env: Mapping[str, str] | None = None) -> Config:
+    """Builds a Config from ``env`` (default ``os.environ``); bad values raise ValueError."""
+    env = os.environ if env is None else env
+    kw: dict = {}
+    get = env.get
+    if (v := get("MPIDP_ALGORITHM")) is not None:
+        kw["algorithm"] = _parse_choice("MPIDP_ALGORITHM", v, ALGORITHMS)
+    if (v := get("MPIDP_RING_PIECE_BYTES")) is not None:
+        kw["ring_piece_bytes"] = _parse_int("MPIDP_RING_PIECE_BYTES", v, 64)
+    if (v := get("MPIDP_SHM_CHUNK_BYTES")) is not None:
+        kw["shm_chunk_bytes"] = _parse_int("MPIDP_SHM_CHUNK_BYTES", v, 64)
+    if (v := get("MPIDP_SHM_INLINE_BYTES")) is not None:
+        kw["shm_inline_bytes"] = _parse_int("MPIDP_SHM_INLINE_BYTES", v, 0)
+    if (v := get("MPIDP_SHM_PEERS")) is not None:
+        kw["shm_peers"] = _parse_choice("MPIDP_SHM_PEERS", v, SHM_PEER_MODES)
+    if (v := get("MPIDP_HIER_MIN_BYTES")) is not None:
+        kw["hier_min_bytes"] = _parse_int("MPIDP_HIER_MIN_BYTES", v, 0)
+    if (v := get("MPIDP_EMULATE_NODE_SIZE")) is not None:
+        kw["emulate_node_size"] = _parse_int("MPIDP_EMULATE_NODE_SIZE", v, 0)
+    if (v := get("MPIDP_TIMEOUT_S")) is not None:
+        try:
+            kw["timeout_s"] = float(v)
+        except ValueError:
+            raise ValueError(f"MPIDP_TIMEOUT_S={v!r}: expected seconds") from None
+        if not kw["timeout_s"] > 0:
+            raise ValueError(f"MPIDP_TIMEOUT_S={v!r}: must be > 0")
+    if (v := get("MPIDP_ABORT_ON_EXCEPTION")) is not None:
+        kw["abort_on_exception"] = _parse_bool("MPIDP_ABORT_ON_EXCEPTION", v)
+    v = get("MPIDP_REQUIRE_EXTENSION")
+    if v is not None:
+        kw["require_extension"] = _parse_bool("MPIDP_REQUIRE_EXTENSION", v)
+    else:
+        kw["require_extension"] = bool(get("CI"))
+    return Config(**kw)
+
+
+_current: Config | None = None
+
+
+def get() -> Config:
+    """The process-wide Config, read from the environment on first use."""
+    global _current
+    if _current is None:
+        _current = from_env()
+    return _current

@@ -1,0 +1,26 @@
+"""Exceptions mpidp raises: communication failures, cross-rank mismatches, missing backends."""
+from __future__ import annotations
+
+
+class MpidpError(RuntimeError):
+    """Base of mpidp's own runtime errors."""
+
+
+class NotInitializedError(MpidpError):
+    """A collective was called before ``mpidp.init()``."""
+
+
+class CommunicationError(MpidpError):
+    """A collective failed: names the rank, the operation and the cause."""
+
+    def __init__(self, rank: int, operation: str, cause: str):
+        self.rank, self.operation, self.cause = rank, operation, cause
+        super().__init__(f"rank {rank}: {operation} failed: {cause}")
+
+
+class MismatchError(MpidpError, ValueError):
+    """Ranks called a collective with inputs that do not agree; raised on every rank."""
+
+
+class BackendUnavailableError(ImportError):
+    """An optional backend (the C extension, CuPy, NCCL) is missing; says how to install it."""

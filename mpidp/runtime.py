@@ -1,0 +1,178 @@
+"""The process group mpidp runs on: ``init``, rank and node topology, and the abort of the
+whole job when any rank dies of an uncaught exception."""
+from __future__ import annotations
+
+import atexit
+import socket
+import sys
+import threading
+import traceback
+import warnings
+from typing import Any, Optional
+
+from . import config, launcher
+from .errors import NotInitializedError
+
+
+class Group:
+    """A communicator with its node topology and the per-communicator state collectives need.
+
+    ``node_comm`` holds the ranks of this node (or of an emulated node), ``leader_comm`` the
+    local rank 0 of every node (None on other ranks)."""
+
+    def __init__(self, comm: Any, emulate_node_size: int = 0):
+        from mpi4py import MPI
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        if emulate_node_size > 0:
+            self.node_comm = comm.Split(self.rank // emulate_node_size, self.rank)
+        else:
+            self.node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, self.rank)
+        self.local_rank, self.local_size = self.node_comm.Get_rank(), self.node_comm.Get_size()
+        is_leader = self.local_rank == 0
+        leaders = comm.Split(0 if is_leader else MPI.UNDEFINED, self.rank)
+        self.leader_comm = leaders if is_leader else None
+        self.node_count = comm.allreduce(1 if is_leader else 0)
+        self.node_index = leaders.Get_rank() if is_leader else -1
+        self.node_index = self.node_comm.bcast(self.node_index, root=0)
+        # Note [Auto choice] in mpidp/algorithms.py: one node means shm at every size
+        self.auto_is_shm = self.node_count == 1 and config.get().algorithm == "auto"
+        self._shm = None   # mpidp.shm.ShmContext of node_comm, made on first use
+        self.seq = 0       # collectives called on this group (the same on every rank)
+
+    @property
+    def single_node(self) -> bool:
+        return self.node_count == 1
+
+    def shm(self):
+        """The shared-memory context of this node's ranks (collective on first use)."""
+        if self._shm is None:
+            from .shm import ShmContext
+            self._shm = ShmContext(self.node_comm)
+        return self._shm
+
+    def free(self) -> None:
+        if self._shm is not None:
+            self._shm.free()
+            self._shm = None
+        for c in (self.node_comm, self.leader_comm):
+            if c is not None:
+                c.Free()
+        self.node_comm = self.leader_comm = None
+
+
+_group: Optional[Group] = None
+_lock = threading.Lock()
+
+
+def init(comm: Any = None) -> Group:
+    """Starts MPI (thread level MULTIPLE) and builds mpidp's group on ``comm`` (default
+    COMM_WORLD; a sub-communicator combines data parallelism with the user's own model
+    parallelism). Idempotent: later calls return the same group; a different ``comm`` after
+    the first is a ValueError. Every rank of ``comm`` must call it."""
+    global _group
+    with _lock:
+        from mpi4py import MPI
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise TypeError(f"comm must be an mpi4py Intracomm, got {comm!r}")
+        if _group is not None:
+            if MPI.Comm.Compare(_group._user_comm, comm) not in (MPI.IDENT, MPI.CONGRUENT):
+                raise ValueError("mpidp.init() was already called with another communicator")
+            return _group
+        cfg = config.get()
+        group = Group(comm.Dup(), cfg.emulate_node_size)
+        group._user_comm = comm
+        if cfg.abort_on_exception:
+            _install_abort_hooks(group)
+        if comm == MPI.COMM_WORLD and cfg.emulate_node_size == 0:
+            for problem in launcher.disagreements(launcher.launcher_view(), group.rank,
+                                                  group.size, group.local_rank, group.local_size):
+                warnings.warn(f"mpidp: rank {group.rank}: {problem}", RuntimeWarning, stacklevel=2)
+        _group = group
+        atexit.register(shutdown)
+        return group
+
+
+def shutdown() -> None:
+    """Frees mpidp's communicators and windows (also at exit, before MPI finalises)."""
+    global _group
+    with _lock:
+        if _group is not None:
+            from mpi4py import MPI
+            if not MPI.Is_finalized():
+                _group.free()
+                _group.comm.Free()
+            _group = None
+
+
+def group() -> Group:
+    """The group made by ``init``; NotInitializedError before it."""
+    g = _group
+    if g is None:
+        raise NotInitializedError("call mpidp.init() on every rank before using mpidp")
+    return g
+
+
+def is_initialized() -> bool:
+    return _group is not None
+
+
+def rank() -> int:
+    """This process's rank in the group."""
+    return group().rank
+
+
+def size() -> int:
+    """Number of ranks in the group."""
+    return group().size
+
+
+def local_rank() -> int:
+    """Rank among the group's ranks on this node (COMM_TYPE_SHARED split)."""
+    return group().local_rank
+
+
+def local_size() -> int:
+    """Number of the group's ranks on this node."""
+    return group().local_size
+
+
+def node_count() -> int:
+    """Number of nodes the group spans."""
+    return group().node_count
+
+
+def _abort_message(g: Group, kind: str, exc: BaseException) -> str:
+    return (f"mpidp: rank {g.rank} of {g.size} on {socket.gethostname()}: uncaught "
+            f"{kind}{type(exc).__name__}: {exc}; aborting the job\n")
+
+
+def _install_abort_hooks(g: Group) -> None:
+    """One rank's uncaught exception aborts every rank (as ``python -m mpi4py`` does)."""
+    from mpi4py import MPI
+
+    def abort(kind: str, exc_type, exc, tb) -> None:
+        try:
+            sys.stderr.write("".join(traceback.format_exception(exc_type, exc, tb)))
+            sys.stderr.write(_abort_message(g, kind, exc))
+            sys.stderr.flush()
+        finally:
+            MPI.COMM_WORLD.Abort(1)
+
+    previous = sys.excepthook
+
+    def excepthook(exc_type, exc, tb):
+        if issubclass(exc_type, (KeyboardInterrupt, SystemExit)) or MPI.COMM_WORLD.Get_size() == 1:
+            return previous(exc_type, exc, tb)
+        abort("", exc_type, exc, tb)
+
+    def thread_hook(args):
+        if args.exc_type is SystemExit:
+            return
+        abort(f"in thread {args.thread.name if args.thread else '?'}: ", args.exc_type,
+              args.exc_value, args.exc_traceback)
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_hook
