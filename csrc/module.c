@@ -116,7 +116,7 @@ static PyObject *py_shm_run(PyObject *self, PyObject *args) {
         if (header[i] == -1 && PyErr_Occurred()) return NULL;
     }
     char *segs[SHM_MAX_RANKS];
-    if (peers == SHM_PEERS_WINDOW) {
+    if (peers == SHM_PEERS_WINDOW && data == SHM_DATA_SLICED) {
         if (!PyTuple_Check(segments_obj) || PyTuple_GET_SIZE(segments_obj) != nranks) {
             PyErr_SetString(PyExc_TypeError, "window mode needs one segment address per rank");
             return NULL;

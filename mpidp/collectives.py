@@ -133,7 +133,7 @@ def allgather(x: Any):
     if g.size == 1:
         flat[...] = a.flat
     else:
-        g.comm.Allgatherv(a.flat.view(np.uint8), [flat.view(np.uint8), counts, displs])
+        g.comm.Allgatherv(a.flat.view(np.uint8), [flat.view(np.uint8), (counts, displs)])
     return out
 
 

@@ -1,0 +1,45 @@
+"""The benchmark: its pure helpers, and one small real sweep under mpiexec (not timed)."""
+import json
+
+import pytest
+
+from mpidp.bench.harness import format_size, parse_size, rotation, sweep
+from mpirun import run
+
+
+def test_sizes():
+    assert parse_size("8") == 8 and parse_size("4K") == 4096 and parse_size("64M") == 64 << 20
+    assert format_size(256 << 20) == "256M"
+    with pytest.raises(ValueError, match="suffix"):
+        parse_size("12Q")
+    assert sweep(8, 64, 2, 4) == [8, 16, 32, 64]
+    assert sweep(1, 8, 4, 4) == [4, 4]  # rounded up to one whole element
+    with pytest.raises(ValueError):
+        sweep(64, 8, 2, 4)
+    assert rotation(8) == 64 and rotation(256 << 20) == 1
+
+
+def test_allreduce_sweep_runs_and_counts_no_wrong(tmp_path):
+    out = tmp_path / "r.json"
+    plot = tmp_path / "r.png"
+    proc = run(2, ["-m", "mpidp.bench", "allreduce", "-b", "8", "-e", "64K", "-f", "64",
+                   "-n", "3", "-w", "1", "--algorithms", "auto,shm,ring,hier,mpi,gloo",
+                   "--json", out, "--plot", plot], timeout_s=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert {r["algorithm"] for r in rows} == {"auto", "shm", "ring", "hier", "mpi", "gloo"}
+    assert {r["size"] for r in rows} == {8, 512, 32768}
+    for r in rows:
+        for mode in ("out_of_place", "in_place"):
+            if r[mode] is not None:
+                assert r[mode]["wrong"] == 0 and r[mode]["time_us"]["avg"] > 0
+    assert data["ceiling"]["copy_GBps"] > 0
+    assert plot.stat().st_size > 1000
+    assert "busbw" in proc.stdout and "#wrong" in proc.stdout
+
+
+def test_bench_help_lists_nccl_tests_flags():
+    proc = run(1, ["-m", "mpidp.bench", "allreduce", "--help"], timeout_s=60)
+    for flag in ("-b", "-e", "-f", "-n", "-w", "--dtype", "--op", "--algorithms", "--json", "--plot"):
+        assert flag in proc.stdout

@@ -1,0 +1,64 @@
+"""Tier 1: configuration parsing, the launcher cross-check, and import side effects."""
+import subprocess
+import sys
+
+import pytest
+
+from mpidp import config, launcher
+
+
+def test_defaults_and_overrides():
+    c = config.from_env({})
+    assert c.algorithm == "auto" and c.shm_peers == "auto" and not c.require_extension
+    c = config.from_env({"MPIDP_ALGORITHM": "ring", "MPIDP_RING_PIECE_BYTES": "4096",
+                         "MPIDP_SHM_PEERS": "window", "MPIDP_TIMEOUT_S": "2.5", "CI": "true"})
+    assert (c.algorithm, c.ring_piece_bytes, c.shm_peers, c.timeout_s) == ("ring", 4096, "window", 2.5)
+    assert c.require_extension
+    assert not config.from_env({"CI": "1", "MPIDP_REQUIRE_EXTENSION": "0"}).require_extension
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"MPIDP_ALGORITHM": "tree"}, "MPIDP_ALGORITHM='tree': expected one of auto, shm"),
+    ({"MPIDP_RING_PIECE_BYTES": "big"}, "expected an integer"),
+    ({"MPIDP_SHM_CHUNK_BYTES": "8"}, ">= 64"),
+    ({"MPIDP_TIMEOUT_S": "-1"}, "must be > 0"),
+    ({"MPIDP_ABORT_ON_EXCEPTION": "maybe"}, "expected one of 1, 0"),
+])
+def test_bad_values_name_the_variable(env, match):
+    with pytest.raises(ValueError, match=match):
+        config.from_env(env)
+
+
+def test_launcher_views():
+    assert launcher.launcher_view({}) is None
+    v = launcher.launcher_view({"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1",
+                                "MPI_LOCALNRANKS": "2"})
+    assert v == launcher.LauncherView("MPICH/Hydra", 1, 4, 1, 2)
+    v = launcher.launcher_view({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+                                "SLURM_PROCID": "5", "SLURM_NTASKS": "8"})
+    assert v.launcher == "Open MPI"
+    assert launcher.launcher_view({"SLURM_PROCID": "3", "SLURM_NTASKS": "4",
+                                   "SLURM_LOCALID": "1"}).local_rank == 1
+
+
+def test_disagreements_name_singletons():
+    v = launcher.LauncherView("Slurm", 3, 4, 1, None)
+    problems = launcher.disagreements(v, rank=0, size=1, local_rank=0, local_size=1)
+    assert any("singletons" in p for p in problems)
+    assert launcher.disagreements(v, rank=3, size=4, local_rank=1, local_size=2) == []
+    assert launcher.disagreements(None, 0, 1, 0, 1) == []
+
+
+def test_import_starts_neither_mpi_nor_torch_nor_cuda():
+    code = ("import sys, mpidp; mpidp.__dir__(); "
+            "bad = [m for m in ('mpi4py.MPI', 'torch', 'cupy') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_collective_before_init_is_a_clear_error():
+    code = ("import mpidp, numpy as np\n"
+            "try:\n    mpidp.allreduce(np.ones(2))\nexcept mpidp.NotInitializedError as e:\n"
+            "    assert 'mpidp.init()' in str(e); print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr

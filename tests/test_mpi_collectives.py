@@ -1,0 +1,27 @@
+"""Tier 2: the collectives under real MPI at n = 1, 2, 3 (4 oversubscribed as a smoke), in
+every peer mode and with emulated nodes for the hierarchical algorithm."""
+import pytest
+
+from mpirun import assert_ok, body
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_collectives(n):
+    assert_ok(body(n, "body_collectives.py"), n)
+
+
+def test_collectives_through_staging_window():
+    """Where cross-memory attach is not allowed, shm stages through a shared window."""
+    assert_ok(body(3, "body_collectives.py", env={"MPIDP_SHM_PEERS": "window"}), 3)
+
+
+@pytest.mark.parametrize("n,node_size", [(2, 1), (3, 1)])
+def test_collectives_across_emulated_nodes(n, node_size):
+    """Each rank its own 'node': the MPI handshake, hier's leader ring and auto's choice."""
+    assert_ok(body(n, "body_collectives.py", env={"MPIDP_EMULATE_NODE_SIZE": str(node_size)}), n)
+
+
+def test_four_ranks_two_emulated_nodes_smoke():
+    env = {"MPIDP_EMULATE_NODE_SIZE": "2", "BODY_BIG_COUNT": "100000",
+           "BODY_ALGORITHMS": "auto,shm,hier,ring"}
+    assert_ok(body(4, "body_collectives.py", env=env, timeout_s=400), 4)
