@@ -160,7 +160,7 @@ def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto"):
     chunks = partition(len(a.flat), g.size, unit=max(row, 1)) if row else \
         tuple((0, 0) for _ in range(g.size))
     offset, count = chunks[g.rank]
-    rows = np.array_split(np.empty(a.shape[0]), g.size)[g.rank].shape[0]
+    rows = partition(a.shape[0], g.size)[g.rank][1]
     out, flat = empty_like(a, (rows,) + tuple(a.shape[1:]))
     if g.size == 1:
         flat[...] = a.flat

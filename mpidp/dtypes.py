@@ -116,6 +116,3 @@ def write_back(a: HostArray) -> None:
     else:
         np.copyto(a.original, a.flat.reshape(a.shape))
 
-
-def describe(dtype: int, count: int) -> str:
-    return f"{DTYPE_NAMES[dtype]}[{count}]"

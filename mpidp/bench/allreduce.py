@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import sys
 
 import numpy as np
 
-from .harness import (format_size, memory_ceiling, parse_size, rotation, stats, sweep,
+from .harness import (memory_ceiling, parse_size, rotation, stats, sweep,
                       time_per_call)
 
 ALGORITHMS = ("auto", "shm", "ring", "hier", "mpi", "gloo")
