@@ -91,21 +91,28 @@ static int wait_all(const shm_call *c, int second, shm_result *r) {
     return 0;
 }
 
+/* Moves n bytes between `local` and process `pid`'s address `remote` with cross-memory
+ * attach, looping over partial transfers. Returns 0 or an errno. */
+static int cma_transfer(pid_t pid, void *local, uint64_t remote, size_t n, int write) {
+    size_t done = 0;
+    while (done < n) {
+        struct iovec l = {(char *)local + done, n - done};
+        struct iovec rv = {(void *)(uintptr_t)(remote + done), n - done};
+        ssize_t got = write ? process_vm_writev(pid, &l, 1, &rv, 1, 0)
+                            : process_vm_readv(pid, &l, 1, &rv, 1, 0);
+        if (got <= 0) return got < 0 ? errno : EIO;
+        done += (size_t)got;
+    }
+    return 0;
+}
+
 static int peer_read(const shm_call *c, int q, void *local, size_t offset, size_t n) {
     const record_t *rec = &slot_of(c, q)->record[c->seq & 1];
     if (c->peers == SHM_PEERS_WINDOW) {
         memcpy(local, c->segments[q] + offset, n);
         return 0;
     }
-    size_t done = 0;
-    while (done < n) {
-        struct iovec l = {(char *)local + done, n - done};
-        struct iovec rv = {(void *)(uintptr_t)(rec->in_addr + offset + done), n - done};
-        ssize_t got = process_vm_readv((pid_t)rec->pid, &l, 1, &rv, 1, 0);
-        if (got <= 0) return got < 0 ? errno : EIO;
-        done += (size_t)got;
-    }
-    return 0;
+    return cma_transfer((pid_t)rec->pid, local, (uint64_t)rec->in_addr + offset, n, 0);
 }
 
 static int peer_write(const shm_call *c, int q, size_t offset, const void *local, size_t n) {
@@ -114,15 +121,7 @@ static int peer_write(const shm_call *c, int q, size_t offset, const void *local
         memcpy(c->segments[q] + offset, local, n);
         return 0;
     }
-    size_t done = 0;
-    while (done < n) {
-        struct iovec l = {(char *)local + done, n - done};
-        struct iovec rv = {(void *)(uintptr_t)(rec->out_addr + offset + done), n - done};
-        ssize_t got = process_vm_writev((pid_t)rec->pid, &l, 1, &rv, 1, 0);
-        if (got <= 0) return got < 0 ? errno : EIO;
-        done += (size_t)got;
-    }
-    return 0;
+    return cma_transfer((pid_t)rec->pid, (void *)local, (uint64_t)rec->out_addr + offset, n, 1);
 }
 
 /* Reduces slice [slice_lo, slice_hi) of every rank's input into every rank's output,
