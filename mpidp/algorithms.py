@@ -11,8 +11,7 @@ import numpy as np
 from . import config, host_kernels
 from .dtypes import BF16, F16, OP_MAX, OP_MIN, OP_SUM
 from .errors import CommunicationError
-from .shm import DATA_INLINE
-from .ring import partition, reduce_scatter_phase, ring_allreduce
+from .ring import reduce_scatter_phase, ring_allreduce
 from .transports import MPITransport
 
 
@@ -87,11 +86,10 @@ def mpi_allreduce(g, src, dst, dtype, op, divisor):
 # ---- ring over MPI point-to-point ----------------------------------------------------------
 
 def _transport(g, comm):
-    cache = g.__dict__.setdefault("_transports", {})
     key = id(comm)
-    if key not in cache:
-        cache[key] = MPITransport(comm)
-    return cache[key]
+    if key not in g.transports:
+        g.transports[key] = MPITransport(comm)
+    return g.transports[key]
 
 
 def _scratch(dst, piece_count):
@@ -117,13 +115,10 @@ def ring_reduce_scatter(g, work, dtype, op, chunks):
 
 # ---- shared memory --------------------------------------------------------------------------
 
-def shm(g, src, dst, dtype, op, divisor, hdr, ctx=None):
-    """Runs the shm protocol (handshake and data in one call); returns (status, info)."""
-    ctx = g.shm() if ctx is None else ctx
-    if src.nbytes <= ctx.inline_bytes:
-        return ctx.run(hdr, DATA_INLINE, src, dst, dtype, op, divisor)
-    lo, count = partition(len(src), ctx.size)[ctx.rank]
-    return ctx.allreduce(hdr, src, dst, dtype, op, divisor, (lo, lo + count))
+def shm(g, src, dst, dtype, op, divisor, hdr):
+    """Runs the shm protocol on this node (handshake and data in one call); returns
+    (status, info)."""
+    return g.shm().allreduce(hdr, src, dst, dtype, op, divisor)
 
 
 def hier(g, src, dst, dtype, op, divisor, hdr):

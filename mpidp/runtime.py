@@ -38,7 +38,7 @@ class Group:
         # Note [Auto choice] in mpidp/algorithms.py: one node means shm at every size
         self.auto_is_shm = self.node_count == 1 and config.get().algorithm == "auto"
         self._shm = None   # mpidp.shm.ShmContext of node_comm, made on first use
-        self.seq = 0       # collectives called on this group (the same on every rank)
+        self.transports = {}  # id(communicator) -> the ring's MPITransport on it
 
     @property
     def single_node(self) -> bool:

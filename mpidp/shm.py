@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional, Sequence
+from typing import Optional
 
 from . import config
 from .errors import CommunicationError
 from .host_kernels import extension
+from .ring import partition
 
 SHM_OK, SHM_MISMATCH, SHM_TIMEOUT, SHM_PEER_ERROR = range(4)
 PEERS_CMA, PEERS_WINDOW = range(2)
@@ -108,11 +109,10 @@ class ShmContext:
         else every rank's free word."""
         return self.run(header, DATA_NONE, None, None, 2, 0, 1, operation=operation)
 
-    def allreduce(self, header: tuple, src, dst, dtype: int, op: int, divisor: int,
-                  slice_bounds: Sequence[int]) -> tuple:
-        """Reduces ``src`` of every local rank into ``dst`` (may be ``src``) in one protocol
-        call, inline below ``inline_bytes`` and sliced above. Returns (status, info) so the
-        caller can report a mismatch found in the same call."""
+    def allreduce(self, header: tuple, src, dst, dtype: int, op: int, divisor: int) -> tuple:
+        """Reduces the flat buffer ``src`` of every local rank into ``dst`` (may be ``src``):
+        inline up to ``inline_bytes``, else this rank reduces its ``partition`` slice for all.
+        Returns (status, info) so the caller can report a mismatch found in the same call."""
         nbytes = src.nbytes
         if nbytes <= self.inline_bytes:
             return self.run(header, DATA_INLINE, src, dst, dtype, op, divisor)
@@ -121,8 +121,8 @@ class ShmContext:
             if status != SHM_OK:
                 return status, info
             self.ensure_segments(nbytes)
-        lo, hi = slice_bounds
-        return self.run(header, DATA_SLICED, src, dst, dtype, op, divisor, lo, hi)
+        lo, count = partition(len(src), self.size)[self.rank]
+        return self.run(header, DATA_SLICED, src, dst, dtype, op, divisor, lo, lo + count)
 
     def free(self) -> None:
         for w in (self._seg_win, self._ctrl_win):
