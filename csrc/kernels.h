@@ -13,7 +13,10 @@ enum { OP_SUM = 0, OP_MIN = 1, OP_MAX = 2, OP_COUNT = 3 };
 size_t mp_itemsize(int dtype);
 /* dst[i] = a[i] op b[i]; dst may alias a or b. Returns -1 on a bad code. */
 int mp_reduce2(void *dst, const void *a, const void *b, size_t count, int dtype, int op);
-/* buf[i] = buf[i] / divisor for floating dtypes. Returns -1 on an integer or bad dtype. */
+/* dst[i] = src[i] / divisor for floating dtypes (dst may alias src; float16 and bfloat16
+ * through float32, rounded to nearest even). Returns -1 on an integer or bad dtype. */
+int mp_divide_into(void *dst, const void *src, size_t count, int dtype, long divisor);
+/* mp_divide_into(buf, buf, ...). */
 int mp_divide(void *buf, size_t count, int dtype, long divisor);
 
 #endif

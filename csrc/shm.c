@@ -16,7 +16,11 @@
  * rank's output. Only rank r touches slice r of any buffer, so in-place calls are safe, and
  * each input byte is read once and each output byte written once on the whole node.
  * Peers are reached by cross-memory attach (process_vm_readv/writev) or, where the kernel
- * forbids it, through staging segments in a shared window. A second barrier (arrive2)
+ * forbids it, through staging segments in a shared window.
+ * A rank may also hand in its data as a list of segments (many tensors, reduced in place
+ * without packing them into one buffer: Note [Zero-copy buckets] in mpidp/fusion.py); its
+ * record then carries the segment table in the payload, and whoever touches its bytes maps
+ * offsets through that table. Ranks choose independently; only the byte count must agree. A second barrier (arrive2)
  * orders the writes into a rank's output before that rank returns; each rank's status is
  * published before it, so a peer failure is reported by every rank. */
 #define _GNU_SOURCE
@@ -33,8 +37,8 @@
 
 typedef struct {
     int64_t header[SHM_HEADER_WORDS];
-    int64_t pid, in_addr, out_addr, status;
-    char pad[128 - (SHM_HEADER_WORDS + 4) * 8];
+    int64_t pid, in_addr, out_addr, status, nsegs;
+    char pad[128 - (SHM_HEADER_WORDS + 5) * 8];
     char payload[SHM_INLINE_BYTES];
 } record_t;
 
@@ -106,12 +110,43 @@ static int cma_transfer(pid_t pid, void *local, uint64_t remote, size_t n, int w
     return 0;
 }
 
+typedef struct {
+    int64_t addr, nbytes;
+} seg_entry;
+
+/* Moves bytes [off, off + n) of the segmented buffer described by `rec` to (write = 0) or
+ * from (write = 1) `buf`: with memcpy in this process (pid 0), else cross-memory attach. */
+static int seg_move(pid_t pid, const record_t *rec, size_t off, char *buf, size_t n, int write) {
+    const seg_entry *table = (const seg_entry *)rec->payload;
+    size_t base = 0;
+    for (int64_t i = 0; i < rec->nsegs && n; i++) {
+        size_t len = (size_t)table[i].nbytes;
+        if (off < base + len) {
+            size_t skip = off - base, take = len - skip < n ? len - skip : n;
+            char *addr = (char *)(uintptr_t)table[i].addr + skip;
+            if (pid == 0) {
+                if (write) memcpy(addr, buf, take);
+                else memcpy(buf, addr, take);
+            } else {
+                int err = cma_transfer(pid, buf, (uint64_t)(uintptr_t)addr, take, write);
+                if (err) return err;
+            }
+            buf += take;
+            off += take;
+            n -= take;
+        }
+        base += len;
+    }
+    return 0;
+}
+
 static int peer_read(const shm_call *c, int q, void *local, size_t offset, size_t n) {
     const record_t *rec = &slot_of(c, q)->record[c->seq & 1];
     if (c->peers == SHM_PEERS_WINDOW) {
         memcpy(local, c->segments[q] + offset, n);
         return 0;
     }
+    if (rec->nsegs) return seg_move((pid_t)rec->pid, rec, offset, local, n, 0);
     return cma_transfer((pid_t)rec->pid, local, (uint64_t)rec->in_addr + offset, n, 0);
 }
 
@@ -121,6 +156,7 @@ static int peer_write(const shm_call *c, int q, size_t offset, const void *local
         memcpy(c->segments[q] + offset, local, n);
         return 0;
     }
+    if (rec->nsegs) return seg_move((pid_t)rec->pid, rec, offset, (char *)local, n, 1);
     return cma_transfer((pid_t)rec->pid, (void *)local, (uint64_t)rec->out_addr + offset, n, 1);
 }
 
@@ -130,17 +166,20 @@ static int sliced_reduce(const shm_call *c, shm_result *r) {
     size_t isz = mp_itemsize(c->dtype);
     size_t chunk = c->chunk_bytes / isz;
     if (chunk == 0) chunk = 1;
-    char *scratch = NULL;
-    if (c->nranks > 1 && c->slice_hi > c->slice_lo) {
-        scratch = malloc(chunk * isz);
+    const record_t *mine = &slot_of(c, c->rank)->record[c->seq & 1];
+    char *scratch = NULL, *acc = NULL; /* acc: this chunk of own segmented data */
+    if (c->slice_hi > c->slice_lo) {
+        scratch = malloc(chunk * isz * (c->nsegs ? 2 : 1));
         if (!scratch) return ENOMEM;
+        acc = c->nsegs ? scratch + chunk * isz : NULL;
     }
     int err = 0;
     for (size_t lo = c->slice_lo; lo < c->slice_hi && !err; lo += chunk) {
         size_t n = (c->slice_hi - lo < chunk) ? c->slice_hi - lo : chunk;
         size_t off = lo * isz, nbytes = n * isz;
-        char *dst = c->out + off;
-        const char *own = c->in + off;
+        char *dst = acc ? acc : c->out + off;
+        const char *own = acc ? acc : c->in + off;
+        if (acc) seg_move(0, mine, off, acc, nbytes, 0);
         if (c->nranks == 1 && dst != own) memcpy(dst, own, nbytes);
         for (int k = 1; k < c->nranks && !err; k++) {
             int q = (c->rank + k) % c->nranks;
@@ -153,6 +192,7 @@ static int sliced_reduce(const shm_call *c, shm_result *r) {
             if ((err = peer_write(c, q, off, dst, nbytes))) r->peer_rank = q;
         }
         if (c->peers == SHM_PEERS_WINDOW && !err) memcpy(c->segments[c->rank] + off, dst, nbytes);
+        else if (acc && !err) seg_move(0, mine, off, acc, nbytes, 1);
     }
     free(scratch);
     return err;
@@ -177,9 +217,17 @@ void shm_run(const shm_call *c, shm_result *r) {
     rec->in_addr = (int64_t)(uintptr_t)c->in;
     rec->out_addr = (int64_t)(uintptr_t)c->out;
     rec->status = 0;
+    rec->nsegs = (int64_t)c->nsegs;
+    seg_entry *table = (seg_entry *)rec->payload;
+    for (size_t i = 0; i < c->nsegs; i++) {
+        table[i].addr = (int64_t)(uintptr_t)c->segs[i].ptr;
+        table[i].nbytes = (int64_t)c->segs[i].nbytes;
+    }
     if (c->data == SHM_DATA_INLINE && nbytes) memcpy(rec->payload, c->in, nbytes);
-    if (c->data == SHM_DATA_SLICED && c->peers == SHM_PEERS_WINDOW && nbytes)
-        memcpy(c->segments[c->rank], c->in, nbytes);
+    if (c->data == SHM_DATA_SLICED && c->peers == SHM_PEERS_WINDOW && nbytes) {
+        if (c->nsegs) seg_move(0, rec, 0, c->segments[c->rank], nbytes, 0);
+        else memcpy(c->segments[c->rank], c->in, nbytes);
+    }
     __atomic_store_n(&mine->arrive1, c->seq, __ATOMIC_RELEASE);
 
     r->status = SHM_OK;
@@ -208,7 +256,10 @@ void shm_run(const shm_call *c, shm_result *r) {
             return;
         }
     }
-    if (c->peers == SHM_PEERS_WINDOW && nbytes) memcpy(c->out, c->segments[c->rank], nbytes);
+    if (c->peers == SHM_PEERS_WINDOW && nbytes) {
+        if (c->nsegs) seg_move(0, rec, 0, c->segments[c->rank], nbytes, 1);
+        else memcpy(c->out, c->segments[c->rank], nbytes);
+    }
 }
 
 int shm_cma_probe(pid_t pid, uint64_t addr, size_t nbytes) {

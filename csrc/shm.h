@@ -6,10 +6,12 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include "fusion.h"
 
 #define SHM_HEADER_WORDS 8     /* int64 words every rank writes; all but the last must agree */
 #define SHM_INLINE_BYTES 4096  /* payload carried inside the record itself */
 #define SHM_SLOT_BYTES (256 + 2 * (128 + SHM_INLINE_BYTES))
+#define SHM_MAX_SEGMENTS (SHM_INLINE_BYTES / 16) /* segment table in the inline payload */
 
 enum { SHM_OK = 0, SHM_MISMATCH = 1, SHM_TIMEOUT = 2, SHM_PEER_ERROR = 3 };
 enum { SHM_PEERS_CMA = 0, SHM_PEERS_WINDOW = 1 };
@@ -23,6 +25,8 @@ typedef struct {
     int data;              /* SHM_DATA_* */
     const char *in;        /* this rank's input (NULL for a handshake only) */
     char *out;             /* this rank's output; may equal in */
+    const mp_segment *segs; /* sliced mode, nsegs > 0: the data is these segments, back to */
+    size_t nsegs;           /* back, reduced in place (in and out unused) */
     size_t count;          /* elements */
     int dtype, op;
     long divisor;          /* > 1: divide the reduced result (average) */

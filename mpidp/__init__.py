@@ -15,6 +15,9 @@ _EXPORTS = {
     "node_count": "runtime",
     "allreduce": "collectives", "allreduce_": "collectives", "broadcast": "collectives",
     "broadcast_": "collectives", "allgather": "collectives", "reduce_scatter": "collectives",
+    "grouped_allreduce": "fusion", "grouped_allreduce_": "fusion",
+    "broadcast_parameters": "fusion", "broadcast_optimizer_state": "fusion",
+    "DistributedDataParallel": "mirrored",
     "MpidpError": "errors", "CommunicationError": "errors", "MismatchError": "errors",
     "NotInitializedError": "errors", "BackendUnavailableError": "errors",
 }

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from . import algorithms, handshake, runtime
-from .dtypes import FLOATING, OP_CODES, OPS, as_host_array, empty_like, write_back
+from .dtypes import FLOATING, ITEMSIZE, OP_CODES, OPS, as_host_array, empty_like, write_back
 from .handshake import ALLGATHER, ALLREDUCE, ALGORITHM_CODES, BROADCAST, REDUCE_SCATTER
 from .ring import partition
 
@@ -72,6 +72,32 @@ def _allreduce(x, op, algorithm, inplace):
     if inplace:
         write_back(a)
     return out
+
+
+def allreduce_segments_(flats: list, dtype: int, op: str = "sum",
+                        algorithm: str = "auto") -> bool:
+    """mpidp-internal: all-reduces the contiguous flat buffers ``flats`` (dtype code ``dtype``)
+    in place as one concatenated buffer without packing them, where the algorithm is shm and
+    the buffers qualify (Note [Zero-copy buckets] in mpidp/fusion.py). Returns False, having
+    exchanged nothing, where they do not: the caller then packs them. Ranks may decide
+    differently: the header is the one a packed buffer of the same count would send."""
+    g = runtime.group()
+    if g.size == 1 or not flats:
+        return False
+    opc, avg = OP_CODES[op]
+    count = sum(len(f) for f in flats)
+    nbytes = count * ITEMSIZE[dtype]
+    if algorithms.choose(g, algorithm, nbytes) != "shm":
+        return False
+    ctx = g.shm()
+    if nbytes <= ctx.inline_bytes or len(flats) > ctx.max_segments:
+        return False
+    hdr = (ALLREDUCE, ALGORITHM_CODES["shm"], opc + 4 * avg, dtype, count, hash((count,)), 0, 0)
+    status, info = ctx.allreduce(hdr, None, None, dtype, opc, g.size if avg else 1,
+                                 segments=flats)
+    if status:
+        raise handshake.mismatch_error("allreduce", info, g.rank)
+    return True
 
 
 def broadcast(x: Any, root: int = 0):

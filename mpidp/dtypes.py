@@ -43,6 +43,11 @@ class HostArray(NamedTuple):
 _new_host_array = functools.partial(tuple.__new__, HostArray)  # skips NamedTuple's slow __new__
 
 
+def flat_host_array(flat: np.ndarray, dtype: int) -> HostArray:
+    """mpidp's own flat buffer (a bucket) as a HostArray of dtype code ``dtype``."""
+    return _new_host_array((flat, flat, dtype, flat.shape, False, True))
+
+
 def _torch_codes() -> dict:
     torch = sys.modules["torch"]
     return {torch.float16: F16, torch.bfloat16: BF16, torch.float32: F32,
@@ -58,7 +63,8 @@ def _torch_module():
 
 
 def as_host_array(x: Any, what: str = "x") -> HostArray:
-    """Views ``x`` as a HostArray; TypeError names an unsupported type or dtype."""
+    """Views ``x`` as a HostArray (a HostArray is returned as it is: mpidp's own flat
+    buffers, such as buckets); TypeError names an unsupported type or dtype."""
     global _torch_code_cache
     if isinstance(x, np.ndarray):
         code = _NUMPY_CODES.get(x.dtype)
@@ -68,6 +74,8 @@ def as_host_array(x: Any, what: str = "x") -> HostArray:
         contiguous = x.flags.c_contiguous
         flat = (x if contiguous else np.ascontiguousarray(x)).reshape(-1)
         return _new_host_array((x, flat, code, x.shape, False, contiguous))
+    if type(x) is HostArray:
+        return x
     torch = _torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
         if _torch_code_cache is None:

@@ -1,4 +1,4 @@
-"""The host array seam: reduce and divide on flat host buffers, by the C extension or, where it
+"""The host array seam: reduce, divide, and bucket pack/unpack on flat host buffers, by the C extension or, where it
 is not built, by its numpy twin (an error instead when MPIDP_REQUIRE_EXTENSION / CI is set)."""
 from __future__ import annotations
 
@@ -39,4 +39,6 @@ def _select():
 _impl = _select()
 reduce_into = _impl.reduce_into
 divide = _impl.divide
+pack = _impl.pack
+unpack = _impl.unpack
 IMPLEMENTATION = "c" if _impl is _ext else "numpy"

@@ -1,4 +1,5 @@
-"""The numpy twin of the C extension's host kernels: same signatures, same results.
+"""The numpy twin of the C extension's host kernels and bucket fusion: same signatures, same
+results.
 
 float16 is widened to float32 and rounded back once, as numpy itself does; bfloat16 (carried
 as 16-bit integers, numpy has no such type) is widened to float32 and rounded to nearest even,
@@ -54,3 +55,52 @@ def divide(buf, dtype: int, divisor: int) -> None:
         b[...] = _f32_to_bf16(_bf16_to_f32(b) / np.float32(divisor))
     else:
         np.divide(b, b.dtype.type(divisor), out=b)
+
+
+def _bytes(buf, writable: bool) -> np.ndarray:
+    view = memoryview(buf)
+    if not view.c_contiguous:
+        raise TypeError("each tensor must be a C-contiguous buffer")
+    if writable and view.readonly:
+        raise TypeError("each tensor must be a C-contiguous writable buffer")
+    return np.frombuffer(view.cast("B"), dtype=np.uint8) if not writable else \
+        np.asarray(view.cast("B"))
+
+
+def pack(bucket, sources) -> int:
+    """Copies every buffer of ``sources`` into ``bucket`` back to back; returns the bytes."""
+    out = _bytes(bucket, True)
+    parts = [_bytes(s, False) for s in sources]
+    total = sum(p.nbytes for p in parts)
+    if total > out.nbytes:
+        raise ValueError(f"sources hold {total} bytes, more than the bucket's {out.nbytes}")
+    offset = 0
+    for p in parts:
+        out[offset:offset + p.nbytes] = p
+        offset += p.nbytes
+    return total
+
+
+def unpack(bucket, destinations, dtype: int, divisor: int) -> int:
+    """Copies ``bucket`` back into ``destinations``, divided by ``divisor`` when > 1."""
+    if divisor <= 0:
+        raise ValueError(f"divisor must be positive, got {divisor}")
+    if divisor > 1 and dtype not in FLOATING:
+        raise ValueError(f"dividing needs a floating dtype, got code {dtype}")
+    src = _bytes(bucket, False)
+    parts = [_bytes(d, True) for d in destinations]
+    itemsize = np.dtype(NUMPY_STORAGE[dtype]).itemsize
+    for i, p in enumerate(parts):
+        if p.nbytes % itemsize:
+            raise ValueError(f"tensor {i} has {p.nbytes} bytes, not a multiple of the item "
+                             f"size {itemsize}")
+    total = sum(p.nbytes for p in parts)
+    if total > src.nbytes:
+        raise ValueError(f"destinations hold {total} bytes, more than the bucket's {src.nbytes}")
+    offset = 0
+    for p in parts:
+        p[...] = src[offset:offset + p.nbytes]
+        if divisor > 1:
+            divide(p, dtype, divisor)
+        offset += p.nbytes
+    return total

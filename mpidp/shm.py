@@ -9,6 +9,7 @@ from typing import Optional
 
 from . import config
 from .errors import CommunicationError
+from .dtypes import ITEMSIZE
 from .host_kernels import extension
 from .ring import partition
 
@@ -109,20 +110,31 @@ class ShmContext:
         else every rank's free word."""
         return self.run(header, DATA_NONE, None, None, 2, 0, 1, operation=operation)
 
-    def allreduce(self, header: tuple, src, dst, dtype: int, op: int, divisor: int) -> tuple:
+    def allreduce(self, header: tuple, src, dst, dtype: int, op: int, divisor: int,
+                  segments: Optional[list] = None) -> tuple:
         """Reduces the flat buffer ``src`` of every local rank into ``dst`` (may be ``src``):
         inline up to ``inline_bytes``, else this rank reduces its ``partition`` slice for all.
+        With ``segments`` (src and dst None) the data is those contiguous buffers back to back,
+        reduced in place without packing (only above ``inline_bytes``, at most
+        ``max_segments``; Note [Zero-copy buckets] in mpidp/fusion.py).
         Returns (status, info) so the caller can report a mismatch found in the same call."""
-        nbytes = src.nbytes
+        nbytes = src.nbytes if segments is None else sum(s.nbytes for s in segments)
         if nbytes <= self.inline_bytes:
+            assert segments is None, "segmented calls are sliced calls"
             return self.run(header, DATA_INLINE, src, dst, dtype, op, divisor)
         if self.peers == PEERS_WINDOW:
             status, info = self.exchange(header, "allreduce")
             if status != SHM_OK:
                 return status, info
             self.ensure_segments(nbytes)
-        lo, count = partition(len(src), self.size)[self.rank]
+        lo, count = partition(nbytes // ITEMSIZE[dtype], self.size)[self.rank]
+        if segments is not None:
+            src = list(segments)
         return self.run(header, DATA_SLICED, src, dst, dtype, op, divisor, lo, lo + count)
+
+    @property
+    def max_segments(self) -> int:
+        return self._ext.SHM_MAX_SEGMENTS
 
     def free(self) -> None:
         for w in (self._seg_win, self._ctrl_win):

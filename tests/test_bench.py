@@ -43,3 +43,29 @@ def test_bench_help_lists_nccl_tests_flags():
     proc = run(1, ["-m", "mpidp.bench", "allreduce", "--help"], timeout_s=60)
     for flag in ("-b", "-e", "-f", "-n", "-w", "--dtype", "--op", "--algorithms", "--json", "--plot"):
         assert flag in proc.stdout
+
+
+def test_train_bench_runs_every_mode(tmp_path):
+    out = tmp_path / "t.json"
+    proc = run(2, ["-m", "mpidp.bench", "train", "--models", "mlp,cnn", "--steps", "1",
+                   "--warmup", "1", "--repeats", "1", "--bucket-mb", "1,25", "--json", out],
+               timeout_s=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["model"], r["mode"], r["bucket_mb"]) for r in rows}
+    for model in ("mlp", "cnn"):
+        assert {(model, "none", None), (model, "mpidp", 1.0), (model, "mpidp", 25.0),
+                (model, "mpidp-view", 1.0), (model, "torch", 25.0)} <= got
+    assert all(r["samples_per_s"] > 0 and r["ranks"] == 2 for r in rows)
+    assert "vs torch" in proc.stdout and "of bound" in proc.stdout
+
+
+def test_fusion_bench_runs(tmp_path):
+    out = tmp_path / "f.json"
+    proc = run(2, ["-m", "mpidp.bench", "fusion", "--tensors", "10x4K,2x1M", "--count", "50",
+                   "-n", "2", "-w", "1", "-r", "1", "--json", out], timeout_s=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert [r["tensors"] for r in data["pack_unpack"]] == [10, 2]
+    assert all(v > 0 for r in data["pack_unpack"] for v in r["GBps"].values())
+    assert data["allreduce"]["tensors"] == 50 and data["allreduce"]["speedup"] > 0

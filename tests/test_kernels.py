@@ -49,7 +49,7 @@ def test_reduce_into_matches_twin(dtype, op):
 def test_divide_matches_twin(dtype):
     rng = np.random.default_rng(dtype)
     a = finite_bits(dtype, 5000, rng)
-    for divisor in (1, 2, 3, 7):
+    for divisor in (1, 2, 3, 4, 7, 8, 1024):  # powers of two multiply (exact)
         c, t = a.copy(), a.copy()
         ext.divide(c, dtype, divisor)
         with np.errstate(over="ignore", under="ignore"):

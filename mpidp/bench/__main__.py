@@ -1,4 +1,4 @@
-"""``python -m mpidp.bench {allreduce}``: mpidp's benchmarks (run under mpiexec)."""
+"""``python -m mpidp.bench {allreduce,train,fusion}``: mpidp's benchmarks (run under mpiexec)."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,16 @@ def parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     allreduce.add_arguments(ar)
     ar.set_defaults(run=allreduce.main)
+    from . import train
+    tr = sub.add_parser("train", help="DDP training samples/s: mpidp vs torch DDP (gloo)",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    train.add_arguments(tr)
+    tr.set_defaults(run=train.main)
+    from . import fusion
+    fu = sub.add_parser("fusion", help="bucket pack/unpack GB/s; fused vs separate all-reduces",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    fusion.add_arguments(fu)
+    fu.set_defaults(run=fusion.main)
     return p
 
 

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from .harness import (memory_ceiling, parse_size, rotation, stats, sweep,
+from .harness import (Gloo, memory_ceiling, parse_size, rotation, stats, sweep,
                       time_per_call)
 
 ALGORITHMS = ("auto", "shm", "ring", "hier", "mpi", "gloo")
@@ -32,35 +32,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "mpi is MPI_Allreduce itself, gloo torch.distributed over loopback")
     p.add_argument("--json", metavar="FILE", help="write every row and the ceiling as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size (needs matplotlib)")
-
-
-class _Gloo:
-    """torch.distributed on gloo over loopback: a reference column only."""
-
-    def __init__(self, comm):
-        import torch.distributed as dist
-        port = comm.bcast(_free_port() if comm.Get_rank() == 0 else None, root=0)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=comm.Get_rank(), world_size=comm.Get_size())
-        self.dist = dist
-
-    def allreduce_(self, tensor, op: str):
-        d = self.dist
-        red = {"sum": d.ReduceOp.SUM, "min": d.ReduceOp.MIN, "max": d.ReduceOp.MAX,
-               "avg": d.ReduceOp.SUM}[op]
-        d.all_reduce(tensor, op=red)
-        if op == "avg":
-            tensor /= d.get_world_size()
-
-    def close(self):
-        self.dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _make(dtype: str, count: int, fill):
@@ -257,7 +228,7 @@ def main(args) -> int:
     comm = g.comm
     rank, n = comm.Get_rank(), comm.Get_size()
     algos = [a.strip() for a in args.algorithms.split(",")]
-    gloo = _Gloo(comm) if "gloo" in algos else None
+    gloo = Gloo(comm) if "gloo" in algos else None
     ceiling = memory_ceiling(comm)
     rows = measure(comm, args, gloo)
     if gloo is not None:

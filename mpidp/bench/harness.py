@@ -75,3 +75,32 @@ def memory_ceiling(comm, nbytes: int = 256 << 20, iters: int = 5) -> dict:
     return {"bytes": nbytes,
             "copy_GBps": nbytes / copy_s.max() / 1e9,
             "add_GBps": nbytes / add_s.max() / 1e9}
+
+
+class Gloo:
+    """torch.distributed on gloo over loopback: a reference column only."""
+
+    def __init__(self, comm):
+        import torch.distributed as dist
+        port = comm.bcast(free_port() if comm.Get_rank() == 0 else None, root=0)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=comm.Get_rank(), world_size=comm.Get_size())
+        self.dist = dist
+
+    def allreduce_(self, tensor, op: str):
+        d = self.dist
+        red = {"sum": d.ReduceOp.SUM, "min": d.ReduceOp.MIN, "max": d.ReduceOp.MAX,
+               "avg": d.ReduceOp.SUM}[op]
+        d.all_reduce(tensor, op=red)
+        if op == "avg":
+            tensor /= d.get_world_size()
+
+    def close(self):
+        self.dist.destroy_process_group()
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

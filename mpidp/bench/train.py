@@ -1,0 +1,155 @@
+"""``python -m mpidp.bench train``: training samples/s of mpidp's DistributedDataParallel
+against torch's DDP on gloo and against no gradient all-reduce at all (the upper bound), with
+the share of step time spent waiting for communication and a bucket-size sweep."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from .harness import Gloo
+
+MODELS = {"mlp": ((784,), 64), "cnn": ((3, 32, 32), 32)}  # input shape, batch per rank
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default="mlp,cnn", help="comma-separated, from mlp,cnn")
+    p.add_argument("--modes", default="none,mpidp,mpidp-view,torch",
+                   help="none (no all-reduce: the bound), mpidp (our DDP), mpidp-view (with "
+                        "gradient_as_bucket_view=True), torch (torch's DDP on gloo)")
+    p.add_argument("--bucket-mb", default="25",
+                   help="comma-separated bucket caps in MiB for mpidp (a sweep: 1,25,100)")
+    p.add_argument("--algorithm", default="auto", help="mpidp all-reduce algorithm")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per repetition")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps before each repetition")
+    p.add_argument("--repeats", type=int, default=5, help="repetitions (the median is reported)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+
+
+class _Run:
+    """One model under one mode: its optimizer, data and a step function."""
+
+    def __init__(self, name: str, mode: str, bucket_mb: float, args, rank: int, gloo):
+        import torch
+        import mpidp
+        from mpidp import models
+        shape, self.batch = MODELS[name]
+        torch.manual_seed(0)
+        module = models.BUILTIN[name]()
+        if mode.startswith("mpidp"):
+            self.model = mpidp.DistributedDataParallel(
+                module, bucket_cap_mb=bucket_mb, algorithm=args.algorithm,
+                gradient_as_bucket_view=mode == "mpidp-view")
+        elif mode == "torch":
+            from torch.nn.parallel import DistributedDataParallel
+            self.model = DistributedDataParallel(module, bucket_cap_mb=bucket_mb)
+        else:
+            self.model = module
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        gen = torch.Generator().manual_seed(rank)
+        self.inputs = [torch.randn((self.batch,) + shape, generator=gen) for _ in range(4)]
+        self.labels = [torch.randint(0, 10, (self.batch,), generator=gen) for _ in range(4)]
+        self.loss = torch.nn.functional.cross_entropy
+        self.i = 0
+
+    def step(self) -> None:
+        k = self.i % len(self.inputs)
+        self.i += 1
+        self.optimizer.zero_grad()
+        self.loss(self.model(self.inputs[k]), self.labels[k]).backward()
+        self.optimizer.step()
+
+    def wait_s(self) -> float:
+        stats = getattr(self.model, "comm_stats", None)
+        return stats["wait_s"] if stats else 0.0
+
+
+def _time(comm, run: _Run, steps: int, warmup: int) -> tuple:
+    """(slowest rank's seconds for ``steps`` steps, mean wait seconds per step on this rank)."""
+    for _ in range(warmup):
+        run.step()
+    comm.Barrier()
+    w0 = run.wait_s()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        run.step()
+    elapsed = time.perf_counter() - t0
+    return comm.allreduce(elapsed, op=_max()), (run.wait_s() - w0) / steps
+
+
+def _max():
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+def measure(comm, args, gloo) -> list:
+    """Rows: one per (model, mode, bucket cap), with the median samples/s over repetitions;
+    the modes are interleaved within each repetition so that drift hits them alike."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    modes = [m.strip() for m in args.modes.split(",")]
+    buckets = [float(b) for b in args.bucket_mb.split(",")]
+    rows = []
+    for name in [m.strip() for m in args.models.split(",")]:
+        configs = []
+        for mode in modes:
+            for b in (buckets if mode.startswith("mpidp") else [25.0] if mode == "torch"
+                      else [0.0]):
+                configs.append((mode, b, _Run(name, mode, b, args, rank, gloo)))
+        results = {(mode, b): [] for mode, b, _ in configs}
+        waits = {(mode, b): [] for mode, b, _ in configs}
+        for rep in range(args.repeats):
+            for mode, b, run in configs:
+                seconds, wait = _time(comm, run, args.steps, args.warmup)
+                results[(mode, b)].append(n * run.batch * args.steps / seconds)
+                waits[(mode, b)].append(wait * args.steps / seconds)
+        for mode, b, run in configs:
+            rows.append({"model": name, "mode": mode, "bucket_mb": b if mode != "none" else None,
+                         "ranks": n, "threads": args.threads, "batch_per_rank": run.batch,
+                         "samples_per_s": statistics.median(results[(mode, b)]),
+                         "all_samples_per_s": results[(mode, b)],
+                         "wait_share": statistics.median(waits[(mode, b)])})
+        if rank == 0:
+            print(f"  {name}: done", file=sys.stderr)
+    return rows
+
+
+def table(rows: list) -> str:
+    lines = [f"{'model':>5} {'mode':>10} {'bucket':>7} {'ranks':>5} {'samples/s':>10} "
+             f"{'vs torch':>8} {'of bound':>8} {'wait':>6}"]
+    for r in rows:
+        same = [x for x in rows if x["model"] == r["model"]]
+        torch_row = next((x for x in same if x["mode"] == "torch"), None)
+        bound = next((x for x in same if x["mode"] == "none"), None)
+        vs = f"{r['samples_per_s'] / torch_row['samples_per_s']:.2f}x" if torch_row else "-"
+        of = f"{100 * r['samples_per_s'] / bound['samples_per_s']:.0f}%" if bound else "-"
+        bucket = f"{r['bucket_mb']:g}M" if r["bucket_mb"] is not None else "-"
+        wait = f"{100 * r['wait_share']:.0f}%" if r["mode"].startswith("mpidp") else "-"
+        lines.append(f"{r['model']:>5} {r['mode']:>10} {bucket:>7} {r['ranks']:>5} "
+                     f"{r['samples_per_s']:>10.0f} {vs:>8} {of:>8} {wait:>6}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    import torch
+    import mpidp
+    for name in args.models.split(","):
+        if name.strip() not in MODELS:
+            raise SystemExit(f"unknown model {name!r}; accepted: {', '.join(MODELS)}")
+    torch.set_num_threads(args.threads)
+    g = mpidp.init()
+    comm = g.comm
+    gloo = Gloo(comm) if "torch" in args.modes else None
+    rows = measure(comm, args, gloo)
+    if gloo is not None:
+        gloo.close()
+    if comm.Get_rank() == 0:
+        print(f"# mpidp train benchmark: {comm.Get_size()} ranks, {args.threads} thread(s) per "
+              f"rank, {args.steps} steps x {args.repeats} repeats (median), SGD momentum")
+        print(table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows, "argv": sys.argv}, f, indent=1)
+    return 0
