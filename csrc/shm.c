@@ -114,11 +114,34 @@ typedef struct {
     int64_t addr, nbytes;
 } seg_entry;
 
+#define SEG_BATCH 64 /* remote pieces per cross-memory-attach call */
+
+/* Moves a batch of pieces between consecutive bytes at `buf` and process `pid`: one system
+ * call for all of them, piece by piece only if the kernel stops short. */
+static int cma_batch(pid_t pid, char *buf, const struct iovec *remote, int count, size_t total,
+                     int write) {
+    struct iovec l = {buf, total};
+    ssize_t got = write ? process_vm_writev(pid, &l, 1, remote, (unsigned long)count, 0)
+                        : process_vm_readv(pid, &l, 1, remote, (unsigned long)count, 0);
+    if (got == (ssize_t)total) return 0;
+    for (int i = 0; i < count; i++) { /* idempotent: redo the batch piece by piece */
+        int err = cma_transfer(pid, buf, (uint64_t)(uintptr_t)remote[i].iov_base,
+                               remote[i].iov_len, write);
+        if (err) return err;
+        buf += remote[i].iov_len;
+    }
+    return 0;
+}
+
 /* Moves bytes [off, off + n) of the segmented buffer described by `rec` to (write = 0) or
- * from (write = 1) `buf`: with memcpy in this process (pid 0), else cross-memory attach. */
+ * from (write = 1) `buf`: with memcpy in this process (pid 0), else cross-memory attach in
+ * batches of SEG_BATCH pieces. */
 static int seg_move(pid_t pid, const record_t *rec, size_t off, char *buf, size_t n, int write) {
     const seg_entry *table = (const seg_entry *)rec->payload;
-    size_t base = 0;
+    struct iovec batch[SEG_BATCH];
+    int count = 0;
+    size_t base = 0, pending = 0;
+    char *start = buf;
     for (int64_t i = 0; i < rec->nsegs && n; i++) {
         size_t len = (size_t)table[i].nbytes;
         if (off < base + len) {
@@ -128,8 +151,16 @@ static int seg_move(pid_t pid, const record_t *rec, size_t off, char *buf, size_
                 if (write) memcpy(addr, buf, take);
                 else memcpy(buf, addr, take);
             } else {
-                int err = cma_transfer(pid, buf, (uint64_t)(uintptr_t)addr, take, write);
-                if (err) return err;
+                batch[count].iov_base = addr;
+                batch[count].iov_len = take;
+                pending += take;
+                if (++count == SEG_BATCH) {
+                    int err = cma_batch(pid, start, batch, count, pending, write);
+                    if (err) return err;
+                    start += pending;
+                    count = 0;
+                    pending = 0;
+                }
             }
             buf += take;
             off += take;
@@ -137,7 +168,7 @@ static int seg_move(pid_t pid, const record_t *rec, size_t off, char *buf, size_
         }
         base += len;
     }
-    return 0;
+    return count ? cma_batch(pid, start, batch, count, pending, write) : 0;
 }
 
 static int peer_read(const shm_call *c, int q, void *local, size_t offset, size_t n) {

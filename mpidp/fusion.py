@@ -18,15 +18,17 @@ from .dtypes import FLOATING, I64, NUMPY_STORAGE, as_host_array, flat_host_array
 
 def assign_buckets(sizes_bytes: Sequence[int], dtypes: Sequence[Any], cap_bytes: int,
                    first_cap_bytes: Optional[int] = None,
-                   order: Optional[Sequence[int]] = None) -> tuple:
+                   order: Optional[Sequence[int]] = None,
+                   max_count: Optional[int] = None) -> tuple:
     """Groups tensors into buckets: a pure function of their sizes (bytes) and dtypes.
 
     Tensors are taken in ``order`` (default: as given); each dtype fills its own bucket (no
     tensor is ever up-cast), and a bucket closes once it holds ``cap_bytes`` or more — the
     first bucket of each dtype already at ``first_cap_bytes`` (PyTorch DDP's small first
-    bucket, so communication starts early in backward). A tensor larger than the cap gets a
-    bucket of its own. Returns a tuple of buckets, each a tuple of tensor indices, ordered by
-    where their first tensor comes in ``order`` — the order they become ready and launch."""
+    bucket, so communication starts early in backward), or at ``max_count`` tensors when
+    given. A tensor larger than the cap gets a bucket of its own. Returns a tuple of buckets,
+    each a tuple of tensor indices, ordered by where their first tensor comes in ``order`` —
+    the order they become ready and launch."""
     n = len(sizes_bytes)
     if len(dtypes) != n:
         raise ValueError(f"{n} sizes but {len(dtypes)} dtypes")
@@ -35,6 +37,8 @@ def assign_buckets(sizes_bytes: Sequence[int], dtypes: Sequence[Any], cap_bytes:
     first = cap_bytes if first_cap_bytes is None else first_cap_bytes
     if first <= 0:
         raise ValueError(f"first_cap_bytes must be positive, got {first_cap_bytes}")
+    if max_count is not None and max_count < 1:
+        raise ValueError(f"max_count must be at least 1, got {max_count}")
     order = tuple(range(n)) if order is None else tuple(order)
     if sorted(order) != list(range(n)):
         raise ValueError(f"order must be a permutation of 0..{n - 1}")
@@ -47,7 +51,8 @@ def assign_buckets(sizes_bytes: Sequence[int], dtypes: Sequence[Any], cap_bytes:
         slot = open_.setdefault(dtypes[i], [[], 0])
         slot[0].append(i)
         slot[1] += sizes_bytes[i]
-        if slot[1] >= (cap_bytes if dtypes[i] in started else first):
+        if slot[1] >= (cap_bytes if dtypes[i] in started else first) or \
+                len(slot[0]) == max_count:
             closed.append(tuple(slot[0]))
             started.add(dtypes[i])
             del open_[dtypes[i]]
@@ -171,12 +176,12 @@ def _tensor_list(tensors: Any, what: str) -> list:
 
 
 def plan(tensors: Sequence[Any], cap_bytes: int, first_cap_bytes: Optional[int] = None,
-         order: Optional[Sequence[int]] = None) -> list:
+         order: Optional[Sequence[int]] = None, max_count: Optional[int] = None) -> list:
     """Buckets for ``tensors`` (assign_buckets on their sizes and dtypes), allocated."""
     arrays = [as_host_array(t, "each tensor") for t in tensors]
     sizes = [a.flat.nbytes for a in arrays]
     groups = assign_buckets(sizes, [a.dtype for a in arrays], cap_bytes, first_cap_bytes,
-                            order)
+                            order, max_count)
     return [Bucket(b, [len(arrays[i].flat) for i in b], arrays[b[0]].dtype) for b in groups]
 
 
@@ -186,11 +191,11 @@ _PLANS: dict = {}
 _PLANS_KEPT = 4
 
 
-def _cached_plan(arrays: list, cap_bytes: int) -> list:
-    key = (cap_bytes, tuple((a.dtype, len(a.flat)) for a in arrays))
+def _cached_plan(arrays: list, cap_bytes: int, max_count: Optional[int]) -> list:
+    key = (cap_bytes, max_count, tuple((a.dtype, len(a.flat)) for a in arrays))
     buckets = _PLANS.pop(key, None)
     if buckets is None:
-        buckets = plan(arrays, cap_bytes)
+        buckets = plan(arrays, cap_bytes, max_count=max_count)
         while len(_PLANS) >= _PLANS_KEPT:
             del _PLANS[next(iter(_PLANS))]
     _PLANS[key] = buckets  # most recently used last
@@ -228,7 +233,10 @@ def _grouped(items, outs, op, algorithm, bucket_cap_mb):
     if avg and any(a.dtype not in FLOATING for a in arrays):
         raise ValueError("op 'avg' needs floating tensors; use 'sum' for integers")
     cap = int(bucket_cap_mb * (1 << 20))
-    for bucket in _cached_plan(arrays, cap):
+    g = runtime.group()
+    # in place on one node: buckets small enough in tensor count to go zero-copy
+    zero_copy = outs is items and g.size > 1 and algorithms.choose(g, algorithm, cap) == "shm"
+    for bucket in _cached_plan(arrays, cap, g.shm().max_segments if zero_copy else None):
         bucket.reduce_([arrays[i] for i in bucket.indices], [results[i] for i in bucket.indices],
                        op, algorithm)
     return outs

@@ -27,13 +27,13 @@ FIRST_BUCKET_CAP_BYTES = 1 << 20  # PyTorch DDP's first bucket (Note [Bucket ord
 # issues the same all-reduces in the same order whatever its thread timing.
 
 # Note [Communication thread]
-# One thread per DistributedDataParallel runs pack -> all-reduce (sum) -> unpack with the
-# division by the number of ranks fused into the unpack (on one node, a zero-copy all-reduce
-# of the gradients where they lie: Note [Zero-copy buckets] in fusion.py), bucket after bucket, while autograd
-# goes on computing gradients in the main thread; the C calls release the GIL. Only that
-# thread calls MPI while backward runs, and the main thread waits for it before it calls MPI
-# again, so MPI_THREAD_SERIALIZED suffices (checked at construction; mpidp.init asks for
-# MULTIPLE).
+# One thread per DistributedDataParallel reduces the buckets one after another — on one node
+# a zero-copy all-reduce of the gradients where they lie (Note [Zero-copy buckets] in
+# fusion.py), elsewhere pack -> all-reduce (sum) -> unpack with the division by the number of
+# ranks fused into the unpack — while autograd goes on computing gradients in the main
+# thread; the C calls release the GIL. Only that thread calls MPI while backward runs, and the
+# main thread waits for it before it calls MPI again, so MPI_THREAD_SERIALIZED suffices
+# (checked at construction; mpidp.init asks for MULTIPLE).
 
 # Note [Gradients as bucket views]
 # By default gradients are packed into the bucket, all-reduced as a sum, and unpacked with the

@@ -114,7 +114,7 @@ def test_bucket_handles_none_noncontiguous_and_own_slots():
 
 # ---- bucket assignment --------------------------------------------------------------------
 
-def check_assignment(sizes, dtypes, cap, first, order, buckets):
+def check_assignment(sizes, dtypes, cap, first, order, buckets, max_count=None):
     flat = [i for b in buckets for i in b]
     assert sorted(flat) == list(range(len(sizes)))  # every tensor exactly once
     position = {t: k for k, t in enumerate(order)}
@@ -125,6 +125,7 @@ def check_assignment(sizes, dtypes, cap, first, order, buckets):
         assert [position[i] for i in b] == sorted(position[i] for i in b)
         limit = cap if dtypes[b[0]] in started else first
         assert sum(sizes[i] for i in b[:-1]) < limit  # closed as soon as it reached the cap
+        assert max_count is None or len(b) <= max_count
         started.add(dtypes[b[0]])
 
 
@@ -136,8 +137,9 @@ def test_assign_buckets_properties_on_random_inputs():
         dtypes = [str(d) for d in rng.choice(["f32", "f16", "i64"], n)]
         cap, first = int(rng.integers(1, 20000)), int(rng.integers(1, 20000))
         order = [int(i) for i in rng.permutation(n)]
-        buckets = assign_buckets(sizes, dtypes, cap, first, order)
-        check_assignment(sizes, dtypes, cap, first, order, buckets)
+        max_count = None if trial % 2 else int(rng.integers(1, 6))
+        buckets = assign_buckets(sizes, dtypes, cap, first, order, max_count)
+        check_assignment(sizes, dtypes, cap, first, order, buckets, max_count)
 
 
 def test_assign_buckets_examples():
@@ -147,6 +149,9 @@ def test_assign_buckets_examples():
     # a tensor larger than the cap gets its own bucket; dtypes never mix
     assert assign_buckets([100, 1, 1, 1], ["f", "h", "f", "h"], 10) == ((0,), (1, 3), (2,))
     assert assign_buckets([], [], 10) == ()
+    assert assign_buckets([1] * 5, ["f"] * 5, 100, max_count=2) == ((0, 1), (2, 3), (4,))
+    with pytest.raises(ValueError, match="max_count"):
+        assign_buckets([1], ["f"], 10, max_count=0)
     with pytest.raises(ValueError, match="permutation"):
         assign_buckets([1, 2], ["f", "f"], 10, order=[0, 0])
     with pytest.raises(ValueError, match="positive"):

@@ -100,7 +100,8 @@ same_everywhere(list(model.module.parameters()), "equivalence, large buckets")
 from mpidp import collectives, fusion  # noqa: E402
 from mpidp.dtypes import F32, as_host_array  # noqa: E402
 
-for trial, sizes in enumerate(([5000], [1, 7, 3001, 2], [1024] * 10 + [3], [2] * 300)):
+for trial, sizes in enumerate(([5000], [1, 7, 3001, 2], [1024] * 10 + [3], [2] * 300,
+                                 [40] * 200 + [1, 3])):  # > 64 pieces: several batches
     for op in ("sum", "avg", "max"):
         every = [[torch.randint(-8, 9, (s,), generator=torch.Generator().manual_seed(
             1000 * trial + 10 * q + k)).float() for k, s in enumerate(sizes)] for q in range(n)]
