@@ -199,7 +199,7 @@ static int sliced_reduce(const shm_call *c, shm_result *r) {
     if (chunk == 0) chunk = 1;
     const record_t *mine = &slot_of(c, c->rank)->record[c->seq & 1];
     char *scratch = NULL, *acc = NULL; /* acc: this chunk of own segmented data */
-    if (c->slice_hi > c->slice_lo) {
+    if ((c->nranks > 1 || c->nsegs) && c->slice_hi > c->slice_lo) {
         scratch = malloc(chunk * isz * (c->nsegs ? 2 : 1));
         if (!scratch) return ENOMEM;
         acc = c->nsegs ? scratch + chunk * isz : NULL;

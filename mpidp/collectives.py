@@ -92,7 +92,8 @@ def allreduce_segments_(flats: list, dtype: int, op: str = "sum",
     ctx = g.shm()
     if nbytes <= ctx.inline_bytes or len(flats) > ctx.max_segments:
         return False
-    hdr = (ALLREDUCE, ALGORITHM_CODES["shm"], opc + 4 * avg, dtype, count, hash((count,)), 0, 0)
+    hdr = handshake.header(ALLREDUCE, ALGORITHM_CODES["shm"], opc + 4 * avg, dtype, count,
+                           (count,))  # what a packed bucket of this count sends
     status, info = ctx.allreduce(hdr, None, None, dtype, opc, g.size if avg else 1,
                                  segments=flats)
     if status:
@@ -111,13 +112,17 @@ def broadcast_(x: Any, root: int = 0):
     return _broadcast(x, root, inplace=True)
 
 
+def check_root(root: Any, size: int) -> None:
+    """ValueError unless ``root`` is a rank of a group of ``size``."""
+    if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < size:
+        raise ValueError(f"root {root!r} is not a rank of this group (0..{size - 1})")
+
+
 def _broadcast(x, root, inplace):
     g = runtime.group()
     try:
         a = as_host_array(x)
-        if not isinstance(root, (int, np.integer)) or isinstance(root, bool) \
-                or not 0 <= root < g.size:
-            raise ValueError(f"root {root!r} is not a rank of this group (0..{g.size - 1})")
+        check_root(root, g.size)
     except (TypeError, ValueError) as exc:
         if g.size > 1:
             handshake.exchange(g, handshake.error_header(BROADCAST, exc), "broadcast", exc)

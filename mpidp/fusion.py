@@ -7,6 +7,7 @@ Every function that communicates is collective: every rank calls it with tensors
 shapes and dtypes, in the same order."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any, Iterable, Optional, Sequence
 
@@ -261,8 +262,8 @@ def broadcast_tensors_(tensors: Sequence[Any], root: int = 0,
                        bucket_cap_bytes: int = 64 << 20) -> None:
     """Overwrites every tensor with root's, through fused byte buckets (any dtype). Every rank
     passes tensors of the same shapes and dtypes in the same order."""
-    items = [t for t in tensors]
-    contiguous = [_contiguous(t) for t in items]
+    items = list(tensors)
+    contiguous, copied = zip(*[_contiguous(t) for t in items]) if items else ((), ())
     sizes = [_byte_view(t).nbytes for t in contiguous]
     groups = assign_buckets(sizes, [0] * len(sizes), bucket_cap_bytes)
     me = runtime.rank()
@@ -275,19 +276,27 @@ def broadcast_tensors_(tensors: Sequence[Any], root: int = 0,
         collectives.broadcast_(flat_host_array(words, I64), root)
         if me != root:
             _unpack_bytes(raw, [contiguous[i] for i in b])
-    for original, c in zip(items, contiguous):
-        if c is not original:
-            _writable(original).copy_(c) if hasattr(original, "copy_") else \
-                np.copyto(original, c)
+    for original, c, was_copied in zip(items, contiguous, copied):
+        if not was_copied or me == root:
+            continue
+        if isinstance(original, np.ndarray):
+            np.copyto(original, c)
+        else:
+            _writable(original).copy_(c)
 
 
-def _contiguous(t: Any) -> Any:
+def _contiguous(t: Any) -> tuple:
+    """(``t`` itself, detached, False) where contiguous, else (a contiguous copy, True)."""
     if isinstance(t, np.ndarray):
-        return t if t.flags.c_contiguous else np.ascontiguousarray(t)
+        return (t, False) if t.flags.c_contiguous else (np.ascontiguousarray(t), True)
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(t, torch.Tensor):
+        raise TypeError(f"each tensor must be a numpy.ndarray or a CPU torch.Tensor, got "
+                        f"{type(t).__module__}.{type(t).__qualname__}")
     t = t.detach()
     if t.device.type != "cpu":
         raise TypeError(f"tensor on device {t.device}; host collectives take CPU tensors")
-    return t if t.is_contiguous() else t.contiguous()
+    return (t, False) if t.is_contiguous() else (t.contiguous(), True)
 
 
 def _unpack_bytes(raw: np.ndarray, tensors: Sequence[Any]) -> None:
@@ -302,7 +311,7 @@ def _unpack_bytes(raw: np.ndarray, tensors: Sequence[Any]) -> None:
 def broadcast_parameters(params: Any, root: int = 0) -> None:
     """Overwrites every rank's parameters with root's, in place (Horovod's name): ``params``
     is a ``state_dict()``, ``named_parameters()`` or a list of tensors. Every rank calls it."""
-    _check_root(root)
+    collectives.check_root(root, runtime.size())
     broadcast_tensors_(_tensor_list(params, "params"), root)
 
 
@@ -311,7 +320,7 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0) -> None:
     as the learning rate), loaded with ``optimizer.load_state_dict``. The structure travels
     pickled, the tensors in fused buckets. Every rank calls it, with the same parameters."""
     import torch
-    _check_root(root)
+    collectives.check_root(root, runtime.size())
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
@@ -346,8 +355,3 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0) -> None:
     if g.rank != root:
         optimizer.load_state_dict(structure)
 
-
-def _check_root(root: Any) -> None:
-    n = runtime.size()
-    if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < n:
-        raise ValueError(f"root {root!r} is not a rank of this group (0..{n - 1})")

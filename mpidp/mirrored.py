@@ -181,7 +181,8 @@ class DistributedDataParallel(torch.nn.Module):
                              "backward (reentrant backward or a shared parameter used across "
                              "two backward passes); mpidp reduces each gradient once")
         self._ready[i] = True
-        self._order.append(i)
+        if not self._rebuilt:
+            self._order.append(i)  # Note [Bucket order]
         self._count_down(i)
 
     def _count_down(self, i: int) -> None:

@@ -262,6 +262,16 @@ close(list(m.parameters()), list(net(seed=200 + root).parameters()), "broadcast_
 mpidp.broadcast_parameters(m.named_parameters(), root=0)
 same_everywhere(list(m.parameters()), "broadcast_parameters(named_parameters)")
 
+# any dtype, non-contiguous tensors and arrays: written back into the caller's objects
+odd = [torch.full((4, 3), float(rank)).t(), np.full((3, 4), rank, np.int32)[:, ::2],
+       torch.tensor([rank % 2 == 0, True, False]), torch.full((5,), rank, dtype=torch.uint8)]
+mpidp.broadcast_parameters(odd, root=root)
+expect(torch.equal(odd[0], torch.full((3, 4), float(root))) and
+       np.array_equal(odd[1], np.full((3, 2), root)) and
+       torch.equal(odd[2], torch.tensor([root % 2 == 0, True, False])) and
+       torch.equal(odd[3], torch.full((5,), root, dtype=torch.uint8)),
+       f"broadcast_parameters of odd tensors: {odd}")
+
 opt = torch.optim.Adam(m.parameters(), lr=0.5)
 if rank == root:
     for p in m.parameters():
@@ -318,6 +328,7 @@ for call, exc_type, text in (
          "bucket_cap_mb"),
         (lambda: mpidp.grouped_allreduce("abc"), TypeError, "list of tensors"),
         (lambda: mpidp.broadcast_parameters(m.state_dict(), root=n), ValueError, "root"),
+        (lambda: mpidp.broadcast_parameters([3.0]), TypeError, "numpy.ndarray or a CPU"),
         (lambda: mpidp.broadcast_optimizer_state("adam"), TypeError, "Optimizer")):
     try:
         call()
