@@ -1,5 +1,6 @@
 """Collectives on host arrays (C-contiguous numpy arrays and CPU torch tensors):
-``allreduce``, ``allreduce_``, ``broadcast``, ``broadcast_``, ``allgather``, ``reduce_scatter``.
+``allreduce``, ``allreduce_``, ``broadcast``, ``broadcast_``, ``reduce_``, ``allgather``,
+``reduce_scatter``.
 
 Every function here is a synchronisation point: every rank of the group must call it, in the
 same order. Inputs are checked across ranks first (mpidp.handshake); bad input on any rank
@@ -11,8 +12,10 @@ from typing import Any
 import numpy as np
 
 from . import algorithms, handshake, runtime
+from .errors import MismatchError
 from .dtypes import FLOATING, ITEMSIZE, OP_CODES, OPS, as_host_array, empty_like, write_back
-from .handshake import ALLGATHER, ALLREDUCE, ALGORITHM_CODES, BROADCAST, REDUCE_SCATTER
+from .handshake import (ALLGATHER, ALLREDUCE, ALGORITHM_CODES, BROADCAST, REDUCE,
+                        REDUCE_SCATTER)
 from .ring import partition
 
 
@@ -137,6 +140,41 @@ def _broadcast(x, root, inplace):
     if inplace:
         write_back(a)
     return out
+
+
+def reduce_(x: Any, root: int = 0, op: str = "sum"):
+    """Reduces ``x`` over every rank into root's ``x`` (MPI_Reduce, in place at root); the
+    other ranks' ``x`` is unchanged. ``op``: sum, avg, min, max. Every rank must call it."""
+    g = runtime.group()
+    try:
+        a = as_host_array(x)
+        check_root(root, g.size)
+        opc, avg = _op_codes(op, a.dtype)
+    except (TypeError, ValueError) as exc:
+        if g.size > 1:
+            handshake.exchange(g, handshake.error_header(REDUCE, exc), "reduce", exc)
+        raise
+    if g.size > 1:
+        roots = handshake.exchange(g, handshake.header(
+            REDUCE, ALGORITHM_CODES["mpi"], opc + 4 * avg, a.dtype, len(a.flat), a.shape,
+            free=int(root)), "reduce")
+        if len(set(int(r) for r in roots)) > 1:
+            raise MismatchError(f"rank {g.rank}: reduce called with different roots: "
+                                + ", ".join(f"rank {i} root={int(r)}"
+                                            for i, r in enumerate(roots)))
+        from mpi4py import MPI
+        buf = algorithms.mpi_buffer(a.flat, a.dtype)
+        mpi_op = algorithms.mpi_op(a.dtype, opc)
+        if g.rank == root:
+            g.comm.Reduce(MPI.IN_PLACE, buf, op=mpi_op, root=int(root))
+        else:
+            g.comm.Reduce(buf, None, op=mpi_op, root=int(root))
+    if g.rank == root:
+        if avg and len(a.flat):
+            from . import host_kernels
+            host_kernels.divide(a.flat, a.dtype, g.size)
+        write_back(a)
+    return a.original
 
 
 def allgather(x: Any):

@@ -13,9 +13,9 @@ import numpy as np
 from .dtypes import DTYPE_NAMES, OPS
 from .errors import MismatchError
 
-ALLREDUCE, BROADCAST, ALLGATHER, REDUCE_SCATTER = 1, 2, 3, 4
+ALLREDUCE, BROADCAST, ALLGATHER, REDUCE_SCATTER, REDUCE = 1, 2, 3, 4, 5
 KIND_NAMES = {ALLREDUCE: "allreduce", BROADCAST: "broadcast", ALLGATHER: "allgather",
-              REDUCE_SCATTER: "reduce_scatter"}
+              REDUCE_SCATTER: "reduce_scatter", REDUCE: "reduce"}
 ALGORITHM_CODES = {"mpi": 1, "ring": 2, "shm": 3, "hier": 4}
 _ALGORITHM_NAMES = {v: k for k, v in ALGORITHM_CODES.items()}
 

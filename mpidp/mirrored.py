@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from . import algorithms, collectives, runtime
-from .errors import MismatchError, MpidpError
-from .fusion import Bucket, broadcast_tensors_, plan
+from .errors import MpidpError
+from .fusion import Bucket, broadcast_tensors_, check_same_model, plan
 
 FIRST_BUCKET_CAP_BYTES = 1 << 20  # PyTorch DDP's first bucket (Note [Bucket order])
 
@@ -104,7 +104,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._module_buffers = list(module.buffers())
-        _check_same_everywhere(g, module)
+        check_same_model(g, module, "DistributedDataParallel")
         broadcast_tensors_([p.detach() for p in module.parameters()] + self._module_buffers, 0)
         self._size = g.size
         self._build(tuple(reversed(range(len(self._params)))))  # Note [Bucket order]
@@ -297,26 +297,3 @@ def _check_thread_level() -> None:
         raise MpidpError(f"DistributedDataParallel needs MPI_THREAD_SERIALIZED or better; "
                          f"MPI was initialised with level {level} (let mpidp.init() start MPI,"
                          " or call MPI.Init_thread(MPI.THREAD_MULTIPLE) yourself)")
-
-
-def _check_same_everywhere(g, module: torch.nn.Module) -> None:
-    """Parameter and buffer names, shapes and dtypes must agree on every rank."""
-    mine = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad)
-            for n, p in module.named_parameters()]
-    mine += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
-    everyone = g.comm.allgather(mine) if g.size > 1 else [mine]
-    lines = []
-    for r, theirs in enumerate(everyone[1:], start=1):
-        if theirs == everyone[0]:
-            continue
-        if len(theirs) != len(everyone[0]):
-            lines.append(f"  rank {r}: {len(theirs)} parameters and buffers, rank 0 has "
-                         f"{len(everyone[0])}")
-        diff = next(((a, b) for a, b in zip(everyone[0], theirs) if a != b), None)
-        if diff is not None:
-            lines.append(f"  rank {r}: {diff[1][0]} {diff[1][1]} {diff[1][3]}{list(diff[1][2])} "
-                         f"where rank 0 has {diff[0][0]} {diff[0][1]} {diff[0][3]}"
-                         f"{list(diff[0][2])}")
-    if lines:
-        raise MismatchError(f"rank {g.rank}: DistributedDataParallel: the model differs between "
-                            "ranks; every rank raises this error:\n" + "\n".join(lines))

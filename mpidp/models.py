@@ -1,14 +1,15 @@
 """Built-in models for the training tool and the benchmarks: ``mlp`` and ``cnn``."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from torch import nn
 
 
-def mlp(in_features: int = 784, hidden: Sequence[int] = (2048, 2048),
+def mlp(in_features: int = 784, hidden: Sequence[int] = (256, 256),
         classes: int = 10) -> nn.Module:
-    """A ReLU multi-layer perceptron, by default 784-2048-2048-10 (flattens its input)."""
+    """A ReLU multi-layer perceptron, by default 784-256-256-10 (flattens its input)."""
     layers: list = [nn.Flatten()]
     width = in_features
     for h in hidden:
@@ -31,3 +32,17 @@ def cnn(channels: int = 3, size: int = 32, classes: int = 10, width: int = 32) -
 
 
 BUILTIN = {"mlp": mlp, "cnn": cnn}
+
+
+def build(name: str, input_shape: Sequence[int], num_classes: int) -> nn.Module:
+    """The built-in model ``name`` sized for inputs of ``input_shape`` (one sample) and
+    ``num_classes`` classes; ValueError when the model cannot take such inputs."""
+    if name == "mlp":
+        return mlp(in_features=math.prod(input_shape), classes=num_classes)
+    if name == "cnn":
+        if len(input_shape) != 3 or input_shape[1] != input_shape[2]:
+            raise ValueError(f"model 'cnn' takes square channels x size x size images, the data "
+                             f"set gives {'x'.join(map(str, input_shape))}")
+        return cnn(channels=input_shape[0], size=input_shape[1], classes=num_classes)
+    raise ValueError(f"unknown model {name!r}; built-in: {', '.join(BUILTIN)}, or "
+                     "package.module:factory")

@@ -11,7 +11,8 @@ import time
 
 from .harness import Gloo
 
-MODELS = {"mlp": ((784,), 64), "cnn": ((3, 32, 32), 32)}  # input shape, batch per rank
+# model -> (input shape, batch per rank, factory arguments): the benchmark sizes
+MODELS = {"mlp": ((784,), 64, {"hidden": (2048, 2048)}), "cnn": ((3, 32, 32), 32, {})}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,9 +37,9 @@ class _Run:
         import torch
         import mpidp
         from mpidp import models
-        shape, self.batch = MODELS[name]
+        shape, self.batch, kwargs = MODELS[name]
         torch.manual_seed(0)
-        module = models.BUILTIN[name]()
+        module = models.BUILTIN[name](**kwargs)
         if mode.startswith("mpidp"):
             self.model = mpidp.DistributedDataParallel(
                 module, bucket_cap_mb=bucket_mb, algorithm=args.algorithm,

@@ -111,6 +111,21 @@ for root in range(n):
            f"broadcast root={root}")
     mpidp.broadcast_(x, root=root)
     expect(np.array_equal(x, every[root]), f"broadcast_ root={root}")
+for root in range(n):
+    for dtype, op in ((np.float32, "sum"), (np.float64, "avg"), (np.int32, "max"),
+                      (np.float16, "min")):
+        seed += 1
+        every = [inputs(13, q, dtype, seed) for q in range(n)]
+        stack = np.stack(every).astype(np.float64)
+        want = {"sum": stack.sum(0), "avg": stack.sum(0) / n, "max": stack.max(0),
+                "min": stack.min(0)}[op].astype(dtype)
+        x = every[rank].copy()
+        mpidp.reduce_(x, root=root, op=op)
+        expect(np.array_equal(x, want if rank == root else every[rank]),
+               f"reduce_ root={root} {np.dtype(dtype).name} {op}")
+tr = torch.full((3,), float(rank + 1))
+mpidp.reduce_(tr, root=0)
+expect(rank != 0 or torch.equal(tr, torch.full((3,), n * (n + 1) / 2)), "reduce_ torch")
 tb = torch.full((2, 3), float(rank), dtype=torch.bfloat16)
 mpidp.broadcast_(tb, root=n - 1)
 expect(torch.equal(tb, torch.full((2, 3), float(n - 1), dtype=torch.bfloat16)), "broadcast_ bf16")
@@ -182,6 +197,10 @@ if n > 1:
              "allgather row shapes differ")
     rejected(lambda: mpidp.broadcast(np.ones(4 + rank, np.float32)), MismatchError,
              "broadcast sizes differ")
+    msg = rejected(lambda: mpidp.reduce_(ok.copy(), root=min(rank, 1)), MismatchError,
+                   "reduce roots differ")
+    expect("different roots" in msg and "rank 1 root=1" in msg, f"reduce root message: {msg}")
+rejected(lambda: mpidp.reduce_(ok.copy(), root=-1), ValueError, "reduce root out of range")
 after = mpidp.allreduce(np.full(3, rank + 1, np.float32))
 expect(np.array_equal(after, np.full(3, n * (n + 1) / 2, np.float32)), "usable after errors")
 

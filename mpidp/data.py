@@ -1,0 +1,186 @@
+"""Training data: the built-in data sets (``digits`` shipped in the package, ``synthetic`` of any
+size), user factories named ``package.module:factory``, and the per-rank shard of each epoch
+(DistributedSampler semantics)."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from importlib import resources
+from typing import Callable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+DIGITS_TEST_FRACTION = 0.2   # held out from the 1797 digits, the same split on every run
+DIGITS_SPLIT_SEED = 20260101  # fixed: the held-out set must not depend on --seed
+SYNTHETIC_SHAPE = (1, 28, 28)  # MNIST-shaped, so the built-in mlp and cnn both fit
+SYNTHETIC_CLASSES = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSets:
+    """A train and a held-out set (the held-out one may be None), with what a model needs to
+    know of them."""
+
+    train: Dataset
+    test: Optional[Dataset]
+    input_shape: tuple
+    num_classes: int
+
+
+def digits() -> tuple:
+    """The 8×8 handwritten digits of UCI's "Optical Recognition of Handwritten Digits" (test
+    part, 1797 images, CC BY 4.0, shipped in mpidp/assets), pixels scaled to [0, 1]: returns
+    (train, test) TensorDatasets of (1×8×8 float32 image, int64 label), 80/20 split."""
+    with resources.files("mpidp").joinpath("assets/digits.npz").open("rb") as f:
+        raw = np.load(f)
+        images, labels = raw["images"], raw["labels"]
+    x = torch.from_numpy(images.astype(np.float32) / 16.0).unsqueeze(1)
+    y = torch.from_numpy(labels.astype(np.int64))
+    order = torch.from_numpy(np.random.default_rng(DIGITS_SPLIT_SEED).permutation(len(y)))
+    cut = len(y) - int(len(y) * DIGITS_TEST_FRACTION)
+    return TensorDataset(x[order[:cut]], y[order[:cut]]), TensorDataset(x[order[cut:]],
+                                                                         y[order[cut:]])
+
+
+def synthetic(samples: int = 8192, seed: int = 0) -> tuple:
+    """A learnable MNIST-shaped classification set of ``samples`` training images (and
+    ``samples // 8`` held out): Gaussian inputs labelled by a fixed random linear teacher."""
+    gen = torch.Generator().manual_seed(seed)
+    features = math.prod(SYNTHETIC_SHAPE)
+    teacher = torch.randn(features, SYNTHETIC_CLASSES, generator=gen)
+    held_out = max(samples // 8, 1)
+    x = torch.randn(samples + held_out, *SYNTHETIC_SHAPE, generator=gen)
+    y = (x.reshape(len(x), -1) @ teacher).argmax(1)
+    return TensorDataset(x[:samples], y[:samples]), TensorDataset(x[samples:], y[samples:])
+
+
+BUILTIN = ("digits", "synthetic")
+
+
+def import_factory(spec: str, what: str) -> Callable:
+    """The callable named by ``package.module:name``; ValueError saying why it cannot be had."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what} {spec!r}: expected a built-in name or package.module:factory")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or the module failing as it runs
+        raise ValueError(f"{what} {spec!r}: cannot import {module_name!r}: "
+                         f"{type(exc).__name__}: {exc}") from None
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise ValueError(f"{what} {spec!r}: module {module_name!r} has no {attr!r}")
+    if not callable(obj):
+        raise ValueError(f"{what} {spec!r}: {attr!r} is not callable")
+    return obj
+
+
+def load(spec: str, synthetic_samples: int = 8192) -> DataSets:
+    """The data set named by ``spec``: a built-in (digits, synthetic) or ``package.module:
+    factory``, a callable returning (train, test) map-style datasets of (input, label) pairs
+    (test may be None). ValueError naming the problem otherwise."""
+    if spec == "digits":
+        train, test = digits()
+    elif spec == "synthetic":
+        train, test = synthetic(synthetic_samples)
+    else:
+        result = import_factory(spec, "dataset")()
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise ValueError(f"dataset {spec!r}: the factory must return (train, test), got "
+                             f"{type(result).__name__}")
+        train, test = result
+    for name, ds in (("train", train), ("test", test)):
+        if ds is None and name == "test":
+            continue
+        if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__"):
+            raise ValueError(f"dataset {spec!r}: {name} set is not a map-style dataset "
+                             f"(needs __len__ and __getitem__), got {type(ds).__name__}")
+    if len(train) == 0:
+        raise ValueError(f"dataset {spec!r}: the train set is empty")
+    x0 = torch.as_tensor(train[0][0])
+    return DataSets(train, test, tuple(x0.shape), _num_classes(train, test))
+
+
+def _num_classes(train: Dataset, test: Optional[Dataset]) -> int:
+    """``num_classes``/``classes`` of the dataset when it has them, else 1 + the largest label."""
+    for ds in (train, test):
+        if isinstance(getattr(ds, "num_classes", None), int):
+            return ds.num_classes
+        if isinstance(getattr(ds, "classes", None), (list, tuple)):
+            return len(ds.classes)
+    largest = 0
+    for ds in (train, test):
+        if ds is None:
+            continue
+        if isinstance(ds, TensorDataset):
+            largest = max(largest, int(ds.tensors[1].max()))
+        else:
+            largest = max(largest, max(int(ds[i][1]) for i in range(len(ds))))
+    return largest + 1
+
+
+class ShardSampler:
+    """This rank's indices of each epoch, as torch's DistributedSampler: the dataset is
+    permuted from (``seed``, epoch) — the same permutation on every rank — padded by wrapping
+    around to a multiple of ``size`` so every rank gets ``len(self)`` indices (and so takes the
+    same number of steps), then rank r takes positions r, r+size, r+2·size, ...
+    ``shuffle=False`` keeps dataset order; ``pad=False`` (evaluation) gives each sample to
+    exactly one rank, so ranks may differ by one."""
+
+    def __init__(self, length: int, rank: int, size: int, seed: int = 0, shuffle: bool = True,
+                 pad: bool = True):
+        if length < 1:
+            raise ValueError(f"cannot shard an empty dataset over {size} ranks")
+        if pad and length < size:
+            raise ValueError(f"{size} ranks but only {length} training samples: every rank "
+                             "needs at least one")
+        self.length, self.rank, self.size = length, rank, size
+        self.seed, self.shuffle, self.pad = seed, shuffle, pad
+
+    def __len__(self) -> int:
+        if self.pad:
+            return -(-self.length // self.size)
+        return len(range(self.rank, self.length, self.size))
+
+    def indices(self, epoch: int) -> np.ndarray:
+        """This rank's sample indices for ``epoch``, in the order they are visited."""
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.length)
+        else:
+            order = np.arange(self.length)
+        if self.pad:
+            total = len(self) * self.size
+            order = np.resize(order, total)  # wraps around, as DistributedSampler pads
+        return order[self.rank::self.size]
+
+
+def batches(dataset: Dataset, indices: Sequence[int], batch_size: int,
+            start: int = 0) -> Iterator[tuple]:
+    """(inputs, labels) batches of ``dataset`` at ``indices``, ``batch_size`` at a time, the
+    last one possibly smaller, beginning with batch number ``start``. TensorDatasets are
+    indexed in one gather per tensor; other datasets item by item."""
+    for lo in range(start * batch_size, len(indices), batch_size):
+        chunk = indices[lo:lo + batch_size]
+        if isinstance(dataset, TensorDataset):
+            idx = torch.from_numpy(np.asarray(chunk, dtype=np.int64))
+            yield tuple(t[idx] for t in dataset.tensors[:2])
+        else:
+            items = [dataset[int(i)] for i in chunk]
+            yield (torch.stack([torch.as_tensor(x) for x, _ in items]),
+                   torch.as_tensor([int(y) for _, y in items]))
+
+
+def steps_per_epoch(sampler: ShardSampler, batch_size: int) -> int:
+    return -(-len(sampler) // batch_size)
+
+
+def describe(spec: str, sets: DataSets) -> str:
+    held = f", {len(sets.test)} held out" if sets.test is not None else ""
+    return (f"{spec}: {len(sets.train)} training samples{held}, input "
+            f"{'x'.join(map(str, sets.input_shape))}, {sets.num_classes} classes")
+

@@ -1,0 +1,6 @@
+"""``python -m mpidp.train``: see mpidp.train.cli."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

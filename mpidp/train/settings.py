@@ -1,0 +1,92 @@
+"""Every setting of a training run, its default and its check: the one table the command line
+and ``mpidp.fit`` share."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from .. import algorithms
+
+STRATEGIES = ("mirrored", "central", "ps")
+OPTIMIZERS = ("sgd", "momentum", "adam")
+LR_SCALINGS = ("none", "linear", "sqrt")
+MOMENTUM = 0.9  # --optimizer momentum: SGD with this momentum (Goyal et al. use 0.9)
+
+
+@dataclasses.dataclass
+class TrainSettings:
+    """A training run's settings (each is a command-line flag of ``python -m mpidp.train``,
+    with ``_`` for ``-``). ``check()`` raises ValueError naming the first bad value."""
+
+    strategy: str = "mirrored"
+    model: str = "mlp"
+    dataset: str = "digits"
+    synthetic_samples: int = 8192
+    epochs: int = 20
+    batch_size: int = 32
+    lr: float = 0.05
+    lr_scaling: str = "linear"
+    warmup_epochs: float = 0.0
+    optimizer: str = "momentum"
+    bucket_mb: float = 25.0
+    algorithm: str = "auto"
+    seed: int = 0
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    resume: bool = False
+    log_json: Optional[str] = None
+    eval_every: int = 1
+    threads_per_rank: Optional[int] = None
+    progress: bool = True
+    verbose: bool = False
+
+    def check(self) -> "TrainSettings":
+        _choice("--strategy", self.strategy, STRATEGIES)
+        if self.strategy == "ps":
+            raise ValueError("--strategy ps: the parameter server is not available yet; use "
+                             "mirrored or central")
+        _choice("--optimizer", self.optimizer, OPTIMIZERS)
+        _choice("--lr-scaling", self.lr_scaling, LR_SCALINGS)
+        _choice("--algorithm", self.algorithm, algorithms.ALGORITHMS)
+        _at_least("--epochs", self.epochs, 1)
+        _at_least("--batch-size", self.batch_size, 1)
+        _at_least("--synthetic-samples", self.synthetic_samples, 1)
+        _at_least("--checkpoint-every", self.checkpoint_every, 0)
+        _at_least("--keep-checkpoints", self.keep_checkpoints, 1)
+        _at_least("--eval-every", self.eval_every, 0)
+        if self.threads_per_rank is not None:
+            _at_least("--threads-per-rank", self.threads_per_rank, 1)
+        _positive("--lr", self.lr)
+        _positive("--bucket-mb", self.bucket_mb)
+        if not self.warmup_epochs >= 0:
+            raise ValueError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs!r}")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("--resume needs --checkpoint-dir (where to find the checkpoints)")
+        return self
+
+
+def _choice(flag: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{flag} {value!r}: expected one of {', '.join(choices)}")
+
+
+def _at_least(flag: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{flag} must be an integer >= {minimum}, got {value!r}")
+
+
+def _positive(flag: str, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"{flag} must be a number > 0, got {value!r}")
+
+
+def scaled_lr(settings: TrainSettings, size: int, epoch_progress: float) -> float:
+    """The learning rate after ``epoch_progress`` epochs (a float: 2.5 is half-way through the
+    third) on ``size`` ranks: ``--lr`` times 1, size or sqrt(size) per ``--lr-scaling``,
+    reached by a linear ramp from ``--lr`` over ``--warmup-epochs`` (gradual warm-up, Goyal
+    et al. 2017)."""
+    factor = {"none": 1.0, "linear": float(size), "sqrt": size ** 0.5}[settings.lr_scaling]
+    if settings.warmup_epochs > 0 and epoch_progress < settings.warmup_epochs:
+        factor = 1.0 + (factor - 1.0) * epoch_progress / settings.warmup_epochs
+    return settings.lr * factor

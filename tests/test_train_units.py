@@ -1,0 +1,169 @@
+"""Tier 1 for the training tool: data sharding, the learning-rate schedule, checkpoint files,
+settings checks, data and model factories, the command line's help."""
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mpidp import data, models
+from mpidp.train import checkpoint
+from mpidp.train.cli import parser
+from mpidp.train.settings import TrainSettings, scaled_lr
+
+
+# ---- sharding (DistributedSampler semantics) -------------------------------------------------
+
+@pytest.mark.parametrize("length,size", [(1, 1), (10, 3), (11, 4), (12, 4), (1437, 2), (5, 5)])
+def test_shards_cover_the_epoch_and_have_equal_length(length, size):
+    for epoch in (0, 1, 7):
+        shards = [data.ShardSampler(length, r, size, seed=3).indices(epoch) for r in range(size)]
+        assert len({len(s) for s in shards}) == 1
+        assert len(shards[0]) == len(data.ShardSampler(length, 0, size)) == math.ceil(length / size)
+        everything = np.concatenate(shards)
+        assert set(everything.tolist()) == set(range(length))  # every sample visited
+        assert len(everything) - length == (-length) % size    # padding only to a multiple
+
+
+def test_shards_reshuffle_per_epoch_and_repeat_per_seed():
+    a = [data.ShardSampler(100, 0, 2, seed=5).indices(e) for e in range(3)]
+    b = [data.ShardSampler(100, 0, 2, seed=5).indices(e) for e in range(3)]
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not np.array_equal(a[0], a[1])
+    assert not np.array_equal(a[0], data.ShardSampler(100, 0, 2, seed=6).indices(0))
+    assert np.array_equal(data.ShardSampler(6, 1, 2, shuffle=False).indices(0), [1, 3, 5])
+
+
+def test_unpadded_shards_partition_exactly():
+    shards = [data.ShardSampler(10, r, 4, shuffle=False, pad=False).indices(0) for r in range(4)]
+    assert sorted(np.concatenate(shards).tolist()) == list(range(10))
+
+
+def test_more_ranks_than_samples_is_refused():
+    with pytest.raises(ValueError, match="3 ranks but only 2 training samples"):
+        data.ShardSampler(2, 0, 3)
+
+
+def test_batches_resume_mid_epoch_and_match_item_access():
+    train, _ = data.digits()
+    idx = data.ShardSampler(len(train), 0, 2, seed=1).indices(0)
+    whole = list(data.batches(train, idx, 32))
+    later = list(data.batches(train, idx, 32, start=3))
+    assert len(whole) == math.ceil(len(idx) / 32) and len(later) == len(whole) - 3
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+               for a, b in zip(whole[3:], later))
+    sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+    from user_factories import SlowDataset  # a non-TensorDataset goes item by item
+    slow = list(data.batches(SlowDataset(train, 0.0), idx[:40], 32))
+    assert torch.equal(slow[1][0], whole[1][0][:8]) and torch.equal(slow[0][1], whole[0][1])
+
+
+# ---- data sets and models --------------------------------------------------------------------
+
+def test_digits_ship_with_the_package_and_split_fixed():
+    sets = data.load("digits")
+    assert (len(sets.train), len(sets.test)) == (1438, 359)
+    assert sets.input_shape == (1, 8, 8) and sets.num_classes == 10
+    x = sets.train.tensors[0]
+    assert float(x.min()) == 0.0 and float(x.max()) == 1.0
+    assert torch.equal(data.digits()[1].tensors[1], sets.test.tensors[1])
+
+
+def test_synthetic_has_the_asked_size_and_is_learnable_shape():
+    sets = data.load("synthetic", synthetic_samples=100)
+    assert (len(sets.train), len(sets.test)) == (100, 12)
+    assert sets.input_shape == (1, 28, 28) and sets.num_classes <= 10
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("nope", "expected a built-in name or package.module:factory"),
+    ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
+    ("os:no_such_function", "has no 'no_such_function'"),
+    ("os:sep", "is not callable"),
+])
+def test_bad_dataset_factories_are_named(spec, match):
+    with pytest.raises(ValueError, match=match):
+        data.load(spec)
+
+
+def test_builtin_models_fit_the_data():
+    assert models.build("mlp", (1, 8, 8), 10)(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    assert models.build("cnn", (1, 8, 8), 7)(torch.zeros(2, 1, 8, 8)).shape == (2, 7)
+    with pytest.raises(ValueError, match="unknown model 'resnet'"):
+        models.build("resnet", (1, 8, 8), 10)
+    with pytest.raises(ValueError, match="square"):
+        models.build("cnn", (64,), 10)
+
+
+# ---- settings and schedule -------------------------------------------------------------------
+
+@pytest.mark.parametrize("change,match", [
+    ({"batch_size": 0}, "--batch-size must be an integer >= 1, got 0"),
+    ({"epochs": -1}, "--epochs"), ({"lr": 0.0}, "--lr must be a number > 0"),
+    ({"strategy": "ps"}, "not available yet"), ({"optimizer": "lbfgs"}, "--optimizer"),
+    ({"resume": True}, "--resume needs --checkpoint-dir"), ({"warmup_epochs": -1}, "warmup"),
+    ({"algorithm": "tree"}, "--algorithm"), ({"keep_checkpoints": 0}, "--keep-checkpoints"),
+])
+def test_settings_checks_name_the_flag(change, match):
+    with pytest.raises(ValueError, match=match):
+        TrainSettings(**change).check()
+
+
+def test_lr_scaling_and_warmup():
+    s = TrainSettings(lr=0.1, lr_scaling="linear", warmup_epochs=2)
+    assert scaled_lr(s, 4, 0.0) == pytest.approx(0.1)
+    assert scaled_lr(s, 4, 1.0) == pytest.approx(0.25)
+    assert scaled_lr(s, 4, 2.0) == scaled_lr(s, 4, 9.0) == pytest.approx(0.4)
+    assert scaled_lr(TrainSettings(lr=0.1, lr_scaling="sqrt"), 4, 0) == pytest.approx(0.2)
+    assert scaled_lr(TrainSettings(lr=0.1, lr_scaling="none"), 4, 0) == pytest.approx(0.1)
+
+
+def test_help_documents_every_setting_with_its_default():
+    text = parser().format_help()
+    for name, value in vars(TrainSettings()).items():
+        assert "--" + name.replace("_", "-") in text
+    assert "(default: 32)" in text and "(default: mirrored)" in text
+
+
+# ---- checkpoint files ------------------------------------------------------------------------
+
+def _state(v):
+    return {"model": {"w": torch.full((3,), float(v))}, "epoch": v}
+
+
+def test_checkpoints_rotate_and_load_newest(tmp_path):
+    for step in (5, 10, 15, 20):
+        checkpoint.save(tmp_path, _state(step), step, keep=2)
+    assert [p.name for p in checkpoint.existing(tmp_path)] == ["ckpt-000000020.pt",
+                                                                "ckpt-000000015.pt"]
+    path, state = checkpoint.load_latest(tmp_path, pytest.fail)
+    assert path.name == "ckpt-000000020.pt" and state["epoch"] == 20
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temporaries left
+
+
+def test_corrupt_checkpoint_is_named_and_the_previous_used(tmp_path):
+    checkpoint.save(tmp_path, _state(1), 1, keep=3)
+    newest = checkpoint.save(tmp_path, _state(2), 2, keep=3)
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated
+    warnings = []
+    path, state = checkpoint.load_latest(tmp_path, warnings.append)
+    assert state["epoch"] == 1 and path.name == "ckpt-000000001.pt"
+    assert len(warnings) == 1 and str(newest) in warnings[0] and "corrupt" in warnings[0]
+    (tmp_path / "ckpt-000000003.pt").write_bytes(b"not a checkpoint")
+    assert checkpoint.load_latest(tmp_path, warnings.append)[1]["epoch"] == 1
+    assert checkpoint.load_latest(tmp_path / "empty", pytest.fail) is None
+
+
+def test_failed_write_keeps_earlier_checkpoints(tmp_path):
+    good = checkpoint.save(tmp_path, _state(1), 1, keep=3)
+    with pytest.raises(Exception):
+        checkpoint.save(tmp_path, {"model": lambda: 0}, 2, keep=3)  # cannot be pickled
+    assert checkpoint.existing(tmp_path) == [good]
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+    # a temporary left by a writer that was killed is removed by the next save
+    (tmp_path / ".ckpt-000000009.pt.tmp-999999999").write_bytes(b"partial")
+    checkpoint.save(tmp_path, _state(3), 3, keep=3)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
