@@ -20,7 +20,7 @@ for rep in $(seq "${REPEATS:-5}"); do
     for n in 1 2; do
       for strategy in mirrored central; do
         "$MPIEXEC" -n "$n" "$PY" -m mpidp.train --no-progress --dataset synthetic \
-          --synthetic-samples 16384 --batch-size 64 --epochs 2 --eval-every 0 --model "$model" \
+          --synthetic-samples 32768 --batch-size 64 --epochs 1 --eval-every 0 --model "$model" \
           --strategy "$strategy" | tail -1 | sed 's/}$/, "job": "throughput"}/' >> "$OUT"
       done
     done

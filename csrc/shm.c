@@ -11,8 +11,8 @@
  * record[seq & 1] again at call seq + 2, after every rank has arrived at seq + 1 and so has
  * finished reading call seq. Inline calls need no second barrier for that reason.
  *
- * Sliced calls (large buffers): rank r reduces slice r of every rank's input, own data first
- * and then the peers' in rank order after r, and writes the result into slice r of every
+ * Sliced calls (large buffers): rank r reduces slice r of every rank's input (in rank order,
+ * Note [Summation order]), and writes the result into slice r of every
  * rank's output. Only rank r touches slice r of any buffer, so in-place calls are safe, and
  * each input byte is read once and each output byte written once on the whole node.
  * Peers are reached by cross-memory attach (process_vm_readv/writev) or, where the kernel
@@ -198,11 +198,18 @@ static int sliced_reduce(const shm_call *c, shm_result *r) {
     size_t chunk = c->chunk_bytes / isz;
     if (chunk == 0) chunk = 1;
     const record_t *mine = &slot_of(c, c->rank)->record[c->seq & 1];
-    char *scratch = NULL, *acc = NULL; /* acc: this chunk of own segmented data */
+    /* Note [Summation order]: with three ranks or more the terms are added in rank order, so
+     * that the result does not depend on who owns the slice (and so on bucket layout); an
+     * in-place call on rank > 0 then needs a spare chunk, since its own data is added after
+     * rank 0's. With two ranks own-first is the same sum (addition is commutative). */
+    int rank_order = c->nranks > 2;
+    int spare_needed = rank_order && c->rank > 0 && (c->nsegs || c->in == c->out);
+    char *scratch = NULL, *acc = NULL, *spare = NULL; /* acc: this chunk of own segments */
     if ((c->nranks > 1 || c->nsegs) && c->slice_hi > c->slice_lo) {
-        scratch = malloc(chunk * isz * (c->nsegs ? 2 : 1));
+        scratch = malloc(chunk * isz * (1 + (c->nsegs ? 1 : 0) + spare_needed));
         if (!scratch) return ENOMEM;
         acc = c->nsegs ? scratch + chunk * isz : NULL;
+        spare = spare_needed ? scratch + chunk * isz * (c->nsegs ? 2 : 1) : NULL;
     }
     int err = 0;
     for (size_t lo = c->slice_lo; lo < c->slice_hi && !err; lo += chunk) {
@@ -212,10 +219,25 @@ static int sliced_reduce(const shm_call *c, shm_result *r) {
         const char *own = acc ? acc : c->in + off;
         if (acc) seg_move(0, mine, off, acc, nbytes, 0);
         if (c->nranks == 1 && dst != own) memcpy(dst, own, nbytes);
-        for (int k = 1; k < c->nranks && !err; k++) {
-            int q = (c->rank + k) % c->nranks;
-            if ((err = peer_read(c, q, scratch, off, nbytes))) r->peer_rank = q;
-            else mp_reduce2(dst, k == 1 ? own : dst, scratch, n, c->dtype, c->op);
+        if (rank_order && c->nranks > 1) {
+            char *sum = spare ? spare : dst;
+            for (int q = 0; q < c->nranks && !err; q++) {
+                const char *term = own;
+                if (q != c->rank) {
+                    char *into = q == 0 ? sum : scratch;
+                    if ((err = peer_read(c, q, into, off, nbytes))) { r->peer_rank = q; break; }
+                    term = into;
+                }
+                if (q == 0) { if (sum != term) memcpy(sum, term, nbytes); }
+                else mp_reduce2(sum, sum, term, n, c->dtype, c->op);
+            }
+            if (!err && sum != dst) memcpy(dst, sum, nbytes);
+        } else {
+            for (int k = 1; k < c->nranks && !err; k++) {
+                int q = (c->rank + k) % c->nranks;
+                if ((err = peer_read(c, q, scratch, off, nbytes))) r->peer_rank = q;
+                else mp_reduce2(dst, k == 1 ? own : dst, scratch, n, c->dtype, c->op);
+            }
         }
         if (!err && c->divisor > 1) mp_divide(dst, n, c->dtype, c->divisor);
         for (int k = 1; k < c->nranks && !err; k++) {

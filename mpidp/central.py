@@ -19,7 +19,7 @@ class CentralStorage:
     """Wraps ``module`` for central-storage training. ``make_optimizer(parameters)`` is called
     on the root only; ``self.optimizer`` is None elsewhere. After ``loss.backward()`` call
     ``step()`` on every rank: gradients averaged over the ranks on the root, the root's
-    optimizer steps, every replica receives the new parameters.
+    optimizer steps, every replica receives the new parameters and the root's buffers.
 
     Construct on every rank after ``mpidp.init()``; the root's parameters and buffers are
     broadcast, and names, shapes and dtypes are compared across ranks (a mismatch raises on
@@ -39,8 +39,8 @@ class CentralStorage:
         self.module, self.root, self._size = module, root, g.size
         self.is_root = g.rank == root
         self._params = [p for p in module.parameters() if p.requires_grad]
-        broadcast_tensors_([p.detach() for p in module.parameters()] + list(module.buffers()),
-                           root)
+        self._buffers = list(module.buffers())
+        broadcast_tensors_([p.detach() for p in module.parameters()] + self._buffers, root)
         self.optimizer: Optional[Any] = make_optimizer(self._params) if self.is_root else None
         self._buckets = plan([p.detach() for p in self._params], bucket_cap_bytes) \
             if self._params else []
@@ -80,6 +80,8 @@ class CentralStorage:
             collectives.broadcast_(bucket.host, self.root)
             if not self.is_root:
                 bucket.unpack(params)
+        if self._buffers:  # the root's running statistics are the model's
+            broadcast_tensors_(self._buffers, self.root)
         comm_s = (reduced - t0) + (time.perf_counter() - stepped)
         self.comm_stats["steps"] += 1
         self.comm_stats["comm_s"] += comm_s

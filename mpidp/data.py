@@ -3,7 +3,7 @@ size), user factories named ``package.module:factory``, and the per-rank shard o
 (DistributedSampler semantics)."""
 from __future__ import annotations
 
-import dataclasses
+import functools
 import importlib
 import math
 from importlib import resources
@@ -19,15 +19,17 @@ SYNTHETIC_SHAPE = (1, 28, 28)  # MNIST-shaped, so the built-in mlp and cnn both 
 SYNTHETIC_CLASSES = 10
 
 
-@dataclasses.dataclass(frozen=True)
 class DataSets:
-    """A train and a held-out set (the held-out one may be None), with what a model needs to
-    know of them."""
+    """A train and a held-out set (the held-out one may be None), with what a built-in model
+    needs to know of them: the shape of one input and the number of classes (counted on
+    first use, which reads every label of a dataset that does not say)."""
 
-    train: Dataset
-    test: Optional[Dataset]
-    input_shape: tuple
-    num_classes: int
+    def __init__(self, train: Dataset, test: Optional[Dataset], input_shape: tuple):
+        self.train, self.test, self.input_shape = train, test, input_shape
+
+    @functools.cached_property
+    def num_classes(self) -> int:
+        return _num_classes(self.train, self.test)
 
 
 def digits() -> tuple:
@@ -80,6 +82,17 @@ def import_factory(spec: str, what: str) -> Callable:
     return obj
 
 
+def call_factory(spec: str, what: str):
+    """Imports and calls the factory ``spec`` with no arguments; whatever it raises becomes a
+    ValueError naming it."""
+    factory = import_factory(spec, what)
+    try:
+        return factory()
+    except Exception as exc:
+        raise ValueError(f"{what} {spec!r}: the factory raised {type(exc).__name__}: {exc}") \
+            from None
+
+
 def load(spec: str, synthetic_samples: int = 8192) -> DataSets:
     """The data set named by ``spec``: a built-in (digits, synthetic) or ``package.module:
     factory``, a callable returning (train, test) map-style datasets of (input, label) pairs
@@ -89,7 +102,7 @@ def load(spec: str, synthetic_samples: int = 8192) -> DataSets:
     elif spec == "synthetic":
         train, test = synthetic(synthetic_samples)
     else:
-        result = import_factory(spec, "dataset")()
+        result = call_factory(spec, "dataset")
         if not (isinstance(result, tuple) and len(result) == 2):
             raise ValueError(f"dataset {spec!r}: the factory must return (train, test), got "
                              f"{type(result).__name__}")
@@ -100,10 +113,14 @@ def load(spec: str, synthetic_samples: int = 8192) -> DataSets:
         if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__"):
             raise ValueError(f"dataset {spec!r}: {name} set is not a map-style dataset "
                              f"(needs __len__ and __getitem__), got {type(ds).__name__}")
-    if len(train) == 0:
-        raise ValueError(f"dataset {spec!r}: the train set is empty")
-    x0 = torch.as_tensor(train[0][0])
-    return DataSets(train, test, tuple(x0.shape), _num_classes(train, test))
+        if len(ds) == 0:
+            raise ValueError(f"dataset {spec!r}: the {name} set is empty")
+    try:
+        x0 = torch.as_tensor(train[0][0])
+    except Exception as exc:
+        raise ValueError(f"dataset {spec!r}: train[0] is not an (input, label) pair of tensors "
+                         f"or numbers ({type(exc).__name__}: {exc})") from None
+    return DataSets(train, test, tuple(x0.shape))
 
 
 def _num_classes(train: Dataset, test: Optional[Dataset]) -> int:
@@ -181,6 +198,7 @@ def steps_per_epoch(sampler: ShardSampler, batch_size: int) -> int:
 
 def describe(spec: str, sets: DataSets) -> str:
     held = f", {len(sets.test)} held out" if sets.test is not None else ""
+    classes = f", {sets.num_classes} classes" if "num_classes" in vars(sets) else ""
     return (f"{spec}: {len(sets.train)} training samples{held}, input "
-            f"{'x'.join(map(str, sets.input_shape))}, {sets.num_classes} classes")
+            f"{'x'.join(map(str, sets.input_shape))}{classes}")
 

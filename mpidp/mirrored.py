@@ -193,6 +193,9 @@ class DistributedDataParallel(torch.nn.Module):
             self._next += 1
 
     def _launch(self, bucket: Bucket) -> None:
+        if self._size == 1 and not self.gradient_as_bucket_view:
+            self._results.put((None, 0.0))  # one rank: each gradient already is the average
+            return
         params = [self._params[i] for i in bucket.indices]
         sources = [p.grad for p in params]
         # parameters without a gradient here are settled after the used-map exchange

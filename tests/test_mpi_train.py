@@ -1,18 +1,12 @@
 """Tier 2: ``python -m mpidp.train`` under mpiexec -n 1, 2, 3 — the default run's accuracy,
 what the user sees, central == mirrored, kill-and-resume equality, every bad input."""
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-import uuid
-from pathlib import Path
 
 import pytest
 import torch
 
-from mpirun import BODIES, assert_ok, body, mpiexec, run
+from mpirun import BODIES, assert_ok, body, run
 
 USER = {"PYTHONPATH": str(BODIES)}  # tests/mpi/user_factories.py
 
@@ -85,56 +79,71 @@ def test_central_ends_with_the_parameters_of_mirrored(n, tmp_path):
             torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
-def _kill_rank(mark: str, rank: int) -> bool:
-    """SIGKILL the rank of the run tagged ``mark`` (found by its environment)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"KILL_TEST_MARK={mark}".encode() in env and f"PMI_RANK={rank}".encode() in env:
-            os.kill(int(pid), signal.SIGKILL)
-            return True
-    return False
+RESUMABLE = ("--dataset", "user_factories:dying_digits", "--epochs", 3, "--checkpoint-every",
+             10, "--optimizer", "adam", "--no-progress")
+_uninterrupted = {}
 
 
-RESUMABLE = ("--dataset", "user_factories:slow_digits", "--epochs", 3, "--checkpoint-every", 10,
-             "--optimizer", "adam", "--no-progress")
+def uninterrupted(n, strategy, tmp_path_factory):
+    """The reference run of a (ranks, strategy), made once per session."""
+    if (n, strategy) not in _uninterrupted:
+        d = tmp_path_factory.mktemp(f"uninterrupted-{n}-{strategy}")
+        _uninterrupted[n, strategy] = summary_of(train(n, *RESUMABLE, "--strategy", strategy,
+                                                       "--checkpoint-dir", d, env=USER))
+    return _uninterrupted[n, strategy]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    d = tmp_path_factory.mktemp("uninterrupted")
-    return summary_of(train(2, *RESUMABLE, "--checkpoint-dir", d, env=USER))
+# (ranks, strategy, the rank that dies, at which of its items, the checkpoint resumed from):
+# 2 ranks take 23 steps of 32 per epoch, 3 ranks 15; checkpoints every 10 steps and at each
+# epoch's end, so each crash falls in epoch 2 with a mid-epoch checkpoint to go back to (the
+# first item is read once at start-up, for the input shape)
+KILLS = [(2, "mirrored", 1, 1 + 719 + 11 * 32 + 5, "ckpt-000000030.pt"),
+         (2, "mirrored", 0, 1 + 719 + 11 * 32 + 5, "ckpt-000000030.pt"),
+         (2, "central", 1, 1 + 719 + 11 * 32 + 5, "ckpt-000000030.pt"),
+         (3, "mirrored", 2, 1 + 480 + 11 * 32 + 5, "ckpt-000000020.pt")]
 
 
-@pytest.mark.parametrize("victim", [0, 1])
-def test_sigkill_then_resume_ends_bitwise_equal(victim, uninterrupted, tmp_path):
-    mark = uuid.uuid4().hex
-    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "mpidp.train", *map(str, RESUMABLE),
-           "--checkpoint-dir", str(tmp_path)]
-    env = dict(os.environ, KILL_TEST_MARK=mark, **USER)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "ckpt-000000030.pt").exists():  # mid-epoch 2 of 3
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-            time.sleep(0.01)
-        assert _kill_rank(mark, victim)
-        out = proc.communicate(timeout=60)[0]
-    finally:
-        proc.kill()
-    assert proc.returncode != 0, out
-    assert "global_step" not in out  # it did not finish
-    resumed = summary_of(train(2, *RESUMABLE, "--checkpoint-dir", tmp_path, "--resume", env=USER))
-    assert resumed["resumed_from"] is not None
-    assert resumed["parameters_sha256"] == uninterrupted["parameters_sha256"]
-    a, b = model_of(resumed["checkpoint"]), model_of(uninterrupted["checkpoint"])
+@pytest.mark.parametrize("n,strategy,victim,item,resume_file", KILLS,
+                         ids=[f"n{k[0]}-{k[1]}-rank{k[2]}" for k in KILLS])
+def test_sigkill_then_resume_ends_bitwise_equal(n, strategy, victim, item, resume_file,
+                                                tmp_path, tmp_path_factory):
+    reference = uninterrupted(n, strategy, tmp_path_factory)
+    flags = (*RESUMABLE, "--strategy", strategy, "--checkpoint-dir", tmp_path)
+    killed = train(n, *flags, env=dict(USER, DIE_RANK=str(victim), DIE_AT_ITEM=str(item)))
+    out = killed.stdout + killed.stderr
+    assert killed.returncode != 0 and "Killed" in out and '"event": "summary"' not in out, out
+    proc = train(n, *flags, "--resume", env=USER)
+    resumed = summary_of(proc)
+    assert resumed["resumed_from"] == str(tmp_path / resume_file)
+    assert f"resuming from {tmp_path / resume_file}: epoch 2, step" in proc.stdout
+    assert resumed["parameters_sha256"] == reference["parameters_sha256"]
+    a, b = model_of(resumed["checkpoint"]), model_of(reference["checkpoint"])
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # resuming the finished run trains nothing and changes nothing
+    again = train(n, *flags, "--resume", env=USER)
+    assert summary_of(again)["parameters_sha256"] == reference["parameters_sha256"]
+    assert "is the end of the run: nothing left to train" in again.stdout
 
 
-def test_corrupt_checkpoint_is_reported_and_the_previous_one_used(uninterrupted, tmp_path):
+def test_n_ranks_equal_one_rank_on_the_concatenated_batch(tmp_path):
+    """Rank r's batch k is every n-th sample of the one-rank batch k of n times the size."""
+    flags = ("--optimizer", "sgd", "--lr-scaling", "none", "--epochs", 1, "--no-progress")
+    one = summary_of(train(1, *flags, "--batch-size", 64, "--checkpoint-dir", tmp_path / "1"))
+    two = summary_of(train(2, *flags, "--batch-size", 32, "--checkpoint-dir", tmp_path / "2"))
+    a, b = model_of(one["checkpoint"]), model_of(two["checkpoint"])
+    for k in a:  # same samples, same steps; only the order of additions differs
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    assert one["global_step"] == two["global_step"] == 23
+
+
+def test_accuracy_is_reported_only_for_evaluated_epochs(tmp_path):
+    log = tmp_path / "log.jsonl"
+    summary_of(train(1, "--epochs", 4, "--eval-every", 2, "--log-json", log, "--no-progress"))
+    events = [json.loads(l) for l in log.read_text().splitlines()]
+    assert [e.get("test_accuracy") is not None for e in events[:4]] == [False, True, False, True]
+
+
+def test_corrupt_checkpoint_is_reported_and_the_previous_one_used(tmp_path):
     flags = ("--epochs", 2, "--checkpoint-every", 10, "--optimizer", "adam", "--no-progress")
     summary_of(train(2, *flags, "--epochs", 1, "--checkpoint-dir", tmp_path))
     newest = sorted(tmp_path.glob("ckpt-*.pt"))[-1]
@@ -158,13 +167,25 @@ BAD = [
     (3, ("--dataset", "synthetic", "--synthetic-samples", 2), "3 ranks but only 2 training"),
     (2, ("--strategy", "ps"), "--strategy ps: the parameter server is not available yet"),
     (2, ("--epochs", "many"), "argument --epochs: invalid int value: 'many'"),
+    (2, ("--seed", -1), "--seed must be an integer >= 0, got -1"),
+    (2, ("--log-json", "{tmp}/no/such/dir/log.jsonl"), "--log-json"),
+    (2, ("--checkpoint-dir", "{tmp}/used"), "holds checkpoints of an earlier run"),
+    (2, ("--checkpoint-dir", "{file}"), "cannot create"),
+    (2, ("--checkpoint-every", 5), "--checkpoint-every needs --checkpoint-dir"),
+    (2, ("--dataset", "user_factories:broken"), "the factory raised OSError"),
+    (2, ("--model", "torch.nn:Linear"), "the factory raised TypeError"),
+    (2, ("--algorithm", "tree"), "argument --algorithm: invalid choice: 'tree'"),
     (1, ("--no-such-flag",), "unrecognized arguments: --no-such-flag"),
 ]
 
 
 @pytest.mark.parametrize("n,flags,message", BAD, ids=[" ".join(map(str, b[1])) for b in BAD])
 def test_bad_input_is_one_line_and_exit_code_2(n, flags, message, tmp_path):
-    flags = [str(f).replace("{tmp}", str(tmp_path)) for f in flags]
+    (tmp_path / "a-file").write_text("x")
+    from mpidp.train import checkpoint
+    checkpoint.save(tmp_path / "used", {"model": {}}, 1, keep=1)
+    flags = [str(f).replace("{tmp}", str(tmp_path)).replace("{file}", str(tmp_path / "a-file"))
+             for f in flags]
     proc = train(n, *flags, env=USER, timeout_s=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     errors = [l for l in proc.stderr.splitlines() if l.strip()]

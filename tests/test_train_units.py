@@ -1,5 +1,6 @@
 """Tier 1 for the training tool: data sharding, the learning-rate schedule, checkpoint files,
 settings checks, data and model factories, the command line's help."""
+import dataclasses
 import math
 import os
 import sys
@@ -89,6 +90,18 @@ def test_bad_dataset_factories_are_named(spec, match):
         data.load(spec)
 
 
+def test_factories_that_fail_are_named():
+    sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+    with pytest.raises(ValueError, match=r"model 'torch.nn:Linear': the factory raised TypeError"):
+        data.call_factory("torch.nn:Linear", "model")
+    with pytest.raises(ValueError, match="the test set is empty"):
+        data.load("user_factories:empty_test")
+    with pytest.raises(ValueError, match="is not a map-style dataset"):
+        data.load("user_factories:not_a_dataset")
+    with pytest.raises(ValueError, match="factory raised OSError: the data files are missing"):
+        data.load("user_factories:broken")
+
+
 def test_builtin_models_fit_the_data():
     assert models.build("mlp", (1, 8, 8), 10)(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
     assert models.build("cnn", (1, 8, 8), 7)(torch.zeros(2, 1, 8, 8)).shape == (2, 7)
@@ -102,7 +115,10 @@ def test_builtin_models_fit_the_data():
 
 @pytest.mark.parametrize("change,match", [
     ({"batch_size": 0}, "--batch-size must be an integer >= 1, got 0"),
-    ({"epochs": -1}, "--epochs"), ({"lr": 0.0}, "--lr must be a number > 0"),
+    ({"epochs": -1}, "--epochs"), ({"lr": 0.0}, "--lr must be a finite number > 0"),
+    ({"lr": float("inf")}, "--lr must be a finite"), ({"seed": -1}, "--seed must be an integer"),
+    ({"seed": 1 << 32}, "below 2\\*\\*32"), ({"bucket_mb": 1e-9}, "less than one byte"),
+    ({"checkpoint_every": 5}, "--checkpoint-every needs --checkpoint-dir"),
     ({"strategy": "ps"}, "not available yet"), ({"optimizer": "lbfgs"}, "--optimizer"),
     ({"resume": True}, "--resume needs --checkpoint-dir"), ({"warmup_epochs": -1}, "warmup"),
     ({"algorithm": "tree"}, "--algorithm"), ({"keep_checkpoints": 0}, "--keep-checkpoints"),
@@ -122,10 +138,12 @@ def test_lr_scaling_and_warmup():
 
 
 def test_help_documents_every_setting_with_its_default():
-    text = parser().format_help()
+    text = " ".join(parser().format_help().split())
     for name, value in vars(TrainSettings()).items():
         assert "--" + name.replace("_", "-") in text
     assert "(default: 32)" in text and "(default: mirrored)" in text
+    assert "(default: None)" not in text and "95% held-out" in text
+    assert "(default: none written)" in text and "cores / ranks on the node" in text
 
 
 # ---- checkpoint files ------------------------------------------------------------------------
@@ -167,3 +185,67 @@ def test_failed_write_keeps_earlier_checkpoints(tmp_path):
     (tmp_path / ".ckpt-000000009.pt.tmp-999999999").write_bytes(b"partial")
     checkpoint.save(tmp_path, _state(3), 3, keep=3)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+# ---- random streams and set-up checks --------------------------------------------------------
+
+def test_rng_streams_per_rank_and_state_round_trip(tmp_path):
+    import random
+    from mpidp.train.checkpoint import rng_state, seed_rng, set_rng_state
+    seed_rng(3, 0)
+    a = (torch.rand(2), np.random.rand(), random.random())
+    seed_rng(3, 1)
+    assert torch.rand(2).tolist() != a[0].tolist()
+    np.random.normal()  # leaves a cached Gaussian in numpy's state
+    state = rng_state()
+    checkpoint.save(tmp_path, {"rng": [state]}, 1, keep=1)  # weights_only must accept it
+    saved = checkpoint.load(checkpoint.existing(tmp_path)[0])["rng"][0]
+    want = (torch.rand(3), np.random.normal(), random.random())
+    set_rng_state(saved)
+    assert torch.equal(torch.rand(3), want[0]) and np.random.normal() == want[1] \
+        and random.random() == want[2]
+
+
+def _resume_settings(tmp_path, **kw):
+    return TrainSettings(checkpoint_dir=str(tmp_path), resume=True, **kw)
+
+
+def test_resume_checks_the_checkpoint_fits_this_run(tmp_path):
+    from mpidp.train.setup import find_resume_point
+    model = models.build("mlp", (1, 8, 8), 10)
+    s = TrainSettings(checkpoint_dir=str(tmp_path), epochs=3)
+    state = {"model": model.state_dict(), "epoch": 2, "world_size": 2, "train_samples": 100,
+             "settings": dataclasses.asdict(s)}
+    checkpoint.save(tmp_path, state, 10, keep=3)
+    fail = pytest.fail
+    assert find_resume_point(_resume_settings(tmp_path, epochs=3), 2, model, 100, fail)[1][
+        "epoch"] == 2
+    for kw, n, samples, match in [({"batch_size": 7}, 2, 100, "batch_size=32, this run has "
+                                   "batch_size=7"), ({}, 3, 100, "world_size=2"),
+                                  ({"seed": 1}, 2, 100, "seed"), ({}, 2, 99, "train_samples"),
+                                  ({"optimizer": "adam"}, 2, 100, "optimizer"),
+                                  ({"epochs": 1}, 2, 100, "beyond --epochs 1")]:
+        with pytest.raises(ValueError, match=match):
+            find_resume_point(_resume_settings(tmp_path, **{"epochs": 3, **kw}), n, model,
+                              samples, fail)
+    with pytest.raises(ValueError, match="other parameters"):
+        find_resume_point(_resume_settings(tmp_path, epochs=3), 2,
+                          models.build("mlp", (1, 4, 4), 10), 100, fail)
+    with pytest.raises(ValueError, match="no usable checkpoint"):
+        find_resume_point(_resume_settings(tmp_path / "none"), 2, model, 100, fail)
+
+
+def test_outputs_are_checked_before_training(tmp_path):
+    from mpidp.train.setup import check_outputs
+    check_outputs(TrainSettings(checkpoint_dir=str(tmp_path / "new" / "dir"),
+                                log_json=str(tmp_path / "log.jsonl")))
+    assert (tmp_path / "new" / "dir").is_dir()
+    with pytest.raises(ValueError, match="--log-json .*cannot write"):
+        check_outputs(TrainSettings(log_json=str(tmp_path / "missing" / "log.jsonl")))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="--checkpoint-dir .*cannot create"):
+        check_outputs(TrainSettings(checkpoint_dir=str(tmp_path / "file")))
+    checkpoint.save(tmp_path / "used", _state(1), 1, keep=1)
+    with pytest.raises(ValueError, match="holds checkpoints of an earlier run"):
+        check_outputs(TrainSettings(checkpoint_dir=str(tmp_path / "used")))
+    check_outputs(_resume_settings(tmp_path / "used"))

@@ -1,6 +1,7 @@
 """Training as a tool: the loop (``Trainer``, ``fit``), its settings, checkpoints, reports and
 the ``python -m mpidp.train`` command line."""
-from .loop import SetupError, Trainer, fit
+from .loop import Trainer, fit
+from .setup import SetupError
 from .settings import TrainSettings
 
 __all__ = ["SetupError", "Trainer", "TrainSettings", "fit"]

@@ -4,10 +4,12 @@ truncated one reported by name and passed over for the previous good one."""
 from __future__ import annotations
 
 import os
+import random
 import re
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 FORMAT = "mpidp-checkpoint-1"
@@ -92,3 +94,28 @@ def load_latest(directory: Path, warn: Callable[[str], None]) -> Optional[tuple]
         except ValueError as exc:
             warn(f"{exc}; trying the previous one")
     return None
+
+
+def seed_rng(seed: int, rank: int) -> None:
+    """Seeds torch's, numpy's and Python's global generators with a stream per (seed, rank)
+    (dropout, augmentation and user code draw from them)."""
+    words = np.random.SeedSequence([seed, rank]).generate_state(4)
+    torch.manual_seed(int(words[0]) << 32 | int(words[1]))
+    np.random.seed(int(words[2]))
+    random.seed(int(words[3]))
+
+
+def rng_state() -> dict:
+    """This process's generator states, in types ``torch.load(weights_only=True)`` accepts."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "numpy": torch.from_numpy(keys.astype(np.int64)),
+            "numpy_rest": (int(pos), int(has_gauss), float(gauss)), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    pos, has_gauss, gauss = state["numpy_rest"]
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), pos, has_gauss,
+                         gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))

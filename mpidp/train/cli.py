@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from typing import Optional, Sequence
 
-from .. import data, launcher, models
+from .. import algorithms, data, launcher, models
 from .settings import LR_SCALINGS, OPTIMIZERS, STRATEGIES, TrainSettings
 
 USAGE_ERROR = 2
@@ -26,6 +26,15 @@ def fail(message: str, rank: Optional[int] = None) -> None:
     sys.exit(USAGE_ERROR)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where there is none (the help text says why)."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's own errors: one line, rank 0, exit 2
         fail(message)
@@ -33,10 +42,10 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     d = TrainSettings()
-    p = _Parser(prog=f"python -m {PROG}", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = _Parser(prog=f"python -m {PROG}", formatter_class=_Help,
                 description="Data-parallel training of a PyTorch model on the ranks of an MPI "
                 "job: mpirun -np N python -m mpidp.train [flags]. With no flags: an MLP on the "
-                "8x8 handwritten digits shipped with mpidp (>= 95%% held-out accuracy).")
+                "8x8 handwritten digits shipped with mpidp (>= 95% held-out accuracy).")
     a = p.add_argument
     a("--strategy", choices=STRATEGIES, default=d.strategy,
       help="mirrored: every rank a replica, gradients all-reduced; central: rank 0 holds "
@@ -58,11 +67,11 @@ def parser() -> argparse.ArgumentParser:
     a("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
       help="sgd, momentum (SGD with momentum 0.9) or adam")
     a("--bucket-mb", type=float, default=d.bucket_mb, help="gradient bucket size in MiB")
-    a("--algorithm", default=d.algorithm,
-      help="all-reduce algorithm: auto, shm, ring, hier, mpi (mirrored)")
+    a("--algorithm", choices=algorithms.ALGORITHMS, default=d.algorithm,
+      help="all-reduce algorithm of the mirrored strategy")
     a("--seed", type=int, default=d.seed,
       help="seeds model initialisation, data order and per-rank random streams")
-    a("--checkpoint-dir", default=d.checkpoint_dir, help="where checkpoints are written")
+    a("--checkpoint-dir", default=d.checkpoint_dir, help="where checkpoints are written (default: none written)")
     a("--checkpoint-every", type=int, default=d.checkpoint_every,
       help="also checkpoint every N steps (0: only at the end of each epoch)")
     a("--keep-checkpoints", type=int, default=d.keep_checkpoints,
@@ -71,7 +80,7 @@ def parser() -> argparse.ArgumentParser:
       help="continue from the newest good checkpoint in --checkpoint-dir")
     a("--log-json", default=d.log_json, metavar="FILE",
       help="append a JSON line per epoch (with every rank's compute and wait time) and a "
-      "final summary to FILE")
+      "final summary to FILE (default: no JSON log)")
     a("--eval-every", type=int, default=d.eval_every,
       help="score held-out accuracy every N epochs (0: only at the end)")
     a("--threads-per-rank", type=int, default=d.threads_per_rank,
@@ -94,7 +103,7 @@ def build(settings: TrainSettings) -> tuple:
     sets = data.load(settings.dataset, settings.synthetic_samples)
     torch.manual_seed(settings.seed)
     if ":" in settings.model:
-        model = data.import_factory(settings.model, "model")()
+        model = data.call_factory(settings.model, "model")
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model {settings.model!r}: the factory returned "
                              f"{type(model).__name__}, not a torch.nn.Module")
@@ -110,7 +119,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         fail(str(exc))
     import mpidp
-    from .loop import SetupError, Trainer, agree
+    from .loop import Trainer
+    from .setup import SetupError, agree
     g = mpidp.init()
     try:
         model, sets = agree(g, lambda: build(settings))
@@ -118,7 +128,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{PROG}: {settings.strategy} on {g.size} rank(s), {g.node_count} node(s); "
                   f"{data.describe(settings.dataset, sets)}; model {settings.model} "
                   f"({sum(p.numel() for p in model.parameters()):,} parameters)", flush=True)
-        Trainer(settings).fit(model, sets.train, sets.test)
+        Trainer(settings).fit(model, sets.train, sets.test,
+                              names=(settings.model, settings.dataset))
     except SetupError as exc:
         fail(str(exc), g.rank)
     return 0

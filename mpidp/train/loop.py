@@ -5,42 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
-import random
+import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from .. import collectives, runtime
 from ..data import ShardSampler, batches, steps_per_epoch
-from . import checkpoint
+from . import checkpoint, setup
 from .report import Report
 from .settings import MOMENTUM, TrainSettings, scaled_lr
 from .strategies import make_strategy
 
 EVAL_BATCH = 512
-
-
-class SetupError(ValueError):
-    """Bad settings or inputs found before training starts; raised on every rank alike."""
-
-
-def agree(g, check: Callable[[], Any]) -> Any:
-    """Runs ``check`` on every rank; if it raises ValueError on any rank, every rank raises
-    SetupError with the first failing rank's message (so no rank goes on to wait in a
-    collective). Every rank calls it."""
-    try:
-        result, message = check(), None
-    except ValueError as exc:
-        result, message = None, str(exc)
-    messages = g.comm.allgather(message) if g.size > 1 else [message]
-    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-    if failed:
-        r, m = failed[0]
-        raise SetupError(m if len(failed) == g.size else f"rank {r}: {m}")
-    return result
 
 
 def make_optimizer(settings: TrainSettings) -> Callable[[list], torch.optim.Optimizer]:
@@ -52,11 +31,6 @@ def make_optimizer(settings: TrainSettings) -> Callable[[list], torch.optim.Opti
     return build
 
 
-def default_threads(local_size: int) -> int:
-    """The cores this process may use shared among the ranks of its node."""
-    return max(1, len(os.sched_getaffinity(0)) // max(local_size, 1))
-
-
 def parameters_sha256(module: torch.nn.Module) -> str:
     """A digest of every parameter and buffer, bit for bit (equal runs give equal digests)."""
     h = hashlib.sha256()
@@ -64,21 +38,6 @@ def parameters_sha256(module: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def _rng_state() -> dict:
-    np_state = np.random.get_state()
-    return {"torch": torch.get_rng_state(),
-            "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
-            "numpy_pos": int(np_state[2]), "python": random.getstate()}
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32),
-                         state["numpy_pos"], 0, 0.0))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
 
 
 def evaluate(module: torch.nn.Module, test, g) -> float:
@@ -100,89 +59,78 @@ def evaluate(module: torch.nn.Module, test, g) -> float:
 class Trainer:
     """Trains a model with the settings of ``python -m mpidp.train`` (TrainSettings, or the
     same names as keywords). ``fit`` is collective: every rank calls it with the same model
-    architecture and data set."""
+    architecture, data set sizes and settings (checked)."""
 
     def __init__(self, settings: Optional[TrainSettings] = None, **overrides):
         settings = settings if settings is not None else TrainSettings()
         self.settings = dataclasses.replace(settings, **overrides)
 
     def fit(self, model: torch.nn.Module, train_data, test_data=None,
-            loss_fn: Optional[Callable] = None) -> dict:
+            loss_fn: Optional[Callable] = None, names: Optional[tuple] = None) -> dict:
         """Trains ``model`` (a fresh module, the same architecture on every rank; rank 0's
         initial parameters win) on ``train_data`` (a map-style dataset of (input, label)),
-        scoring accuracy on ``test_data`` each ``eval_every`` epochs. Returns the summary
-        (also printed as JSON by rank 0). Bad settings raise SetupError (a ValueError) on
-        every rank before any training collective."""
+        scoring accuracy on ``test_data`` every ``eval_every`` epochs and at the end.
+        ``names``: (model, data set) as the summary should call them. Returns the summary
+        (also printed as JSON by rank 0). Bad settings or inputs raise SetupError (a
+        ValueError) on every rank before any training collective."""
         s = self.settings
         g = runtime.init()
-        agree(g, s.check)
-        torch.set_num_threads(s.threads_per_rank or default_threads(g.local_size))
-        sampler = agree(g, lambda: ShardSampler(len(train_data), g.rank, g.size, s.seed))
-        resumed = agree(g, lambda: self._load_checkpoint(g)) if s.resume else None
+        setup.agree(g, s.check)
+        setup.same_everywhere(g, setup.fingerprint(s, train_data, test_data))
+        sampler = setup.agree(g, lambda: ShardSampler(len(train_data), g.rank, g.size, s.seed))
+        setup.agree(g, lambda: setup.check_outputs(s) if g.rank == 0 else None, name_rank=False)
+        resumed = None
+        if s.resume:
+            resumed = setup.agree(g, lambda: setup.find_resume_point(
+                s, g.size, model, len(train_data), _warn) if g.rank == 0 else None,
+                name_rank=False)
+        torch.set_num_threads(s.threads_per_rank or setup.default_threads(g.local_size))
+        names = names or (type(model).__name__, type(train_data).__name__)
         report = Report(g.rank, g.size, s.progress, s.verbose, s.log_json)
         try:
             return self._train(g, model, train_data, test_data, loss_fn, sampler, resumed,
-                               report)
+                               report, names)
         finally:
             report.close()
 
-    def _load_checkpoint(self, g) -> Optional[tuple]:
-        """Rank 0 finds the newest good checkpoint; every rank learns where to start."""
-        s = self.settings
-        found, problems = None, []
-        if g.rank == 0:
-            found = checkpoint.load_latest(s.checkpoint_dir, problems.append)
-            for p in problems:
-                print(f"mpidp.train: warning: {p}", flush=True)
-            if found is not None:
-                saved = found[1]
-                if saved["world_size"] != g.size or saved["strategy"] != s.strategy:
-                    found = ("mismatch", f"--resume: {found[0]} was written by "
-                             f"{saved['world_size']} ranks with --strategy {saved['strategy']}; "
-                             f"this run has {g.size} ranks with --strategy {s.strategy}")
-        where = None
-        if g.rank == 0 and found is not None:
-            where = found if found[0] == "mismatch" else (str(found[0]), found[1]["epoch"],
-                                                          found[1]["step_in_epoch"])
-        where = g.comm.bcast(where, root=0) if g.size > 1 else where
-        if where is None:
-            raise ValueError(f"--resume: no usable checkpoint in {s.checkpoint_dir}")
-        if where[0] == "mismatch":
-            raise ValueError(where[1])
-        return where, (found[1] if g.rank == 0 else None)
-
-    def _train(self, g, model, train_data, test_data, loss_fn, sampler, resumed, report):
+    def _train(self, g, model, train_data, test_data, loss_fn, sampler, resumed, report,
+               names):
         s = self.settings
         loss_fn = loss_fn or torch.nn.functional.cross_entropy
-        torch.manual_seed(s.seed * 65536 + g.rank)  # per-rank streams (dropout, augmentation)
-        state = resumed[1] if resumed else None
-        if state is not None:
-            model.load_state_dict(state["model"])
-        strategy = make_strategy(s, model, make_optimizer(s))
-        start_epoch, start_step = 0, 0
-        if resumed:
-            (path, start_epoch, start_step), _ = resumed
-            strategy.load_optimizer(state["optimizer"] if state else None)
-            rng = g.comm.scatter(state["rng"] if state else None, root=0) \
-                if g.size > 1 else state["rng"][0]
-            _set_rng_state(rng)
-            report.line(f"resuming from {path}: epoch {start_epoch + 1}, step {start_step}")
+        checkpoint.seed_rng(s.seed, g.rank)
+        if g.rank == 0 and resumed:
+            model.load_state_dict(resumed[1]["model"])
+        strategy = make_strategy(s, model, make_optimizer(s))  # rank 0's parameters win
         steps = steps_per_epoch(sampler, s.batch_size)
-        global_step = start_epoch * steps + start_step
-        saved_path, accuracy, event = None, None, {}
+        start_epoch, start_step, global_step, saved_path = 0, 0, 0, None
+        if s.resume:
+            path, state = resumed if g.rank == 0 else (None, None)
+            strategy.load_optimizer(state["optimizer"] if state else None)
+            rngs = state["rng"] if state else None
+            checkpoint.set_rng_state(g.comm.scatter(rngs, root=0) if g.size > 1 else rngs[0])
+            where = (str(path), state["epoch"], state["step_in_epoch"], state["global_step"]) \
+                if state else None
+            saved_path, start_epoch, start_step, global_step = \
+                g.comm.bcast(where, root=0) if g.size > 1 else where
+            report.line(f"resuming from {saved_path}: epoch {start_epoch + 1}, step "
+                        f"{start_step}" if start_epoch < s.epochs else
+                        f"{saved_path} is the end of the run: nothing left to train")
+        resumed_from = saved_path
         if g.size > 1:  # start the clocks together: set-up (optimizer creation) is not waiting
             collectives.allreduce_(np.zeros(1))
         t_run = time.perf_counter()
         samples_total, wait_total, time_total = 0, 0.0, 0.0
+        accuracy, event = None, {}
         for epoch in range(start_epoch, s.epochs):
             first = start_step if epoch == start_epoch else 0
             report.start_epoch(epoch, s.epochs, steps, first)
             t_epoch = time.perf_counter()
             compute_s = wait_s = loss_sum = 0.0
-            samples = 0
+            samples, lr = 0, s.lr
             for b, (x, y) in enumerate(batches(train_data, sampler.indices(epoch),
                                                s.batch_size, first), start=first):
-                strategy.set_lr(scaled_lr(s, g.size, epoch + b / steps))
+                lr = scaled_lr(s, g.size, epoch + b / steps)
+                strategy.set_lr(lr)
                 t0 = time.perf_counter()
                 waited = strategy.stats["wait_s"]
                 strategy.zero_grad()
@@ -199,10 +147,12 @@ class Trainer:
                 report.step(loss_value, len(y) * g.size / dt if dt > 0 else 0.0)
                 if s.checkpoint_dir and s.checkpoint_every and b + 1 < steps and \
                         global_step % s.checkpoint_every == 0:
-                    saved_path = self._save(g, strategy, model, epoch, b, steps, global_step)
+                    saved_path = self._save(g, strategy, model, (epoch, b + 1), global_step,
+                                            len(train_data))
             time_s = time.perf_counter() - t_epoch
-            if test_data is not None and s.eval_every and ((epoch + 1) % s.eval_every == 0
-                                                           or epoch + 1 == s.epochs):
+            accuracy = None
+            if test_data is not None and ((s.eval_every and (epoch + 1) % s.eval_every == 0)
+                                          or epoch + 1 == s.epochs):
                 accuracy = evaluate(model, test_data, g)
             per_rank = collectives.allgather(
                 np.array([[compute_s, wait_s, samples, loss_sum, time_s]]))
@@ -215,46 +165,52 @@ class Trainer:
             event = {"event": "epoch", "epoch": epoch + 1, "epochs": s.epochs,
                      "steps": steps - first, "global_step": global_step,
                      "train_loss": float(losses.sum() / max(n_samples, 1)),
-                     "test_accuracy": accuracy if test_data is not None else None,
+                     "test_accuracy": accuracy,
                      "samples_per_s": n_samples / wall_s if wall_s > 0 else 0.0,
-                     "time_s": wall_s, "wait_fraction": float((waits / times).mean()),
-                     "lr": scaled_lr(s, g.size, epoch + 1),
+                     "time_s": wall_s, "wait_fraction": float((waits / times).mean())
+                     if times.min() > 0 else 0.0, "lr": lr,
                      "ranks": [{"rank": r, "compute_s": float(c), "wait_s": float(w),
                                 "samples": int(n), "time_s": float(t)}
                                for r, (c, w, n, _, t) in enumerate(per_rank)]}
             report.end_epoch(event)
             if s.checkpoint_dir:
-                saved_path = self._save(g, strategy, model, epoch, steps - 1, steps, global_step)
+                saved_path = self._save(g, strategy, model, (epoch + 1, 0), global_step,
+                                        len(train_data))
         total_s = time.perf_counter() - t_run
         if accuracy is None and test_data is not None:
             accuracy = evaluate(model, test_data, g)
         summary = {"event": "summary", "strategy": s.strategy, "ranks": g.size,
-                   "model": s.model, "dataset": s.dataset, "epochs": s.epochs,
+                   "model": names[0], "dataset": names[1], "epochs": s.epochs,
                    "global_step": global_step, "final_accuracy": accuracy,
                    "final_train_loss": event.get("train_loss"), "total_s": total_s,
                    "samples_per_s": samples_total / total_s if total_s > 0 else 0.0,
                    "wait_fraction": wait_total / time_total if time_total > 0 else 0.0,
                    "parameters_sha256": parameters_sha256(model),
                    "checkpoint": str(saved_path) if saved_path else None,
-                   "resumed_from": resumed[0][0] if resumed else None}
+                   "resumed_from": resumed_from}
         report.summary(summary)
         return summary
 
-    def _save(self, g, strategy, model, epoch: int, b: int, steps: int, global_step: int):
-        """Checkpoint after batch ``b`` of ``epoch``: every rank sends its RNG state, rank 0
-        writes. Every rank calls it."""
+    def _save(self, g, strategy, model, position: tuple, global_step: int, train_samples: int):
+        """Checkpoint at ``position`` = (epoch, batches done in it): every rank sends its RNG
+        state, rank 0 writes. Every rank calls it."""
         s = self.settings
-        rng = g.comm.gather(_rng_state(), root=0) if g.size > 1 else [_rng_state()]
+        rng = g.comm.gather(checkpoint.rng_state(), root=0) if g.size > 1 \
+            else [checkpoint.rng_state()]
         if g.rank != 0:
             return None
-        position = (epoch + 1, 0) if b + 1 == steps else (epoch, b + 1)
         state = {"model": model.state_dict(), "optimizer": strategy.optimizer_state(),
                  "epoch": position[0], "step_in_epoch": position[1],
-                 "global_step": global_step, "world_size": g.size, "strategy": s.strategy,
+                 "global_step": global_step, "world_size": g.size,
+                 "train_samples": train_samples,
                  "data_order": {"seed": s.seed, "epoch": position[0],
                                 "position": position[1]},
                  "rng": rng, "settings": dataclasses.asdict(s)}
         return checkpoint.save(s.checkpoint_dir, state, global_step, s.keep_checkpoints)
+
+
+def _warn(text: str) -> None:
+    print(f"mpidp.train: warning: {text}", file=sys.stderr, flush=True)
 
 
 def fit(model: torch.nn.Module, train_data, test_data=None, *, loss_fn: Optional[Callable] = None,

@@ -3,6 +3,7 @@ and ``mpidp.fit`` share."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 from .. import algorithms
@@ -57,12 +58,19 @@ class TrainSettings:
         _at_least("--eval-every", self.eval_every, 0)
         if self.threads_per_rank is not None:
             _at_least("--threads-per-rank", self.threads_per_rank, 1)
+        _at_least("--seed", self.seed, 0)
+        if self.seed >= 1 << 32:
+            raise ValueError(f"--seed must be below 2**32, got {self.seed!r}")
         _positive("--lr", self.lr)
         _positive("--bucket-mb", self.bucket_mb)
+        if self.bucket_mb * (1 << 20) < 1:
+            raise ValueError(f"--bucket-mb {self.bucket_mb!r} is less than one byte")
         if not self.warmup_epochs >= 0:
             raise ValueError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs!r}")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir (where to find the checkpoints)")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("--checkpoint-every needs --checkpoint-dir (where to write them)")
         return self
 
 
@@ -77,8 +85,9 @@ def _at_least(flag: str, value, minimum: int) -> None:
 
 
 def _positive(flag: str, value) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ValueError(f"{flag} must be a number > 0, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 \
+            or not math.isfinite(value):
+        raise ValueError(f"{flag} must be a finite number > 0, got {value!r}")
 
 
 def scaled_lr(settings: TrainSettings, size: int, epoch_progress: float) -> float:

@@ -101,6 +101,21 @@ mpidp.allreduce_(tv)
 expect(torch.equal(tb, sum(torch.arange(24, dtype=torch.float32).reshape(4, 6) + q
                            for q in range(n))), "non-contiguous torch view: wrong values")
 
+# Note [Summation order] (csrc/shm.c): on one node the sum is added in rank order whoever
+# owns the slice, so it does not depend on how a buffer is split (bucket layout)
+if g.single_node and "shm" in ALGOS:
+    rng = np.random.default_rng(100 + rank)
+    x = rng.standard_normal(100_003).astype(np.float32)  # not small integers: order shows
+    whole = mpidp.allreduce(x, algorithm="shm")
+    parts = [mpidp.allreduce(x[lo:hi].copy(), algorithm="shm")
+             for lo, hi in ((0, 37_001), (37_001, 99_000), (99_000, 100_003))]
+    expect(np.array_equal(whole, np.concatenate(parts)), "shm sum depends on the split")
+    everyone = mpidp.allgather(x.reshape(1, -1))
+    in_order = everyone[0].copy()
+    for q in range(1, n):
+        in_order += everyone[q]
+    expect(np.array_equal(whole, in_order), "shm sum is not in rank order")
+
 # broadcast, allgather, reduce_scatter
 for root in range(n):
     seed += 1

@@ -29,7 +29,19 @@ try:
     raise AssertionError("batch_size=0 accepted")
 except ValueError as exc:
     assert "--batch-size" in str(exc)
+if g.size > 1:  # settings that differ between ranks are named, not waited on
+    try:
+        mpidp.fit(net(), train, test, epochs=2 + (g.rank == 1), progress=False)
+        raise AssertionError("different epochs per rank accepted")
+    except mpidp.train.SetupError as exc:
+        assert "rank 1 has epochs=3 where rank 0 has 2" in str(exc), exc
+    try:
+        mpidp.fit(net(), train, test if g.rank == 0 else None, progress=False)
+        raise AssertionError("a held-out set on rank 0 only accepted")
+    except mpidp.train.SetupError as exc:
+        assert "test_samples=None where rank 0 has 359" in str(exc), exc
 assert runs["mirrored"]["final_accuracy"] > 0.5, runs
+assert runs["mirrored"]["model"] == "Sequential" and runs["mirrored"]["dataset"] == "TensorDataset"
 assert again["parameters_sha256"] == runs["mirrored"]["parameters_sha256"]
 if g.size <= 2:
     assert runs["central"]["parameters_sha256"] == runs["mirrored"]["parameters_sha256"]
