@@ -1,0 +1,151 @@
+"""Run under mpiexec with BODY_SERVERS servers (1 or 2): the parameter server's windows.
+1. racing pushes of known integer vectors: the servers end with exactly their sum, every push
+   applied once; 2. SSP: with staleness S no worker starts a step more than S ahead of the
+   slowest (checked from recorded clocks); 3. S=0 with one worker equals plain SGD, bit for
+   bit. Prints 'ok <rank>'."""
+import os
+import time
+
+import numpy as np
+import torch
+
+import mpidp
+from mpidp.ps import ParameterServer, Server, Worker
+
+g = mpidp.init()
+comm = g.comm
+K = int(os.environ.get("BODY_SERVERS", "1"))
+counts = [5, 1, 7, 3, 11]  # odd sizes; 27 elements
+total = sum(counts)
+failures = []
+
+
+def expect(cond, what):
+    if not cond:
+        failures.append(what)
+
+
+def run_epochs(ps, epochs, worker_step, apply, staleness=None):
+    """Servers serve, workers run worker_step(worker, flat) per shared batch; returns the
+    final flat parameters on workers."""
+    flat = np.zeros(sum(ps.counts), np.float32)
+    role = Server(ps) if ps.is_server else Worker(ps, staleness)
+    for _ in range(epochs):
+        if ps.is_server:
+            role.serve_epoch(apply)
+        else:
+            worker_step(role, flat)
+            role.finish_epoch()
+        ps.comm.Barrier()
+        if not ps.is_server:
+            role.pull(flat)
+        ps.comm.Barrier()
+        if ps.is_server:
+            role.reset_epoch()
+        ps.comm.Barrier()
+    return role, flat
+
+
+# 1. every push applied exactly once
+M = 40
+ps = ParameterServer(comm, K, counts)
+
+
+def pushes(worker, flat):
+    for m in range(M):
+        worker.pull(flat)
+        worker.push(((np.arange(total) % 7) + worker.w * 3 + m % 5).astype(np.float32))
+
+
+def add(params, grad_sum, n):
+    params += grad_sum
+
+
+role, flat = run_epochs(ps, 2, pushes, add)
+want = 2 * sum(((np.arange(total) % 7) + w * 3 + m % 5) for w in range(ps.num_workers)
+               for m in range(M)).astype(np.float32)
+if not ps.is_server:
+    expect(np.array_equal(flat, want), f"sum of racing pushes: got {flat[:5]} want {want[:5]}")
+    expect(len(role.staleness_seen) == 2 * M, "staleness recorded per push")
+applied = comm.allgather(role.pushes if ps.is_server else None)
+for p in applied[ps.num_workers:]:
+    expect(p == 2 * M * ps.num_workers, f"server applied {p} pushes, want {2 * M * ps.num_workers}")
+ps.free()
+
+# 2. SSP: no worker starts step c before every unfinished worker has >= c - S applied
+S = 1
+ps = ParameterServer(comm, K, counts)
+log = []
+
+
+def clocked(worker, flat):
+    for c in range(12):
+        worker.pull(flat)
+        log.append(("start", c, time.monotonic()))
+        time.sleep(0.002 * (1 + 3 * worker.w))  # worker w is (1 + 3w) times slower
+        log.append(("push", c, time.monotonic()))
+        worker.push(np.ones(total, np.float32))
+
+
+run_epochs(ps, 1, clocked, add, staleness=S)
+logs = comm.allgather(log if not ps.is_server else None)[:ps.num_workers]
+for w, events in enumerate(logs):
+    for kind, c, t in events:
+        if kind != "start":
+            continue
+        for w2, other in enumerate(logs):
+            pushed_before = sum(1 for k2, _, t2 in other if k2 == "push" and t2 < t)
+            expect(pushed_before >= c - S, f"SSP: worker {w} started step {c} when worker {w2}"
+                   f" had pushed {pushed_before}")
+ps.free()
+
+# 3. S=0, one worker (the others idle): equal to plain SGD on one process
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+reference = [p.detach().clone() for p in model.parameters()]
+x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+shapes = [p.shape for p in model.parameters()]
+flat0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+ps = ParameterServer(comm, K, [p.numel() for p in model.parameters()], flat0)
+LR, STEPS = np.float32(0.1), 5
+
+
+def sgd(params, grad_sum, n):
+    torch.from_numpy(params).add_(torch.from_numpy(grad_sum / np.float32(n)), alpha=-LR)
+
+
+def one_worker(worker, flat):
+    if worker.w != 0:
+        return
+    for _ in range(STEPS):
+        worker.pull(flat)
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(torch.from_numpy(flat.copy()),
+                                                model.parameters())
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        worker.push(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
+
+
+role, flat = run_epochs(ps, 1, one_worker, sgd, staleness=0)
+if not ps.is_server:
+    local = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    with torch.no_grad():
+        for p, r in zip(local.parameters(), reference):
+            p.copy_(r)
+    opt = torch.optim.SGD(local.parameters(), lr=float(LR))
+    for _ in range(STEPS):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(local(x), y).backward()
+        opt.step()
+    want = torch.cat([p.detach().reshape(-1) for p in local.parameters()]).numpy()
+    expect(np.array_equal(flat, want), f"S=0 one worker vs SGD: max diff "
+           f"{np.abs(flat - want).max()}")
+ps.free()
+
+results = comm.allgather(failures)
+if g.rank == 0:
+    for r, fs in enumerate(results):
+        for f in fs[:10]:
+            print(f"FAIL rank {r}: {f}", flush=True)
+print(f"ok {g.rank}" if not any(results) else f"failed {g.rank}", flush=True)
