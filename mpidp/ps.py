@@ -115,6 +115,21 @@ class ParameterServer:
         for t, off, n, at in self.shards[s]:
             flat[starts[t] + off:starts[t] + off + n] = shard[at:at + n]
 
+    def read(self, k: int, shard: np.ndarray, control: np.ndarray) -> None:
+        """Server ``k``'s published shard and control words, read together (one shared
+        epoch: Note [Publishing a shard]). Any rank may read."""
+        s, lay = self.servers[k], self.layouts[k]
+        with self.window.locked(s):
+            self.window.get(control, s, lay.control)
+            self.window.get(shard, s, lay.params)
+
+    def read_all(self, flat: np.ndarray) -> None:
+        """Every server's published parameters into ``flat`` (no staleness wait)."""
+        for k, lay in enumerate(self.layouts):
+            shard = np.empty(lay.count, np.float32)
+            self.read(k, shard, np.empty(CONTROL_WORDS + 3 * lay.workers, np.int64))
+            self.scatter_shard(shard, k, flat)
+
     def free(self) -> None:
         """Collective over ``comm``."""
         self.window.free()
@@ -145,7 +160,7 @@ class Worker:
         """Fills ``flat`` (every tensor concatenated) with the servers' parameters, first
         waiting until no worker that is still in this epoch has fewer than (steps - S) of its
         pushes applied (SSP)."""
-        ps, win = self.ps, self.ps.window
+        ps = self.ps
         t0 = time.perf_counter()
         while True:
             ok = True
@@ -153,9 +168,7 @@ class Worker:
                 lay = ps.layouts[k]
                 shard = np.empty(lay.count, np.float32)
                 control = np.empty(CONTROL_WORDS + 3 * lay.workers, np.int64)
-                with win.locked(s):
-                    win.get(control, s, lay.control)
-                    win.get(shard, s, lay.params)
+                ps.read(k, shard, control)
                 if self.staleness is not None and ok:
                     if k == 0:
                         done = control[lay.done(0):lay.done(0) + lay.workers]
@@ -169,18 +182,22 @@ class Worker:
             time.sleep(IDLE_SLEEP_S)
         self.waited_s += time.perf_counter() - t0
 
-    def push(self, grad_flat: np.ndarray) -> None:
-        """Adds this worker's gradient into every server's accumulator, counted once."""
+    def push(self, grad_flat: np.ndarray, scale_by_staleness: bool = False) -> None:
+        """Adds this worker's gradient into every server's accumulator, counted once. Its
+        staleness (server updates since the pull it was computed from) is recorded; with
+        ``scale_by_staleness`` the gradient is divided by it first (Zhang et al. 2016)."""
         ps, win = self.ps, self.ps.window
         worst = 0
         for k, s in enumerate(ps.servers):
             lay = ps.layouts[k]
             part = ps.gather_shard(grad_flat, k)
             with win.locked(s):
+                stale = win.fetch_add(s, lay.control, VERSION, 0) - self.pulled_versions[k]
+                if scale_by_staleness and stale > 1:
+                    part *= np.float32(1.0 / stale)
                 win.accumulate(part, s, lay.grads)
                 win.fetch_add(s, lay.control, lay.pending(self.w), 1)
-                now = win.fetch_add(s, lay.control, VERSION, 0)
-            worst = max(worst, now - self.pulled_versions[k])
+            worst = max(worst, stale)
         self.staleness_seen.append(worst)
         self.steps += 1
 
@@ -203,6 +220,7 @@ class Server:
     def __init__(self, ps: ParameterServer):
         assert ps.is_server
         self.ps = ps
+        self.epoch_pushes = 0
         self.lay = ps.layouts[ps.index]
         self.applies = 0
         self.pushes = 0
@@ -244,11 +262,13 @@ class Server:
                 control_of[VERSION] += 1
             self.applies += 1
             self.pushes += n
+            self.epoch_pushes += n
             self.busy_s += time.perf_counter() - t0
 
     def reset_epoch(self) -> None:
         """Between epochs, when no worker is active: clocks, flags and the batch counter."""
         win, lay = self.ps.window, self.lay
+        self.epoch_pushes = 0
         with win.locked(self.ps.rank, exclusive=True):
             control = win.local(lay.control)
             version = control[VERSION]

@@ -165,7 +165,15 @@ BAD = [
     (2, ("--resume", "--checkpoint-dir", "{tmp}"), "--resume: no usable checkpoint in"),
     (2, ("--resume",), "--resume needs --checkpoint-dir"),
     (3, ("--dataset", "synthetic", "--synthetic-samples", 2), "3 ranks but only 2 training"),
-    (2, ("--strategy", "ps"), "--strategy ps: the parameter server is not available yet"),
+    (2, ("--strategy", "ps", "--num-ps", 2), "--num-ps 2 needs at least 3 ranks"),
+    (3, ("--strategy", "ps", "--staleness", -1), "--staleness must be an integer >= 0"),
+    (2, ("--num-ps", 1), "--num-ps only apply to --strategy ps, not mirrored"),
+    (2, ("--strategy", "central", "--staleness", 2, "--staleness-lr"),
+     "--staleness, --staleness-lr only apply to --strategy ps"),
+    (3, ("--strategy", "ps", "--checkpoint-dir", "{tmp}/c", "--checkpoint-every", 3),
+     "checkpoints at epoch ends only"),
+    (2, ("--straggler", "1x2"), "--straggler '1x2': expected RANK:FACTOR"),
+    (2, ("--straggler", "5:2"), "--straggler 5:2: no rank 5 in a job of 2"),
     (2, ("--epochs", "many"), "argument --epochs: invalid int value: 'many'"),
     (2, ("--seed", -1), "--seed must be an integer >= 0, got -1"),
     (2, ("--log-json", "{tmp}/no/such/dir/log.jsonl"), "--log-json"),
@@ -198,3 +206,38 @@ def test_user_model_and_the_python_api():
     summary_of(train(2, "--model", "user_factories:tiny_model", "--epochs", 2, "--no-progress",
                      env=USER))
     assert_ok(body(2, "body_fit.py", env=USER), 2)
+
+
+@pytest.mark.parametrize("n,servers", [(3, 1), (4, 2)])
+def test_parameter_server_trains_as_well_as_mirrored(n, servers, tmp_path):
+    def late_accuracy(log):  # the mean of the last 5 epochs: one epoch's score moves ±1 point
+        events = [json.loads(l) for l in log.read_text().splitlines()]
+        return sum(e["test_accuracy"] for e in events if e["event"] == "epoch"
+                   and e["epoch"] > 15) / 5
+
+    summary_of(train(2, "--no-progress", "--log-json", tmp_path / "mirrored.jsonl"))
+    log = tmp_path / "ps.jsonl"
+    ps = summary_of(train(n, "--strategy", "ps", "--num-ps", servers, "--no-progress",
+                          "--log-json", log, "--checkpoint-dir", tmp_path / "ckpt"))
+    mirrored = late_accuracy(tmp_path / "mirrored.jsonl")
+    assert late_accuracy(log) >= mirrored - 0.01, (late_accuracy(log), mirrored)
+    assert (ps["workers"], ps["servers"]) == (n - servers, servers)
+    assert sum(ps["staleness_histogram"].values()) == ps["pushes"] == 20 * 45  # every batch
+    assert len(ps["server_applies"]) == servers and min(ps["server_applies"]) > 0
+    epoch = json.loads(log.read_text().splitlines()[0])
+    roles = [r["samples"] for r in epoch["ranks"]]
+    assert sum(roles) == 1438 and roles[n - servers:] == [0] * servers  # servers take none
+    # checkpoints at epoch ends hold the servers' optimizer state; resume continues the run
+    more = summary_of(train(n, "--strategy", "ps", "--num-ps", servers, "--no-progress",
+                            "--epochs", 22, "--checkpoint-dir", tmp_path / "ckpt", "--resume"))
+    assert more["resumed_from"].endswith("ckpt-000000900.pt") and more["global_step"] == 990
+    assert more["final_accuracy"] >= 0.9
+
+
+def test_straggler_slows_only_its_rank(tmp_path):
+    log = tmp_path / "log.jsonl"
+    summary_of(train(2, "--epochs", 2, "--straggler", "1:3", "--log-json", log,
+                     "--no-progress"))
+    ranks = json.loads(log.read_text().splitlines()[1])["ranks"]
+    assert ranks[1]["compute_s"] > 1.5 * ranks[0]["compute_s"]  # rank 1 computes 3× longer
+    assert ranks[0]["wait_s"] > ranks[1]["wait_s"]              # and rank 0 waits for it

@@ -119,7 +119,9 @@ def test_builtin_models_fit_the_data():
     ({"lr": float("inf")}, "--lr must be a finite"), ({"seed": -1}, "--seed must be an integer"),
     ({"seed": 1 << 32}, "below 2\\*\\*32"), ({"bucket_mb": 1e-9}, "less than one byte"),
     ({"checkpoint_every": 5}, "--checkpoint-every needs --checkpoint-dir"),
-    ({"strategy": "ps"}, "not available yet"), ({"optimizer": "lbfgs"}, "--optimizer"),
+    ({"num_ps": 1}, "--num-ps only apply to --strategy ps"), ({"optimizer": "lbfgs"}, "--optimizer"),
+    ({"strategy": "ps", "staleness": -2}, "--staleness must be"),
+    ({"straggler": "2:0.5"}, "FACTOR >= 1"),
     ({"resume": True}, "--resume needs --checkpoint-dir"), ({"warmup_epochs": -1}, "warmup"),
     ({"algorithm": "tree"}, "--algorithm"), ({"keep_checkpoints": 0}, "--keep-checkpoints"),
 ])

@@ -49,7 +49,8 @@ def parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--strategy", choices=STRATEGIES, default=d.strategy,
       help="mirrored: every rank a replica, gradients all-reduced; central: rank 0 holds "
-      "parameters and optimizer, gradients reduced to it; ps: parameter server (not yet)")
+      "parameters and optimizer, gradients reduced to it; ps: asynchronous parameter server "
+      "on dedicated ranks (see --num-ps, --staleness)")
     a("--model", default=d.model, help="built-in (mlp, cnn) or package.module:factory, a "
       "callable taking no arguments and returning a torch.nn.Module")
     a("--dataset", default=d.dataset, help="built-in (digits, synthetic) or "
@@ -85,6 +86,17 @@ def parser() -> argparse.ArgumentParser:
       help="score held-out accuracy every N epochs (0: only at the end)")
     a("--threads-per-rank", type=int, default=d.threads_per_rank,
       help="torch threads per rank (default: the node's cores / ranks on the node)")
+    a("--num-ps", type=int, default=d.num_ps,
+      help="--strategy ps: how many ranks are servers (the last ones; default 1)")
+    a("--staleness", type=int, default=d.staleness,
+      help="--strategy ps: a worker may be at most S steps ahead of the slowest (SSP); 0 is "
+      "lock-step (default: fully asynchronous)")
+    a("--staleness-lr", action="store_true", default=d.staleness_lr,
+      help="--strategy ps: scale each pushed gradient by 1/its measured staleness "
+      "(Zhang et al. 2016)")
+    a("--straggler", default=d.straggler, metavar="RANK:FACTOR",
+      help="testing aid: rank RANK computes FACTOR times more slowly (it sleeps after each "
+      "step), with every strategy (default: none)")
     a("--progress", action=argparse.BooleanOptionalAction, default=d.progress,
       help="progress bar on rank 0")
     a("--verbose", action="store_true", default=d.verbose, help="log from every rank")

@@ -16,7 +16,7 @@ from .. import collectives, runtime
 from ..data import ShardSampler, batches, steps_per_epoch
 from . import checkpoint, setup
 from .report import Report
-from .settings import MOMENTUM, TrainSettings, scaled_lr
+from .settings import MOMENTUM, TrainSettings, check_world, scaled_lr, straggler_of
 from .strategies import make_strategy
 
 EVAL_BATCH = 512
@@ -75,7 +75,7 @@ class Trainer:
         ValueError) on every rank before any training collective."""
         s = self.settings
         g = runtime.init()
-        setup.agree(g, s.check)
+        setup.agree(g, lambda: (s.check(), check_world(s, g.size)))
         setup.same_everywhere(g, setup.fingerprint(s, train_data, test_data))
         sampler = setup.agree(g, lambda: ShardSampler(len(train_data), g.rank, g.size, s.seed))
         setup.agree(g, lambda: setup.check_outputs(s) if g.rank == 0 else None, name_rank=False)
@@ -101,7 +101,9 @@ class Trainer:
         if g.rank == 0 and resumed:
             model.load_state_dict(resumed[1]["model"])
         strategy = make_strategy(s, model, make_optimizer(s))  # rank 0's parameters win
-        steps = steps_per_epoch(sampler, s.batch_size)
+        steps = steps_per_epoch(sampler, s.batch_size) if s.strategy != "ps" else \
+            -(-len(train_data) // s.batch_size)  # ps: batches of the whole set, shared
+        straggler, slowdown = straggler_of(s.straggler) if s.straggler else (-1, 1.0)
         start_epoch, start_step, global_step, saved_path = 0, 0, 0, None
         if s.resume:
             path, state = resumed if g.rank == 0 else (None, None)
@@ -127,8 +129,11 @@ class Trainer:
             t_epoch = time.perf_counter()
             compute_s = wait_s = loss_sum = 0.0
             samples, lr = 0, s.lr
-            for b, (x, y) in enumerate(batches(train_data, sampler.indices(epoch),
-                                               s.batch_size, first), start=first):
+            if strategy.is_server:
+                busy = strategy.server.busy_s
+                strategy.serve_epoch(epoch, steps)
+                compute_s = strategy.server.busy_s - busy
+            for b, (x, y) in self._batches(strategy, train_data, sampler, epoch, first):
                 lr = scaled_lr(s, g.size, epoch + b / steps)
                 strategy.set_lr(lr)
                 t0 = time.perf_counter()
@@ -138,6 +143,9 @@ class Trainer:
                 strategy.step(loss)
                 dt = time.perf_counter() - t0
                 dw = strategy.stats["wait_s"] - waited
+                if straggler == g.rank:  # --straggler: a testing aid, compute FACTOR× slower
+                    time.sleep((slowdown - 1) * (dt - dw))
+                    dt = time.perf_counter() - t0
                 compute_s += dt - dw
                 wait_s += dw
                 loss_value = float(loss.detach())
@@ -149,6 +157,11 @@ class Trainer:
                         global_step % s.checkpoint_every == 0:
                     saved_path = self._save(g, strategy, model, (epoch, b + 1), global_step,
                                             len(train_data))
+            t_end = time.perf_counter()
+            strategy.end_epoch()
+            wait_s += time.perf_counter() - t_end
+            if s.strategy == "ps":  # workers take different numbers of batches
+                global_step = (epoch + 1) * steps
             time_s = time.perf_counter() - t_epoch
             accuracy = None
             if test_data is not None and ((s.eval_every and (epoch + 1) % s.eval_every == 0)
@@ -179,6 +192,8 @@ class Trainer:
         total_s = time.perf_counter() - t_run
         if accuracy is None and test_data is not None:
             accuracy = evaluate(model, test_data, g)
+        extra = strategy.report()
+        strategy.free()
         summary = {"event": "summary", "strategy": s.strategy, "ranks": g.size,
                    "model": names[0], "dataset": names[1], "epochs": s.epochs,
                    "global_step": global_step, "final_accuracy": accuracy,
@@ -187,9 +202,18 @@ class Trainer:
                    "wait_fraction": wait_total / time_total if time_total > 0 else 0.0,
                    "parameters_sha256": parameters_sha256(model),
                    "checkpoint": str(saved_path) if saved_path else None,
-                   "resumed_from": resumed_from}
+                   "resumed_from": resumed_from, **extra}
         report.summary(summary)
         return summary
+
+    def _batches(self, strategy, train_data, sampler, epoch: int, first: int):
+        """(batch number, (x, y)) of this rank's batches in ``epoch`` from batch ``first``."""
+        size = self.settings.batch_size
+        if strategy.is_server:
+            return iter(())
+        if hasattr(strategy, "epoch_batches"):  # ps: batches taken from a shared counter
+            return strategy.epoch_batches(train_data, epoch, size)
+        return enumerate(batches(train_data, sampler.indices(epoch), size, first), start=first)
 
     def _save(self, g, strategy, model, position: tuple, global_step: int, train_samples: int):
         """Checkpoint at ``position`` = (epoch, batches done in it): every rank sends its RNG
@@ -197,9 +221,10 @@ class Trainer:
         s = self.settings
         rng = g.comm.gather(checkpoint.rng_state(), root=0) if g.size > 1 \
             else [checkpoint.rng_state()]
+        optimizer = strategy.optimizer_state()  # collective for ps (servers hold it)
         if g.rank != 0:
             return None
-        state = {"model": model.state_dict(), "optimizer": strategy.optimizer_state(),
+        state = {"model": model.state_dict(), "optimizer": optimizer,
                  "epoch": position[0], "step_in_epoch": position[1],
                  "global_step": global_step, "world_size": g.size,
                  "train_samples": train_samples,

@@ -41,12 +41,29 @@ class TrainSettings:
     threads_per_rank: Optional[int] = None
     progress: bool = True
     verbose: bool = False
+    num_ps: Optional[int] = None       # --strategy ps: server ranks (default 1)
+    staleness: Optional[int] = None    # --strategy ps: SSP bound S (None: fully asynchronous)
+    staleness_lr: bool = False         # --strategy ps: scale each push by 1/its staleness
+    straggler: Optional[str] = None    # RANK:FACTOR, a testing aid for every strategy
 
     def check(self) -> "TrainSettings":
         _choice("--strategy", self.strategy, STRATEGIES)
-        if self.strategy == "ps":
-            raise ValueError("--strategy ps: the parameter server is not available yet; use "
-                             "mirrored or central")
+        if self.strategy != "ps":
+            given = [f for f, v in (("--num-ps", self.num_ps), ("--staleness", self.staleness),
+                                    ("--staleness-lr", self.staleness_lr or None)) if v is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply to --strategy ps, not "
+                                 f"{self.strategy}")
+        else:
+            if self.num_ps is not None:
+                _at_least("--num-ps", self.num_ps, 1)
+            if self.staleness is not None:
+                _at_least("--staleness", self.staleness, 0)
+            if self.checkpoint_every:
+                raise ValueError("--checkpoint-every: the parameter server checkpoints at epoch "
+                                 "ends only (workers run asynchronously within an epoch)")
+        if self.straggler is not None:
+            straggler_of(self.straggler)
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
         _choice("--lr-scaling", self.lr_scaling, LR_SCALINGS)
         _choice("--algorithm", self.algorithm, algorithms.ALGORITHMS)
@@ -99,3 +116,28 @@ def scaled_lr(settings: TrainSettings, size: int, epoch_progress: float) -> floa
     if settings.warmup_epochs > 0 and epoch_progress < settings.warmup_epochs:
         factor = 1.0 + (factor - 1.0) * epoch_progress / settings.warmup_epochs
     return settings.lr * factor
+
+
+def straggler_of(text: str) -> tuple:
+    """``RANK:FACTOR`` -> (rank, factor); ValueError naming the flag otherwise."""
+    rank, sep, factor = str(text).partition(":")
+    try:
+        r, f = int(rank), float(factor)
+    except ValueError:
+        r, f = -1, 0.0
+    if not sep or r < 0 or not f >= 1 or not math.isfinite(f):
+        raise ValueError(f"--straggler {text!r}: expected RANK:FACTOR with RANK >= 0 and "
+                         "FACTOR >= 1 (e.g. 1:2 makes rank 1 compute twice as slowly)")
+    return r, f
+
+
+def check_world(settings: TrainSettings, size: int) -> None:
+    """The checks that need the number of ranks."""
+    if settings.strategy == "ps":
+        k = settings.num_ps or 1
+        if not k < size:
+            raise ValueError(f"--num-ps {k} needs at least {k + 1} ranks (servers plus at least "
+                             f"one worker); this job has {size}")
+    if settings.straggler is not None and straggler_of(settings.straggler)[0] >= size:
+        raise ValueError(f"--straggler {settings.straggler}: no rank "
+                         f"{straggler_of(settings.straggler)[0]} in a job of {size}")

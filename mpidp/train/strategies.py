@@ -20,6 +20,7 @@ class Strategy:
     forward: Callable
     stats: dict
     optimizer: Optional[torch.optim.Optimizer]
+    is_server = False  # a parameter-server rank: serves instead of training (ps_strategy)
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -43,6 +44,16 @@ class Strategy:
     def load_optimizer(self, state: Optional[dict]) -> None:
         """Rank 0 passes the checkpoint's state, others None. Every rank calls it."""
         raise NotImplementedError
+
+    def end_epoch(self) -> None:
+        """Every rank calls it after its last step of an epoch."""
+
+    def report(self) -> dict:
+        """Collective: what the final summary adds for this mode."""
+        return {}
+
+    def free(self) -> None:
+        """Collective: resources the mode holds (windows)."""
 
 
 class Mirrored(Strategy):
@@ -90,4 +101,7 @@ STRATEGIES = {"mirrored": Mirrored, "central": Central}
 
 def make_strategy(settings: Any, model: torch.nn.Module, make_optimizer: Callable) -> Strategy:
     """The training mode ``settings.strategy`` around ``model``. Collective."""
+    if settings.strategy == "ps":
+        from .ps_strategy import ParameterServerStrategy
+        return ParameterServerStrategy(model, make_optimizer, settings)
     return STRATEGIES[settings.strategy](model, make_optimizer, settings)

@@ -1,0 +1,150 @@
+"""The parameter-server training mode behind the loop's strategy interface: servers serve an
+epoch while workers take batches from a shared counter, pull (waiting for SSP), compute and
+push; at each epoch end every rank holds the published parameters."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from .. import runtime
+from ..data import ShardSampler, batches
+from ..fusion import broadcast_tensors_, check_same_model
+from ..ps import ParameterServer, Server, Worker
+from .settings import scaled_lr
+from .strategies import Strategy
+
+
+class ParameterServerStrategy(Strategy):
+    """Workers: ``epoch_batches`` hands out batches of one global permutation through a
+    shared counter (a fast worker takes more), ``zero_grad`` pulls, ``step`` pushes. Servers:
+    ``serve_epoch`` applies the optimizer (state on the server) to what arrives."""
+
+    def __init__(self, model: torch.nn.Module, make_optimizer: Callable, settings: Any):
+        super().__init__(model)
+        g = runtime.group()
+        self.settings = settings
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        bad = [str(p.dtype) for p in self.params if p.dtype != torch.float32]
+        if bad:
+            raise ValueError(f"--strategy ps holds float32 parameters; the model has {bad[0]}")
+        check_same_model(g, model, "ParameterServer")
+        broadcast_tensors_([p.detach() for p in model.parameters()] + list(model.buffers()), 0)
+        flat0 = torch.nn.utils.parameters_to_vector(self.params).detach().numpy()
+        self.ps = ParameterServer(g.comm, settings.num_ps or 1, [p.numel() for p in self.params],
+                                  flat0)
+        self.is_server = self.ps.is_server
+        self.flat = np.empty(len(flat0), np.float32)
+        self.forward = model
+        self.stats = {"wait_s": 0.0}
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        if self.is_server:
+            self.server = Server(self.ps)
+            self.shard = torch.nn.Parameter(torch.from_numpy(self.server.params()))
+            self.optimizer = make_optimizer([self.shard])
+        else:
+            self.worker = Worker(self.ps, settings.staleness)
+
+    # ---- workers ------------------------------------------------------------------------
+
+    def epoch_batches(self, train_data, epoch: int, batch_size: int):
+        """(batch number, (x, y)) for the batches this worker takes in ``epoch``."""
+        order = ShardSampler(len(train_data), 0, 1, self.settings.seed).indices(epoch)
+        total = -(-len(order) // batch_size)
+        while True:
+            t0 = time.perf_counter()
+            b = self.worker.next_batch()
+            self.stats["wait_s"] += time.perf_counter() - t0
+            if b >= total:
+                return
+            yield b, next(batches(train_data, order[b * batch_size:(b + 1) * batch_size],
+                                  batch_size))
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        self.worker.pull(self.flat)
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(torch.from_numpy(self.flat), self.params)
+        self.stats["wait_s"] += time.perf_counter() - t0
+
+    def step(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        t0 = time.perf_counter()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        self.worker.push(torch.cat([g.reshape(-1) for g in grads]).numpy(),
+                         self.settings.staleness_lr)
+        self.stats["wait_s"] += time.perf_counter() - t0
+
+    def set_lr(self, lr: float) -> None:
+        pass  # the servers' optimizers follow the schedule (serve_epoch)
+
+    # ---- servers ------------------------------------------------------------------------
+
+    def serve_epoch(self, epoch: int, batches_per_epoch: int) -> None:
+        s = self.settings
+
+        def apply(params: np.ndarray, grad_sum: np.ndarray, pushes: int) -> None:
+            # Note [Asynchronous steps]: each push is one batch's step, so the learning rate
+            # is the one-rank rate (no --lr-scaling: pushes are not averaged into a larger
+            # batch) and pushes drained together are summed, as if applied one after another
+            progress = min(1.0, self.server.epoch_pushes / max(batches_per_epoch, 1))
+            for group in self.optimizer.param_groups:
+                group["lr"] = scaled_lr(s, 1, epoch + progress)
+            with torch.no_grad():
+                self.shard.copy_(torch.from_numpy(params))
+            self.shard.grad = torch.from_numpy(grad_sum)
+            self.optimizer.step()
+            params[...] = self.shard.detach().numpy()
+
+        self.server.serve_epoch(apply)
+
+    # ---- every rank ---------------------------------------------------------------------
+
+    def end_epoch(self) -> None:
+        """Collective: workers have finished, servers drained; every rank loads the
+        published parameters, then the servers reset their clocks for the next epoch."""
+        if not self.is_server:
+            self.worker.finish_epoch()
+        self.ps.comm.Barrier()
+        self.ps.read_all(self.flat)
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(torch.from_numpy(self.flat.copy()), self.params)
+        self.ps.comm.Barrier()
+        if self.is_server:
+            self.server.reset_epoch()
+        else:
+            self.worker.steps = 0
+        self.ps.comm.Barrier()
+
+    def optimizer_state(self) -> Optional[list]:
+        """Collective: every server's optimizer state, gathered on rank 0 (by rank)."""
+        mine = self.optimizer.state_dict() if self.optimizer is not None else None
+        return self.ps.comm.gather(mine, root=0)
+
+    def load_optimizer(self, state: Optional[list]) -> None:
+        mine = self.ps.comm.scatter(state, root=0)
+        if self.optimizer is not None and mine is not None:
+            self.optimizer.load_state_dict(mine)
+
+    def report(self) -> dict:
+        """Collective: the staleness histogram and the servers' counts, on every rank."""
+        seen = self.ps.comm.allgather(None if self.is_server else self.worker.staleness_seen)
+        served = self.ps.comm.allgather((self.server.applies, self.server.pushes,
+                                         self.server.busy_s) if self.is_server else None)
+        values = [v for lst in seen if lst for v in lst]
+        histogram = {str(k): int(c) for k, c in zip(*np.unique(values, return_counts=True))} \
+            if values else {}
+        servers = [x for x in served if x is not None]
+        return {"staleness_histogram": histogram,
+                "staleness_mean": float(np.mean(values)) if values else 0.0,
+                "pushes": int(sum(x[1] for x in servers)) // len(servers),
+                "server_applies": [x[0] for x in servers],
+                "server_busy_s": [x[2] for x in servers],
+                "workers": self.ps.num_workers, "servers": len(servers)}
+
+    def free(self) -> None:
+        self.ps.free()
+
