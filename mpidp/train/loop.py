@@ -194,6 +194,9 @@ class Trainer:
             accuracy = evaluate(model, test_data, g)
         extra = strategy.report()
         strategy.free()
+        if "pushes" in extra and total_s > 0:  # ps: rates over the whole run
+            extra["pushes_per_s"] = extra["pushes"] / total_s  # one pull precedes each push
+            extra["server_applies_per_s"] = [a / total_s for a in extra["server_applies"]]
         summary = {"event": "summary", "strategy": s.strategy, "ranks": g.size,
                    "model": names[0], "dataset": names[1], "epochs": s.epochs,
                    "global_step": global_step, "final_accuracy": accuracy,
