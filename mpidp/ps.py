@@ -11,10 +11,14 @@ server drains pushes (copies and zeroes the accumulated gradient and the pending
 publishes (writes the new parameters, adds the drained counts to the applied counts, bumps the
 version) each inside an *exclusive* lock epoch on its own window, which MPI guarantees no
 shared epoch overlaps: a pull sees the shard before or after a publish, and each push lands
-wholly before or wholly after a drain. The optimizer step runs between the two epochs, with no
-lock held, so pushes and pulls proceed meanwhile; a publish holds the lock only for one copy
-of the shard. (Double buffering with a version would let pulls proceed during the copy too;
-the copy is short and the lock is simpler to reason about.)
+wholly before or wholly after a drain. The optimizer step runs between the two epochs with no
+lock held; a publish holds the lock only for one copy of the shard. (Double buffering with a
+version would let pulls proceed during the copy too; the copy is short and the lock is simpler
+to reason about.) MPICH progresses passive-target operations only while the target is inside
+MPI, so a server's pushes and pulls wait while it runs its optimizer step; with a spare core
+per server that is a short wait, on an oversubscribed node it is what limits throughput.
+Control words that workers update with ``Fetch_and_op`` are read with ``Get_accumulate
+(NO_OP)`` (an atomic read), never a plain ``Get`` racing an accumulate.
 """
 from __future__ import annotations
 
@@ -93,7 +97,6 @@ class ParameterServer:
         self.index = self.rank - self.num_workers if self.is_server else None
         mine = self.layouts[self.index] if self.is_server else None
         self.window = Window(comm, mine.nbytes if mine else 0)
-        self.worker_comm = comm.Split(0 if not self.is_server else 1, self.rank)
         if self.is_server and initial_flat is not None:
             with self.window.locked(self.rank, exclusive=True):
                 self.window.local(mine.params)[...] = self.gather_shard(initial_flat,
@@ -115,13 +118,14 @@ class ParameterServer:
         for t, off, n, at in self.shards[s]:
             flat[starts[t] + off:starts[t] + off + n] = shard[at:at + n]
 
-    def read(self, k: int, shard: np.ndarray, control: np.ndarray) -> None:
-        """Server ``k``'s published shard and control words, read together (one shared
-        epoch: Note [Publishing a shard]). Any rank may read."""
+    def read(self, k: int, shard: Optional[np.ndarray], control: np.ndarray) -> None:
+        """Server ``k``'s control words and (unless None) published shard, read together
+        (one shared epoch: Note [Publishing a shard]). Any rank may read."""
         s, lay = self.servers[k], self.layouts[k]
         with self.window.locked(s):
-            self.window.get(control, s, lay.control)
-            self.window.get(shard, s, lay.params)
+            self.window.get_atomic(control, s, lay.control)
+            if shard is not None:
+                self.window.get(shard, s, lay.params)
 
     def read_all(self, flat: np.ndarray) -> None:
         """Every server's published parameters into ``flat`` (no staleness wait)."""
@@ -133,7 +137,6 @@ class ParameterServer:
     def free(self) -> None:
         """Collective over ``comm``."""
         self.window.free()
-        self.worker_comm.Free()
 
 
 class Worker:
@@ -158,28 +161,28 @@ class Worker:
 
     def pull(self, flat: np.ndarray) -> None:
         """Fills ``flat`` (every tensor concatenated) with the servers' parameters, first
-        waiting until no worker that is still in this epoch has fewer than (steps - S) of its
-        pushes applied (SSP)."""
+        waiting (SSP) until every worker has at least (steps - S) pushes applied, or, if it
+        has finished the epoch, all of its pushes. Only control words are polled; the
+        applied counts only grow within an epoch, so the shards read afterwards satisfy it."""
         ps = self.ps
         t0 = time.perf_counter()
-        while True:
-            ok = True
-            for k, s in enumerate(ps.servers):
-                lay = ps.layouts[k]
-                shard = np.empty(lay.count, np.float32)
-                control = np.empty(CONTROL_WORDS + 3 * lay.workers, np.int64)
-                ps.read(k, shard, control)
-                if self.staleness is not None and ok:
-                    if k == 0:
-                        done = control[lay.done(0):lay.done(0) + lay.workers]
-                    applied = control[lay.applied(0):lay.applied(0) + lay.workers]
-                    behind = (applied < self.steps - self.staleness) & (done == 0)
-                    ok = not behind.any()
-                self.pulled_versions[k] = int(control[VERSION])
-                ps.scatter_shard(shard, k, flat)
-            if ok:
+        controls = [np.empty(CONTROL_WORDS + 3 * lay.workers, np.int64) for lay in ps.layouts]
+        while self.staleness is not None:
+            for k in range(len(ps.servers)):
+                ps.read(k, None, controls[k])
+            lay0 = ps.layouts[0]
+            done = controls[0][lay0.done(0):lay0.done(0) + lay0.workers]  # final steps + 1
+            need = np.full(lay0.workers, self.steps - self.staleness, np.int64)
+            need = np.where(done > 0, np.minimum(need, done - 1), need)
+            if all((c[lay.applied(0):lay.applied(0) + lay.workers] >= need).all()
+                   for c, lay in zip(controls, ps.layouts)):
                 break
             time.sleep(IDLE_SLEEP_S)
+        for k, lay in enumerate(ps.layouts):
+            shard = np.empty(lay.count, np.float32)
+            ps.read(k, shard, controls[k])
+            self.pulled_versions[k] = int(controls[k][VERSION])
+            ps.scatter_shard(shard, k, flat)
         self.waited_s += time.perf_counter() - t0
 
     def push(self, grad_flat: np.ndarray, scale_by_staleness: bool = False) -> None:
@@ -202,11 +205,13 @@ class Worker:
         self.steps += 1
 
     def finish_epoch(self) -> None:
-        """This worker has pushed its last gradient of the epoch."""
+        """This worker has pushed its last gradient of the epoch: its final step count is
+        published (others wait for those pushes, no more) and its clock restarts."""
         ps, win = self.ps, self.ps.window
         lay0 = ps.layouts[0]
         with win.locked(ps.servers[0]):
-            win.fetch_add(ps.servers[0], lay0.control, lay0.done(self.w), 1)
+            win.fetch_add(ps.servers[0], lay0.control, lay0.done(self.w), self.steps + 1)
+        self.steps = 0
         for k, s in enumerate(ps.servers):
             with win.locked(s):
                 win.fetch_add(s, ps.layouts[k].control, FINISHED, 1)

@@ -75,6 +75,12 @@ class Window:
         self.win.Get(out, rank, (region.offset + start * region.dtype.itemsize, len(out),
                                  region.mpi_type()))
 
+    def get_atomic(self, out: np.ndarray, rank: int, region: Region) -> None:
+        """Reads ``rank``'s whole ``region`` atomically per element with respect to
+        concurrent accumulates (``Get_accumulate`` with ``NO_OP``)."""
+        self.win.Get_accumulate(np.zeros_like(out), out, rank,
+                                (region.offset, len(out), region.mpi_type()), op=self._MPI.NO_OP)
+
     def accumulate(self, values: np.ndarray, rank: int, region: Region, start: int = 0) -> None:
         """Adds ``values`` element-wise (atomically per element) into ``rank``'s ``region``."""
         self.win.Accumulate(values, rank, (region.offset + start * region.dtype.itemsize,

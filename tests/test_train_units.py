@@ -230,6 +230,13 @@ def test_resume_checks_the_checkpoint_fits_this_run(tmp_path):
         with pytest.raises(ValueError, match=match):
             find_resume_point(_resume_settings(tmp_path, **{"epochs": 3, **kw}), n, model,
                               samples, fail)
+    ps = TrainSettings(checkpoint_dir=str(tmp_path / "ps"), epochs=3, strategy="ps")
+    checkpoint.save(tmp_path / "ps", dict(state, settings=dataclasses.asdict(ps)), 10, keep=3)
+    assert find_resume_point(_resume_settings(tmp_path / "ps", epochs=3, strategy="ps",
+                                              num_ps=1), 2, model, 100, fail)
+    with pytest.raises(ValueError, match="num_ps=1, this run has num_ps=2"):
+        find_resume_point(_resume_settings(tmp_path / "ps", epochs=3, strategy="ps",
+                                           num_ps=2), 2, model, 100, fail)
     with pytest.raises(ValueError, match="other parameters"):
         find_resume_point(_resume_settings(tmp_path, epochs=3), 2,
                           models.build("mlp", (1, 4, 4), 10), 100, fail)

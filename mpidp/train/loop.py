@@ -134,7 +134,7 @@ class Trainer:
                 strategy.serve_epoch(epoch, steps)
                 compute_s = strategy.server.busy_s - busy
             for b, (x, y) in self._batches(strategy, train_data, sampler, epoch, first):
-                lr = scaled_lr(s, g.size, epoch + b / steps)
+                lr = scaled_lr(s, 1 if s.strategy == "ps" else g.size, epoch + b / steps)
                 strategy.set_lr(lr)
                 t0 = time.perf_counter()
                 waited = strategy.stats["wait_s"]

@@ -14,6 +14,7 @@ from ..data import ShardSampler, batches
 from ..fusion import broadcast_tensors_, check_same_model
 from ..ps import ParameterServer, Server, Worker
 from .settings import scaled_lr
+from .setup import SetupError
 from .strategies import Strategy
 
 
@@ -28,10 +29,11 @@ class ParameterServerStrategy(Strategy):
         self.settings = settings
         self.params = [p for p in model.parameters() if p.requires_grad]
         bad = [str(p.dtype) for p in self.params if p.dtype != torch.float32]
-        if bad:
-            raise ValueError(f"--strategy ps holds float32 parameters; the model has {bad[0]}")
+        if bad:  # every rank has the same model: every rank raises, before any collective
+            raise SetupError(f"--strategy ps holds float32 parameters; the model has {bad[0]}")
         check_same_model(g, model, "ParameterServer")
-        broadcast_tensors_([p.detach() for p in model.parameters()] + list(model.buffers()), 0)
+        self.buffers = list(model.buffers())
+        broadcast_tensors_([p.detach() for p in model.parameters()] + self.buffers, 0)
         flat0 = torch.nn.utils.parameters_to_vector(self.params).detach().numpy()
         self.ps = ParameterServer(g.comm, settings.num_ps or 1, [p.numel() for p in self.params],
                                   flat0)
@@ -89,7 +91,8 @@ class ParameterServerStrategy(Strategy):
         def apply(params: np.ndarray, grad_sum: np.ndarray, pushes: int) -> None:
             # Note [Asynchronous steps]: each push is one batch's step, so the learning rate
             # is the one-rank rate (no --lr-scaling: pushes are not averaged into a larger
-            # batch) and pushes drained together are summed, as if applied one after another
+            # batch) and pushes drained together are summed (for plain SGD as if applied one
+            # after another; momentum and Adam see one step of the sum)
             progress = min(1.0, self.server.epoch_pushes / max(batches_per_epoch, 1))
             for group in self.optimizer.param_groups:
                 group["lr"] = scaled_lr(s, 1, epoch + progress)
@@ -112,11 +115,11 @@ class ParameterServerStrategy(Strategy):
         self.ps.read_all(self.flat)
         with torch.no_grad():
             torch.nn.utils.vector_to_parameters(torch.from_numpy(self.flat.copy()), self.params)
+        if self.buffers:  # rank 0's running statistics (a worker's) are the model's
+            broadcast_tensors_(self.buffers, 0)
         self.ps.comm.Barrier()
         if self.is_server:
             self.server.reset_epoch()
-        else:
-            self.worker.steps = 0
         self.ps.comm.Barrier()
 
     def optimizer_state(self) -> Optional[list]:

@@ -14,7 +14,7 @@ from .settings import TrainSettings
 # settings a resumed run must share with the run that wrote the checkpoint: they decide the
 # data order, the step count and the shapes of model and optimizer state
 RESUME_MUST_MATCH = ("strategy", "batch_size", "seed", "dataset", "synthetic_samples", "model",
-                     "optimizer")
+                     "optimizer", "num_ps")
 
 
 class SetupError(ValueError):
@@ -93,6 +93,9 @@ def find_resume_point(settings: TrainSettings, world_size: int, model, train_sam
     saved = dict(state.get("settings", {}), world_size=state["world_size"],
                  train_samples=state.get("train_samples"))
     mine = dict(dataclasses.asdict(settings), world_size=world_size, train_samples=train_samples)
+    for d in (saved, mine):  # the default number of servers is 1 (and None off ps)
+        if d.get("strategy") == "ps":
+            d["num_ps"] = d.get("num_ps") or 1
     for key in RESUME_MUST_MATCH + ("world_size", "train_samples"):
         if saved.get(key) != mine[key]:
             raise ValueError(f"--resume: {path} was written with {key}={saved.get(key)!r}, this "

@@ -72,32 +72,46 @@ for p in applied[ps.num_workers:]:
     expect(p == 2 * M * ps.num_workers, f"server applied {p} pushes, want {2 * M * ps.num_workers}")
 ps.free()
 
-# 2. SSP: no worker starts step c before every unfinished worker has >= c - S applied
-S = 1
+# 1b. lock-step (S=0) with every worker, over epochs: still every push exactly once
 ps = ParameterServer(comm, K, counts)
-log = []
-
-
-def clocked(worker, flat):
-    for c in range(12):
-        worker.pull(flat)
-        log.append(("start", c, time.monotonic()))
-        time.sleep(0.002 * (1 + 3 * worker.w))  # worker w is (1 + 3w) times slower
-        log.append(("push", c, time.monotonic()))
-        worker.push(np.ones(total, np.float32))
-
-
-run_epochs(ps, 1, clocked, add, staleness=S)
-logs = comm.allgather(log if not ps.is_server else None)[:ps.num_workers]
-for w, events in enumerate(logs):
-    for kind, c, t in events:
-        if kind != "start":
-            continue
-        for w2, other in enumerate(logs):
-            pushed_before = sum(1 for k2, _, t2 in other if k2 == "push" and t2 < t)
-            expect(pushed_before >= c - S, f"SSP: worker {w} started step {c} when worker {w2}"
-                   f" had pushed {pushed_before}")
+role, flat = run_epochs(ps, 2, pushes, add, staleness=0)
+if not ps.is_server:
+    expect(np.array_equal(flat, want), "S=0: sum of pushes")
 ps.free()
+
+# 2. SSP, over two epochs, worker w taking 12 - 4w steps (a finished worker holds no one
+# back but its pushes are waited for): no worker starts step c before every worker that is
+# still in the epoch has pushed c - S times
+for S in (0, 1):
+    ps = ParameterServer(comm, K, counts)
+    log = []
+    epoch = [0]
+
+    def clocked(worker, flat):
+        for c in range(max(12 - 4 * worker.w, 0)):
+            worker.pull(flat)
+            log.append(("start", epoch[0], c, time.monotonic()))
+            time.sleep(0.002 * (1 + 3 * worker.w))  # worker w is (1 + 3w) times slower
+            log.append(("push", epoch[0], c, time.monotonic()))
+            worker.push(np.ones(total, np.float32))
+        log.append(("done", epoch[0], -1, time.monotonic()))
+        epoch[0] += 1
+
+    run_epochs(ps, 2, clocked, add, staleness=S)
+    logs = comm.allgather(log if not ps.is_server else None)[:ps.num_workers]
+    for w, events in enumerate(logs):
+        for kind, e, c, t in events:
+            if kind != "start":
+                continue
+            for w2, other in enumerate(logs):
+                mine = [x for x in other if x[1] == e]
+                finished = [t2 for k2, _, _, t2 in mine if k2 == "done"]
+                pushed_before = sum(1 for k2, _, _, t2 in mine if k2 == "push" and t2 < t)
+                if finished and finished[0] < t:
+                    continue  # w2 had finished the epoch (all its pushes are waited for)
+                expect(pushed_before >= c - S, f"SSP S={S}: worker {w} started step {c} of "
+                       f"epoch {e} when worker {w2} had pushed {pushed_before}")
+    ps.free()
 
 # 3. S=0, one worker (the others idle): equal to plain SGD on one process
 torch.manual_seed(0)
