@@ -192,10 +192,6 @@ def batches(dataset: Dataset, indices: Sequence[int], batch_size: int,
                    torch.as_tensor([int(y) for _, y in items]))
 
 
-def steps_per_epoch(sampler: ShardSampler, batch_size: int) -> int:
-    return -(-len(sampler) // batch_size)
-
-
 def describe(spec: str, sets: DataSets) -> str:
     held = f", {len(sets.test)} held out" if sets.test is not None else ""
     classes = f", {sets.num_classes} classes" if "num_classes" in vars(sets) else ""

@@ -127,12 +127,20 @@ class ParameterServer:
             if shard is not None:
                 self.window.get(shard, s, lay.params)
 
-    def read_all(self, flat: np.ndarray) -> None:
-        """Every server's published parameters into ``flat`` (no staleness wait)."""
-        for k, lay in enumerate(self.layouts):
+    def controls(self) -> list:
+        """Buffers for every server's control words."""
+        return [np.empty(CONTROL_WORDS + 3 * lay.workers, np.int64) for lay in self.layouts]
+
+    def read_all(self, flat: np.ndarray) -> list:
+        """Every server's published parameters into ``flat`` (no staleness wait); returns
+        the version each shard was read at."""
+        versions = []
+        for k, (lay, control) in enumerate(zip(self.layouts, self.controls())):
             shard = np.empty(lay.count, np.float32)
-            self.read(k, shard, np.empty(CONTROL_WORDS + 3 * lay.workers, np.int64))
+            self.read(k, shard, control)
             self.scatter_shard(shard, k, flat)
+            versions.append(int(control[VERSION]))
+        return versions
 
     def free(self) -> None:
         """Collective over ``comm``."""
@@ -150,7 +158,6 @@ class Worker:
         self.steps = 0               # pushes this epoch (this worker's clock)
         self.pulled_versions = [0] * len(ps.servers)
         self.staleness_seen: list = []   # per push: server updates since the pull it used
-        self.waited_s = 0.0
 
     def next_batch(self) -> int:
         """The next batch number of this epoch, shared among the workers (fetch-and-add on
@@ -165,8 +172,7 @@ class Worker:
         has finished the epoch, all of its pushes. Only control words are polled; the
         applied counts only grow within an epoch, so the shards read afterwards satisfy it."""
         ps = self.ps
-        t0 = time.perf_counter()
-        controls = [np.empty(CONTROL_WORDS + 3 * lay.workers, np.int64) for lay in ps.layouts]
+        controls = ps.controls()
         while self.staleness is not None:
             for k in range(len(ps.servers)):
                 ps.read(k, None, controls[k])
@@ -178,12 +184,7 @@ class Worker:
                    for c, lay in zip(controls, ps.layouts)):
                 break
             time.sleep(IDLE_SLEEP_S)
-        for k, lay in enumerate(ps.layouts):
-            shard = np.empty(lay.count, np.float32)
-            ps.read(k, shard, controls[k])
-            self.pulled_versions[k] = int(controls[k][VERSION])
-            ps.scatter_shard(shard, k, flat)
-        self.waited_s += time.perf_counter() - t0
+        self.pulled_versions = ps.read_all(flat)
 
     def push(self, grad_flat: np.ndarray, scale_by_staleness: bool = False) -> None:
         """Adds this worker's gradient into every server's accumulator, counted once. Its

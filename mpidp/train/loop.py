@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .. import collectives, runtime
-from ..data import ShardSampler, batches, steps_per_epoch
+from ..data import ShardSampler, batches
 from . import checkpoint, setup
 from .report import Report
 from .settings import MOMENTUM, TrainSettings, check_world, scaled_lr, straggler_of
@@ -101,8 +101,8 @@ class Trainer:
         if g.rank == 0 and resumed:
             model.load_state_dict(resumed[1]["model"])
         strategy = make_strategy(s, model, make_optimizer(s))  # rank 0's parameters win
-        steps = steps_per_epoch(sampler, s.batch_size) if s.strategy != "ps" else \
-            -(-len(train_data) // s.batch_size)  # ps: batches of the whole set, shared
+        steps = strategy.steps_per_epoch(sampler, len(train_data), s.batch_size)
+        lr_ranks = strategy.lr_ranks or g.size
         straggler, slowdown = straggler_of(s.straggler) if s.straggler else (-1, 1.0)
         start_epoch, start_step, global_step, saved_path = 0, 0, 0, None
         if s.resume:
@@ -129,12 +129,10 @@ class Trainer:
             t_epoch = time.perf_counter()
             compute_s = wait_s = loss_sum = 0.0
             samples, lr = 0, s.lr
-            if strategy.is_server:
-                busy = strategy.server.busy_s
-                strategy.serve_epoch(epoch, steps)
-                compute_s = strategy.server.busy_s - busy
-            for b, (x, y) in self._batches(strategy, train_data, sampler, epoch, first):
-                lr = scaled_lr(s, 1 if s.strategy == "ps" else g.size, epoch + b / steps)
+            compute_s += strategy.serve_epoch(epoch, steps)
+            for b, (x, y) in strategy.epoch_batches(train_data, sampler, epoch, first,
+                                                    s.batch_size):
+                lr = scaled_lr(s, lr_ranks, epoch + b / steps)
                 strategy.set_lr(lr)
                 t0 = time.perf_counter()
                 waited = strategy.stats["wait_s"]
@@ -160,8 +158,7 @@ class Trainer:
             t_end = time.perf_counter()
             strategy.end_epoch()
             wait_s += time.perf_counter() - t_end
-            if s.strategy == "ps":  # workers take different numbers of batches
-                global_step = (epoch + 1) * steps
+            global_step = (epoch + 1) * steps  # the same on every rank (ps workers differ)
             time_s = time.perf_counter() - t_epoch
             accuracy = None
             if test_data is not None and ((s.eval_every and (epoch + 1) % s.eval_every == 0)
@@ -192,11 +189,8 @@ class Trainer:
         total_s = time.perf_counter() - t_run
         if accuracy is None and test_data is not None:
             accuracy = evaluate(model, test_data, g)
-        extra = strategy.report()
+        extra = strategy.report(total_s)
         strategy.free()
-        if "pushes" in extra and total_s > 0:  # ps: rates over the whole run
-            extra["pushes_per_s"] = extra["pushes"] / total_s  # one pull precedes each push
-            extra["server_applies_per_s"] = [a / total_s for a in extra["server_applies"]]
         summary = {"event": "summary", "strategy": s.strategy, "ranks": g.size,
                    "model": names[0], "dataset": names[1], "epochs": s.epochs,
                    "global_step": global_step, "final_accuracy": accuracy,
@@ -208,15 +202,6 @@ class Trainer:
                    "resumed_from": resumed_from, **extra}
         report.summary(summary)
         return summary
-
-    def _batches(self, strategy, train_data, sampler, epoch: int, first: int):
-        """(batch number, (x, y)) of this rank's batches in ``epoch`` from batch ``first``."""
-        size = self.settings.batch_size
-        if strategy.is_server:
-            return iter(())
-        if hasattr(strategy, "epoch_batches"):  # ps: batches taken from a shared counter
-            return strategy.epoch_batches(train_data, epoch, size)
-        return enumerate(batches(train_data, sampler.indices(epoch), size, first), start=first)
 
     def _save(self, g, strategy, model, position: tuple, global_step: int, train_samples: int):
         """Checkpoint at ``position`` = (epoch, batches done in it): every rank sends its RNG

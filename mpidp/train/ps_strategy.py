@@ -51,8 +51,16 @@ class ParameterServerStrategy(Strategy):
 
     # ---- workers ------------------------------------------------------------------------
 
-    def epoch_batches(self, train_data, epoch: int, batch_size: int):
-        """(batch number, (x, y)) for the batches this worker takes in ``epoch``."""
+    lr_ranks = 1  # Note [Asynchronous steps]
+
+    def steps_per_epoch(self, sampler, train_samples: int, batch_size: int) -> int:
+        return -(-train_samples // batch_size)  # every batch of the set, shared by workers
+
+    def epoch_batches(self, train_data, sampler, epoch: int, first: int, batch_size: int):
+        """(batch number, (x, y)) for the batches this worker takes in ``epoch`` from a
+        shared counter over one permutation of the whole set (none on servers)."""
+        if self.is_server:
+            return
         order = ShardSampler(len(train_data), 0, 1, self.settings.seed).indices(epoch)
         total = -(-len(order) // batch_size)
         while True:
@@ -68,9 +76,12 @@ class ParameterServerStrategy(Strategy):
         self.model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         self.worker.pull(self.flat)
-        with torch.no_grad():
-            torch.nn.utils.vector_to_parameters(torch.from_numpy(self.flat), self.params)
+        self._load_flat()
         self.stats["wait_s"] += time.perf_counter() - t0
+
+    def _load_flat(self) -> None:
+        """The model's parameters become views of the pulled flat vector (no copy)."""
+        torch.nn.utils.vector_to_parameters(torch.from_numpy(self.flat), self.params)
 
     def step(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -85,8 +96,10 @@ class ParameterServerStrategy(Strategy):
 
     # ---- servers ------------------------------------------------------------------------
 
-    def serve_epoch(self, epoch: int, batches_per_epoch: int) -> None:
-        s = self.settings
+    def serve_epoch(self, epoch: int, batches_per_epoch: int) -> float:
+        if not self.is_server:
+            return 0.0
+        s, busy = self.settings, self.server.busy_s
 
         def apply(params: np.ndarray, grad_sum: np.ndarray, pushes: int) -> None:
             # Note [Asynchronous steps]: each push is one batch's step, so the learning rate
@@ -103,6 +116,7 @@ class ParameterServerStrategy(Strategy):
             params[...] = self.shard.detach().numpy()
 
         self.server.serve_epoch(apply)
+        return self.server.busy_s - busy
 
     # ---- every rank ---------------------------------------------------------------------
 
@@ -113,8 +127,7 @@ class ParameterServerStrategy(Strategy):
             self.worker.finish_epoch()
         self.ps.comm.Barrier()
         self.ps.read_all(self.flat)
-        with torch.no_grad():
-            torch.nn.utils.vector_to_parameters(torch.from_numpy(self.flat.copy()), self.params)
+        self._load_flat()
         if self.buffers:  # rank 0's running statistics (a worker's) are the model's
             broadcast_tensors_(self.buffers, 0)
         self.ps.comm.Barrier()
@@ -132,8 +145,9 @@ class ParameterServerStrategy(Strategy):
         if self.optimizer is not None and mine is not None:
             self.optimizer.load_state_dict(mine)
 
-    def report(self) -> dict:
-        """Collective: the staleness histogram and the servers' counts, on every rank."""
+    def report(self, total_s: float) -> dict:
+        """Collective: the staleness histogram and the servers' counts and rates, on every
+        rank."""
         seen = self.ps.comm.allgather(None if self.is_server else self.worker.staleness_seen)
         served = self.ps.comm.allgather((self.server.applies, self.server.pushes,
                                          self.server.busy_s) if self.is_server else None)
@@ -141,10 +155,13 @@ class ParameterServerStrategy(Strategy):
         histogram = {str(k): int(c) for k, c in zip(*np.unique(values, return_counts=True))} \
             if values else {}
         servers = [x for x in served if x is not None]
+        pushes = int(sum(x[1] for x in servers)) // len(servers)  # each reaches every server
+        rate = 1.0 / total_s if total_s > 0 else 0.0
         return {"staleness_histogram": histogram,
                 "staleness_mean": float(np.mean(values)) if values else 0.0,
-                "pushes": int(sum(x[1] for x in servers)) // len(servers),
+                "pushes": pushes, "pushes_per_s": pushes * rate,  # one pull precedes each
                 "server_applies": [x[0] for x in servers],
+                "server_applies_per_s": [x[0] * rate for x in servers],
                 "server_busy_s": [x[2] for x in servers],
                 "workers": self.ps.num_workers, "servers": len(servers)}
 

@@ -29,10 +29,6 @@ class Report:
             tqdm.write(self.prefix + text, file=sys.stdout)
             sys.stdout.flush()
 
-    def warn(self, text: str) -> None:
-        if self.speaks:
-            tqdm.write(f"{self.prefix}mpidp.train: warning: {text}", file=sys.stderr)
-
     def record(self, event: dict) -> None:
         """One JSON line in the --log-json file (rank 0)."""
         if self._json is not None:

@@ -8,6 +8,7 @@ import torch
 
 from .. import runtime
 from ..central import CentralStorage
+from ..data import batches
 from ..fusion import broadcast_optimizer_state
 from ..mirrored import DistributedDataParallel
 
@@ -21,9 +22,25 @@ class Strategy:
     stats: dict
     optimizer: Optional[torch.optim.Optimizer]
     is_server = False  # a parameter-server rank: serves instead of training (ps_strategy)
+    lr_ranks: Optional[int] = None  # the ranks --lr-scaling counts (None: every rank)
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+
+    def steps_per_epoch(self, sampler: Any, train_samples: int, batch_size: int) -> int:
+        """Steps of one epoch (as checkpoint positions count them)."""
+        return -(-len(sampler) // batch_size)
+
+    def epoch_batches(self, train_data: Any, sampler: Any, epoch: int, first: int,
+                      batch_size: int):
+        """(batch number, (x, y)) of this rank's batches in ``epoch`` from batch ``first``:
+        its shard of the epoch's permutation."""
+        return enumerate(batches(train_data, sampler.indices(epoch), batch_size, first),
+                         start=first)
+
+    def serve_epoch(self, epoch: int, steps: int) -> float:
+        """A server rank's share of an epoch; returns its busy seconds (0: no serving)."""
+        return 0.0
 
     def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
@@ -48,8 +65,8 @@ class Strategy:
     def end_epoch(self) -> None:
         """Every rank calls it after its last step of an epoch."""
 
-    def report(self) -> dict:
-        """Collective: what the final summary adds for this mode."""
+    def report(self, total_s: float) -> dict:
+        """Collective: what the final summary of a run of ``total_s`` adds for this mode."""
         return {}
 
     def free(self) -> None:
