@@ -8,6 +8,7 @@ import sys
 from typing import Optional, Sequence
 
 from .. import algorithms, data, launcher, models
+from .report import emit
 from .settings import LR_SCALINGS, OPTIMIZERS, STRATEGIES, TrainSettings
 
 USAGE_ERROR = 2
@@ -22,7 +23,7 @@ def _launcher_rank() -> int:
 def fail(message: str, rank: Optional[int] = None) -> None:
     """One line on rank 0, exit code 2 on every rank."""
     if (_launcher_rank() if rank is None else rank) == 0:
-        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+        emit(f"{PROG}: error: {message}", sys.stderr)
     sys.exit(USAGE_ERROR)
 
 
@@ -137,9 +138,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         model, sets = agree(g, lambda: build(settings))
         if g.rank == 0:
-            print(f"{PROG}: {settings.strategy} on {g.size} rank(s), {g.node_count} node(s); "
-                  f"{data.describe(settings.dataset, sets)}; model {settings.model} "
-                  f"({sum(p.numel() for p in model.parameters()):,} parameters)", flush=True)
+            emit(f"{PROG}: {settings.strategy} on {g.size} rank(s), {g.node_count} node(s); "
+                 f"{data.describe(settings.dataset, sets)}; model {settings.model} "
+                 f"({sum(p.numel() for p in model.parameters()):,} parameters)")
         Trainer(settings).fit(model, sets.train, sets.test,
                               names=(settings.model, settings.dataset))
     except SetupError as exc:

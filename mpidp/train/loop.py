@@ -15,7 +15,7 @@ import torch
 from .. import collectives, runtime
 from ..data import ShardSampler, batches
 from . import checkpoint, setup
-from .report import Report
+from .report import Report, emit
 from .settings import MOMENTUM, TrainSettings, check_world, scaled_lr, straggler_of
 from .strategies import make_strategy
 
@@ -223,7 +223,7 @@ class Trainer:
 
 
 def _warn(text: str) -> None:
-    print(f"mpidp.train: warning: {text}", file=sys.stderr, flush=True)
+    emit(f"mpidp.train: warning: {text}", sys.stderr)
 
 
 def fit(model: torch.nn.Module, train_data, test_data=None, *, loss_fn: Optional[Callable] = None,

@@ -11,6 +11,14 @@ from typing import Optional
 from tqdm import tqdm
 
 
+def emit(text: str, stream=None) -> None:
+    """One line in one write: with ``python -u`` (or PYTHONUNBUFFERED) ``print`` writes the text
+    and its newline separately, and mpiexec may put another rank's line between the two."""
+    stream = sys.stdout if stream is None else stream
+    stream.write(text + "\n")
+    stream.flush()
+
+
 class Report:
     """Rank 0's (or with ``verbose`` every rank's) view of the run."""
 
@@ -26,7 +34,7 @@ class Report:
     def line(self, text: str) -> None:
         """A log line (through the bar, so it does not tear it)."""
         if self.speaks:
-            tqdm.write(self.prefix + text, file=sys.stdout)
+            tqdm.write(self.prefix + text + "\n", file=sys.stdout, end="")  # one write: see emit
             sys.stdout.flush()
 
     def record(self, event: dict) -> None:
@@ -60,7 +68,7 @@ class Report:
     def summary(self, event: dict) -> None:
         """The final summary: one JSON line on stdout (rank 0) and in the log."""
         if self.rank == 0:
-            print(json.dumps(event, sort_keys=True), flush=True)
+            emit(json.dumps(event, sort_keys=True))
         self.record(event)
 
     def close(self) -> None:
