@@ -1,6 +1,7 @@
-"""Collectives on host arrays (C-contiguous numpy arrays and CPU torch tensors):
-``allreduce``, ``allreduce_``, ``broadcast``, ``broadcast_``, ``reduce_``, ``allgather``,
-``reduce_scatter``.
+"""Collectives on host arrays (numpy arrays and CPU torch tensors): ``allreduce``,
+``allreduce_``, ``broadcast``, ``broadcast_``, ``reduce_``, ``allgather``, ``reduce_scatter``.
+Device arrays (CuPy arrays, torch CUDA tensors) take the same calls and are handed to
+mpidp.gpu.collectives.
 
 Every function here is a synchronisation point: every rank of the group must call it, in the
 same order. Inputs are checked across ranks first (mpidp.handshake); bad input on any rank
@@ -16,7 +17,13 @@ from .errors import MismatchError
 from .dtypes import FLOATING, ITEMSIZE, OP_CODES, OPS, as_host_array, empty_like, write_back
 from .handshake import (ALLGATHER, ALLREDUCE, ALGORITHM_CODES, BROADCAST, REDUCE,
                         REDUCE_SCATTER)
+from .gpu import is_device_array
 from .ring import partition
+
+
+def _device():
+    from .gpu import collectives as device_collectives  # imports CuPy: only for device arrays
+    return device_collectives
 
 
 def _op_codes(op: Any, dtype: int) -> tuple:
@@ -33,11 +40,15 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto"):
     """Reduces ``x`` over every rank and returns the result as a new array or tensor of the
     same type, shape and dtype; ``x`` is unchanged. ``op``: sum, avg, min, max.
     ``algorithm``: auto, shm, ring, hier, mpi (see README). Every rank must call it."""
+    if is_device_array(x):
+        return _device().allreduce(x, op, algorithm, inplace=False)
     return _allreduce(x, op, algorithm, inplace=False)
 
 
 def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
     """In-place ``allreduce``: ``x`` holds the result afterwards, and is returned."""
+    if is_device_array(x):
+        return _device().allreduce(x, op, algorithm, inplace=True)
     return _allreduce(x, op, algorithm, inplace=True)
 
 
@@ -107,11 +118,15 @@ def allreduce_segments_(flats: list, dtype: int, op: str = "sum",
 def broadcast(x: Any, root: int = 0):
     """Returns a new array or tensor holding root's ``x`` on every rank; ``x`` is unchanged.
     Every rank passes an ``x`` of the same shape and dtype."""
+    if is_device_array(x):
+        return _device().staged(x, False, lambda host: broadcast_(host, root))
     return _broadcast(x, root, inplace=False)
 
 
 def broadcast_(x: Any, root: int = 0):
     """In-place ``broadcast``: every rank's ``x`` holds root's values afterwards."""
+    if is_device_array(x):
+        return _device().staged(x, True, lambda host: broadcast_(host, root))
     return _broadcast(x, root, inplace=True)
 
 
@@ -145,6 +160,8 @@ def _broadcast(x, root, inplace):
 def reduce_(x: Any, root: int = 0, op: str = "sum"):
     """Reduces ``x`` over every rank into root's ``x`` (MPI_Reduce, in place at root); the
     other ranks' ``x`` is unchanged. ``op``: sum, avg, min, max. Every rank must call it."""
+    if is_device_array(x):
+        return _device().staged(x, True, lambda host: reduce_(host, root, op))
     g = runtime.group()
     try:
         a = as_host_array(x)
@@ -180,6 +197,8 @@ def reduce_(x: Any, root: int = 0, op: str = "sum"):
 def allgather(x: Any):
     """Concatenates every rank's ``x`` along dimension 0, in rank order, into a new array or
     tensor. The first dimension may differ between ranks; the others and the dtype may not."""
+    if is_device_array(x):
+        return _device().staged(x, False, allgather)
     g = runtime.group()
     try:
         a = as_host_array(x)
@@ -210,6 +229,8 @@ def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto"):
     """Reduces ``x`` over every rank and returns this rank's block along dimension 0, the
     blocks split as ``numpy.array_split`` splits. ``algorithm``: auto or ring (our ring's
     reduce-scatter phase) or mpi (MPI_Reduce_scatter). ``x`` is unchanged."""
+    if is_device_array(x):
+        return _device().staged(x, False, lambda host: reduce_scatter(host, op, algorithm))
     g = runtime.group()
     try:
         a = as_host_array(x)

@@ -16,6 +16,7 @@ import numpy as np
 from . import algorithms, collectives, host_kernels, runtime
 from .dtypes import FLOATING, I64, NUMPY_STORAGE, as_host_array, flat_host_array, write_back
 from .errors import MismatchError
+from .gpu import is_device_array
 
 
 def assign_buckets(sizes_bytes: Sequence[int], dtypes: Sequence[Any], cap_bytes: int,
@@ -94,6 +95,11 @@ class Bucket:
     @property
     def nbytes(self) -> int:
         return self.flat.nbytes
+
+    @property
+    def buffer(self):
+        """The bucket as the collectives take it (DeviceBucket's is a device array)."""
+        return self.host
 
     def pack(self, sources: Sequence[Any], skip_own_slots: bool = False) -> None:
         """Copies ``sources`` (one per index; None packs zeros) into the buffer, in one C call.
@@ -179,12 +185,32 @@ def _tensor_list(tensors: Any, what: str) -> list:
 
 def plan(tensors: Sequence[Any], cap_bytes: int, first_cap_bytes: Optional[int] = None,
          order: Optional[Sequence[int]] = None, max_count: Optional[int] = None) -> list:
-    """Buckets for ``tensors`` (assign_buckets on their sizes and dtypes), allocated."""
-    arrays = [as_host_array(t, "each tensor") for t in tensors]
+    """Buckets for ``tensors`` (assign_buckets on their sizes and dtypes), allocated: host
+    Buckets, or DeviceBuckets on the tensors' GPU for device tensors."""
+    arrays = _views(tensors)
     sizes = [a.flat.nbytes for a in arrays]
     groups = assign_buckets(sizes, [a.dtype for a in arrays], cap_bytes, first_cap_bytes,
                             order, max_count)
+    if arrays and is_device_array(arrays[0]):
+        from .gpu.buckets import DeviceBucket
+        return [DeviceBucket(b, [len(arrays[i].flat) for i in b], arrays[b[0]].dtype,
+                             arrays[0].device) for b in groups]
     return [Bucket(b, [len(arrays[i].flat) for i in b], arrays[b[0]].dtype) for b in groups]
+
+
+def _views(tensors: Sequence[Any]) -> list:
+    """Host or device views of ``tensors``, which must be all on the host or all on one GPU."""
+    on_device = [is_device_array(t) for t in tensors]
+    if not any(on_device):
+        return [as_host_array(t, "each tensor") for t in tensors]
+    from .gpu.arrays import as_device_array
+    if not all(on_device):
+        raise TypeError("tensors must be all on the host or all on the GPU; got a mix")
+    views = [as_device_array(t, "each tensor") for t in tensors]
+    devices = sorted({v.device for v in views})
+    if len(devices) > 1:
+        raise ValueError(f"tensors on GPUs {devices}; one rank's tensors must share one GPU")
+    return views
 
 
 # Fusion buffers of grouped_allreduce, kept between calls (Horovod keeps its fusion buffer):
@@ -194,7 +220,8 @@ _PLANS_KEPT = 4
 
 
 def _cached_plan(arrays: list, cap_bytes: int, max_count: Optional[int]) -> list:
-    key = (cap_bytes, max_count, tuple((a.dtype, len(a.flat)) for a in arrays))
+    key = (cap_bytes, max_count,
+           tuple((a.dtype, len(a.flat), getattr(a, "device", None)) for a in arrays))
     buckets = _PLANS.pop(key, None)
     if buckets is None:
         buckets = plan(arrays, cap_bytes, max_count=max_count)
@@ -218,9 +245,12 @@ def grouped_allreduce(tensors: Sequence[Any], op: str = "avg", algorithm: str = 
     """Like ``grouped_allreduce_`` but returns new tensors; the inputs are unchanged."""
     items = _tensor_list(tensors, "tensors")
     outs = []
-    for t in items:
-        a = as_host_array(t, "each tensor")
-        outs.append(t.new_empty(t.shape) if a.is_torch else np.empty_like(t, order="C"))
+    for t, a in zip(items, _views(items)):
+        if is_device_array(a):
+            from .gpu.arrays import empty_like
+            outs.append(empty_like(a)[0])
+        else:
+            outs.append(t.new_empty(t.shape) if a.is_torch else np.empty_like(t, order="C"))
     return _grouped(items, outs, op, algorithm, bucket_cap_mb)
 
 
@@ -229,15 +259,17 @@ def _grouped(items, outs, op, algorithm, bucket_cap_mb):
         raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
     if op not in ("sum", "avg", "min", "max"):
         raise ValueError(f"unknown op {op!r}; accepted: sum, avg, min, max")
-    arrays = [as_host_array(_writable(t), "each tensor") for t in items]
-    results = arrays if outs is items else [as_host_array(o) for o in outs]
+    arrays = _views([_writable(t) for t in items])
+    results = arrays if outs is items else _views(outs)
+    on_device = bool(arrays) and is_device_array(arrays[0])
     avg = op == "avg"
     if avg and any(a.dtype not in FLOATING for a in arrays):
         raise ValueError("op 'avg' needs floating tensors; use 'sum' for integers")
     cap = int(bucket_cap_mb * (1 << 20))
     g = runtime.group()
     # in place on one node: buckets small enough in tensor count to go zero-copy
-    zero_copy = outs is items and g.size > 1 and algorithms.choose(g, algorithm, cap) == "shm"
+    zero_copy = outs is items and g.size > 1 and not on_device and \
+        algorithms.choose(g, algorithm, cap) == "shm"
     for bucket in _cached_plan(arrays, cap, g.shm().max_segments if zero_copy else None):
         bucket.reduce_([arrays[i] for i in bucket.indices], [results[i] for i in bucket.indices],
                        op, algorithm)
@@ -282,12 +314,20 @@ def broadcast_tensors_(tensors: Sequence[Any], root: int = 0,
             continue
         if isinstance(original, np.ndarray):
             np.copyto(original, c)
+        elif is_device_array(original) and not hasattr(original, "copy_"):  # CuPy
+            original[...] = sys.modules["cupy"].asarray(c)
         else:
             _writable(original).copy_(c)
 
 
 def _contiguous(t: Any) -> tuple:
-    """(``t`` itself, detached, False) where contiguous, else (a contiguous copy, True)."""
+    """(``t`` itself, detached, False) where contiguous, else (a contiguous copy, True). A
+    device array travels as a host copy: parameters are broadcast once at start-up, and the
+    buffers broadcast per forward are small (running statistics)."""
+    if is_device_array(t):
+        if hasattr(t, "detach"):
+            return t.detach().cpu().contiguous(), True
+        return sys.modules["cupy"].asnumpy(t), True
     if isinstance(t, np.ndarray):
         return (t, False) if t.flags.c_contiguous else (np.ascontiguousarray(t), True)
     torch = sys.modules.get("torch")

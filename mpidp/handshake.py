@@ -16,7 +16,7 @@ from .errors import MismatchError
 ALLREDUCE, BROADCAST, ALLGATHER, REDUCE_SCATTER, REDUCE = 1, 2, 3, 4, 5
 KIND_NAMES = {ALLREDUCE: "allreduce", BROADCAST: "broadcast", ALLGATHER: "allgather",
               REDUCE_SCATTER: "reduce_scatter", REDUCE: "reduce"}
-ALGORITHM_CODES = {"mpi": 1, "ring": 2, "shm": 3, "hier": 4}
+ALGORITHM_CODES = {"mpi": 1, "ring": 2, "shm": 3, "hier": 4, "ring on GPU": 5, "nccl": 6}
 _ALGORITHM_NAMES = {v: k for k, v in ALGORITHM_CODES.items()}
 
 # local error codes carried in header word 6

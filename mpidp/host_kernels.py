@@ -37,8 +37,17 @@ def _select():
 
 
 _impl = _select()
-reduce_into = _impl.reduce_into
 divide = _impl.divide
+
+
+def reduce_into(dst, src, dtype: int, op: int, divisor: int = 1) -> None:
+    """dst = dst <op> src element-wise, then divided by ``divisor`` when it is > 1."""
+    _impl.reduce_into(dst, src, dtype, op)
+    if divisor > 1 and len(dst):
+        _impl.divide(dst, dtype, divisor)
+
+
+
 pack = _impl.pack
 unpack = _impl.unpack
 IMPLEMENTATION = "c" if _impl is _ext else "numpy"

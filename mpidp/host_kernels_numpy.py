@@ -31,8 +31,9 @@ def _typed(buf, dtype: int) -> np.ndarray:
         else buf.reshape(-1).view(NUMPY_STORAGE[dtype])
 
 
-def reduce_into(dst, src, dtype: int, op: int) -> None:
-    """dst = dst <op> src element-wise (codes from mpidp.dtypes)."""
+def reduce_into(dst, src, dtype: int, op: int, divisor: int = 1) -> None:
+    """dst = dst <op> src element-wise (codes from mpidp.dtypes), then divided by
+    ``divisor`` when it is > 1."""
     d, s = _typed(dst, dtype), _typed(src, dtype)
     if d.nbytes != s.nbytes:
         raise ValueError(f"dst has {d.nbytes} bytes, src {s.nbytes}; both must be equal")
@@ -42,6 +43,8 @@ def reduce_into(dst, src, dtype: int, op: int) -> None:
         np.add(d, s, out=d, casting="unsafe")
     else:
         _UFUNCS[op](d, s, out=d)
+    if divisor > 1 and d.size:
+        divide(d, dtype, divisor)
 
 
 def divide(buf, dtype: int, divisor: int) -> None:

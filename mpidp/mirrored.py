@@ -56,7 +56,7 @@ def _communicate(tasks: queue.SimpleQueue, results: queue.SimpleQueue) -> None:
         try:
             if destinations is None:  # gradients are bucket views: average in place
                 bucket.pack(sources, skip_own_slots=True)
-                collectives.allreduce_(bucket.host, "avg", algorithm)
+                collectives.allreduce_(bucket.buffer, "avg", algorithm)
             else:
                 bucket.reduce_(sources, destinations, "avg", algorithm)
             results.put((None, time.perf_counter() - t0))
@@ -79,7 +79,8 @@ class DistributedDataParallel(torch.nn.Module):
     - ``no_sync()``: gradients accumulate locally; the next synchronised backward reduces the
       sum.
     Accepted for drop-in compatibility with torch's signature: ``device_ids`` and
-    ``output_device`` (None, or CPU), ``dim=0``, ``process_group=None``, ``static_graph``
+    ``output_device`` (None, or the module's one device: on a GPU the buckets stay on it,
+    mpidp.gpu), ``dim=0``, ``process_group=None``, ``static_graph``
     (a hint, no effect here); ``gradient_as_bucket_view`` as torch's (Note [Gradients as
     bucket views])."""
 
@@ -273,12 +274,23 @@ class DistributedDataParallel(torch.nn.Module):
 def _validate(module, device_ids, output_device, dim, process_group, bucket_cap_mb, algorithm):
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    home = {p.device for p in module.parameters()}
+    if len(home) > 1:
+        raise ValueError(f"the module's parameters are on several devices ({sorted(map(str, home))});"
+                         " one rank's replica lives on one device")
     for what, value in (("device_ids", device_ids), ("output_device", output_device)):
         devices = value if isinstance(value, (list, tuple)) else [value]
+        if what == "device_ids" and len(devices) > 1:
+            raise ValueError(f"device_ids={value!r}: one device per rank (as torch's DDP for a "
+                             "single-device module)")
         for d in devices:
-            if d is not None and torch.device(d).type != "cpu":
-                raise ValueError(f"{what}={value!r}: mpidp's DistributedDataParallel trains "
-                                 "on CPU here (GPU tensors come with the NCCL transport)")
+            if d is None:
+                continue
+            dev = torch.device(f"cuda:{d}" if isinstance(d, int) else d)
+            if home and dev != next(iter(home)):
+                raise ValueError(f"{what}={value!r}: the module's parameters are on "
+                                 f"{next(iter(home))}; move the module there first "
+                                 "(module.to(device)), as with torch's DDP")
     if dim != 0:
         raise ValueError(f"dim={dim!r}: only dim=0 is supported (as torch's default)")
     if process_group is not None:

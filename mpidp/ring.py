@@ -3,8 +3,9 @@ two seams so every device runs the same schedule:
 
 * a transport: ``rank``, ``size``, ``start(send, dst, recv, src) -> handle``, ``wait(handle)``
   (MPI point-to-point on host buffers, NCCL send/recv on GPU buffers, a loopback in tests);
-* an array namespace: ``reduce_into(dst, src, dtype, op)`` and ``divide(buf, dtype, n)`` on
-  flat 1-D buffers that slice like numpy arrays.
+* an array namespace: ``reduce_into(dst, src, dtype, op, divisor)`` (dst op src, then divided
+  by ``divisor`` when it is > 1, in one pass where the device can) and ``divide(buf, dtype,
+  n)`` on flat 1-D buffers that slice like numpy arrays (numpy, CuPy).
 
 Planning is pure data (``partition``, ``ring_schedule``, ``pieces``); the executor walks it.
 The ring knows neither MPI nor CUDA."""
@@ -55,13 +56,17 @@ def _view(buf, span: Span):
 
 
 def reduce_scatter_phase(buf, scratch: Sequence[Any], transport, ops, dtype: int, op: int,
-                         chunks: Sequence[Span], piece_count: int) -> None:
-    """Leaves chunk ``transport.rank`` of ``buf`` reduced over every rank. ``scratch`` is two
-    buffers of ``piece_count`` elements: piece i+1 arrives in one while piece i is reduced
-    from the other."""
+                         chunks: Sequence[Span], piece_count: int, divisor: int = 1) -> None:
+    """Leaves chunk ``transport.rank`` of ``buf`` reduced over every rank (and divided by
+    ``divisor`` in its last reduction: the average's scale fused into the pass). ``scratch``
+    is two buffers of ``piece_count`` elements: piece i+1 arrives in one while piece i is
+    reduced from the other."""
     n, r = transport.size, transport.rank
     prev, nxt = (r - 1) % n, (r + 1) % n
     for send_chunk, recv_chunk in ring_schedule(r, n)[0]:
+        # step k: send chunk (r-k-1) mod n, receive and reduce chunk (r-k-2) mod n; the last
+        # step (k = n-2) receives this rank's own chunk, which then holds every rank's terms
+        scale = divisor if recv_chunk == r else 1
         sends, recvs = pieces(chunks[send_chunk], piece_count), pieces(chunks[recv_chunk], piece_count)
         steps = max(len(sends), len(recvs))
 
@@ -76,7 +81,8 @@ def reduce_scatter_phase(buf, scratch: Sequence[Any], transport, ops, dtype: int
             if i + 1 < steps:
                 handle = start(i + 1)
             if i < len(recvs):
-                ops.reduce_into(_view(buf, recvs[i]), scratch[i % 2][:recvs[i][1]], dtype, op)
+                ops.reduce_into(_view(buf, recvs[i]), scratch[i % 2][:recvs[i][1]], dtype, op,
+                                scale)
 
 
 def allgather_phase(buf, transport, chunks: Sequence[Span]) -> None:
@@ -101,7 +107,5 @@ def ring_allreduce(buf, scratch: Sequence[Any], transport, ops, dtype: int, op: 
             ops.divide(buf, dtype, divisor)
         return
     chunks = partition(len(buf), n)
-    reduce_scatter_phase(buf, scratch, transport, ops, dtype, op, chunks, piece_count)
-    if divisor > 1 and chunks[transport.rank][1]:
-        ops.divide(_view(buf, chunks[transport.rank]), dtype, divisor)
+    reduce_scatter_phase(buf, scratch, transport, ops, dtype, op, chunks, piece_count, divisor)
     allgather_phase(buf, transport, chunks)

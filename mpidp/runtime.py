@@ -91,6 +91,8 @@ def init(comm: Any = None) -> Group:
                                                   group.size, group.local_rank, group.local_size):
                 warnings.warn(f"mpidp: rank {group.rank}: {problem}", RuntimeWarning, stacklevel=2)
         _group = group
+        from .gpu.device import bind_if_visible
+        bind_if_visible(group.local_rank)  # before any CUDA work of the user's (imports nothing)
         atexit.register(shutdown)
         return group
 

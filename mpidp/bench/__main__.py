@@ -1,4 +1,4 @@
-"""``python -m mpidp.bench {allreduce,train,fusion}``: mpidp's benchmarks (run under mpiexec)."""
+"""``python -m mpidp.bench {allreduce,train,fusion,kernels}``: mpidp's benchmarks (run under mpiexec)."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +25,11 @@ def parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     fusion.add_arguments(fu)
     fu.set_defaults(run=fusion.main)
+    from . import kernels
+    ke = sub.add_parser("kernels", help="GPU kernel GB/s against a device-to-device copy",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    kernels.add_arguments(ke)
+    ke.set_defaults(run=kernels.main)
     return p
 
 

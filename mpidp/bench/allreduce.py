@@ -8,11 +8,12 @@ import sys
 
 import numpy as np
 
-from .harness import (Gloo, memory_ceiling, parse_size, rotation, stats, sweep,
-                      time_per_call)
+from .harness import (Gloo, device_ceiling, memory_ceiling, parse_size, rotation, stats,
+                      sweep, time_per_call)
 
-ALGORITHMS = ("auto", "shm", "ring", "hier", "mpi", "gloo")
-OURS = ("auto", "shm", "ring", "hier")
+ALGORITHMS = ("auto", "shm", "ring", "hier", "mpi", "gloo", "nccl", "staged")
+OURS = ("auto", "shm", "ring", "hier", "nccl", "staged")  # through mpidp.allreduce
+DEFAULT_ALGORITHMS = {"cpu": "auto,shm,ring,mpi,gloo", "gpu": "ring,nccl,staged"}
 DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
           "int32": np.int32, "int64": np.int64, "bfloat16": None}
 
@@ -27,9 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="repeat each measurement and keep the median (default 1)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="default float32")
     p.add_argument("--op", default="sum", choices=("sum", "avg", "min", "max"), help="default sum")
-    p.add_argument("--algorithms", default="auto,shm,ring,mpi,gloo",
-                   help=f"comma-separated, from {','.join(ALGORITHMS)} (default auto,shm,ring,mpi,gloo); "
-                        "mpi is MPI_Allreduce itself, gloo torch.distributed over loopback")
+    p.add_argument("--device", default="cpu", choices=("cpu", "gpu"),
+                   help="where the buffers live (gpu: CuPy arrays, one GPU per rank)")
+    p.add_argument("--algorithms", default=None,
+                   help=f"comma-separated, from {','.join(ALGORITHMS)} (default "
+                        f"{DEFAULT_ALGORITHMS['cpu']} on cpu, {DEFAULT_ALGORITHMS['gpu']} on gpu); "
+                        "mpi is MPI_Allreduce itself, gloo torch.distributed over loopback, "
+                        "nccl ncclAllReduce, staged the host path of a device buffer")
     p.add_argument("--json", metavar="FILE", help="write every row and the ceiling as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size (needs matplotlib)")
 
@@ -43,7 +48,19 @@ def _make(dtype: str, count: int, fill):
 
 
 def _as_numpy(x):
-    return x.float().numpy() if not isinstance(x, np.ndarray) else x
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "get"):  # CuPy
+        return x.get()
+    return x.float().cpu().numpy()
+
+
+def _to_device(x):
+    """The host buffer ``x`` on this rank's GPU (CuPy; bfloat16 as a torch CUDA tensor)."""
+    if isinstance(x, np.ndarray):
+        from mpidp.gpu.device import cupy
+        return cupy().asarray(x)
+    return x.cuda()
 
 
 def _mpi_spec(x):
@@ -111,10 +128,10 @@ def measure(comm, args, gloo) -> list:
     rank, n = comm.Get_rank(), comm.Get_size()
     itemsize = 2 if args.dtype == "bfloat16" else np.dtype(DTYPES[args.dtype]).itemsize
     sizes = sweep(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor, itemsize)
-    algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    for a in algos:
-        if a not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {a!r}; accepted: {', '.join(ALGORITHMS)}")
+    algos = _algorithms(args)
+    gpu = args.device == "gpu"
+    place = _to_device if gpu else (lambda x: x)
+    sync = _device_sync() if gpu else None
     rows = []
     progress = _progress(len(sizes) * len(algos), rank)
     for nbytes in sizes:
@@ -122,9 +139,10 @@ def measure(comm, args, gloo) -> list:
         sets = rotation(nbytes)
         rng = np.random.default_rng(rank)
         fill = lambda k: rng.integers(-4, 5, size=k)
-        srcs = [_make(args.dtype, count, fill) for _ in range(sets)]
-        dsts = [_make(args.dtype, count, fill) for _ in range(sets)]
-        smpi, dmpi = [_mpi_spec(x) for x in srcs], [_mpi_spec(x) for x in dsts]
+        srcs = [place(_make(args.dtype, count, fill)) for _ in range(sets)]
+        dsts = [place(_make(args.dtype, count, fill)) for _ in range(sets)]
+        spec = _mpi_spec if "mpi" in algos else (lambda x: None)
+        smpi, dmpi = [spec(x) for x in srcs], [spec(x) for x in dsts]
         inputs, exact = _expected(count, n, args.op, args.dtype)
         for algo in algos:
             oop, ip = _runner(algo, comm, args.op, args.dtype, gloo)
@@ -136,13 +154,13 @@ def measure(comm, args, gloo) -> list:
                     continue
                 call = (lambda i: fn(srcs[i % sets], dsts[i % sets], smpi[i % sets], dmpi[i % sets])) \
                     if mode == "out_of_place" else (lambda i: fn(dsts[i % sets], dmpi[i % sets]))
-                reps = [time_per_call(comm, call, args.iters, args.warmup_iters)
+                reps = [time_per_call(comm, call, args.iters, args.warmup_iters, sync)
                         for _ in range(args.repeats)]
                 per_rank = np.median(np.stack(reps), axis=0)
                 t = stats(per_rank)
                 algbw = nbytes / t["avg"] / 1e9
-                row_wrong = comm.allreduce(_count_wrong(_check(fn, mode, args.dtype, inputs[rank]),
-                                                        exact))
+                row_wrong = comm.allreduce(_count_wrong(
+                    _check(fn, mode, args.dtype, inputs[rank], place, spec), exact))
                 row[mode] = {"time_us": {k: v * 1e6 for k, v in t.items()}, "algbw_GBps": algbw,
                              "busbw_GBps": algbw * (2 * (n - 1) / n if n > 1 else 1.0),
                              "wrong": row_wrong}
@@ -152,14 +170,31 @@ def measure(comm, args, gloo) -> list:
     return rows
 
 
-def _check(fn, mode: str, dtype: str, values):
+def _algorithms(args) -> list:
+    algos = [a.strip() for a in (args.algorithms or DEFAULT_ALGORITHMS[args.device]).split(",")
+             if a.strip()]
+    for a in algos:
+        if a not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {a!r}; accepted: {', '.join(ALGORITHMS)}")
+        if args.device == "gpu" and a in ("mpi", "gloo"):
+            raise ValueError(f"algorithm {a!r} takes host buffers; on gpu use "
+                             f"{DEFAULT_ALGORITHMS['gpu']}")
+    return algos
+
+
+def _device_sync():
+    from mpidp.gpu.device import cupy
+    return cupy().cuda.Device().synchronize
+
+
+def _check(fn, mode: str, dtype: str, values, place, spec):
     """Runs one call on known inputs and returns its result."""
-    src = _make(dtype, len(values), lambda k: values)
+    src = place(_make(dtype, len(values), lambda k: values))
     if mode == "in_place":
-        fn(src, _mpi_spec(src))
+        fn(src, spec(src))
         return src
-    dst = _make(dtype, len(values), lambda k: values)
-    result = fn(src, dst, _mpi_spec(src), _mpi_spec(dst))
+    dst = place(_make(dtype, len(values), lambda k: values))
+    result = fn(src, dst, spec(src), spec(dst))
     return dst if result is None else result
 
 
@@ -227,14 +262,15 @@ def main(args) -> int:
     g = mpidp.init()
     comm = g.comm
     rank, n = comm.Get_rank(), comm.Get_size()
-    algos = [a.strip() for a in args.algorithms.split(",")]
+    algos = _algorithms(args)
     gloo = Gloo(comm) if "gloo" in algos else None
-    ceiling = memory_ceiling(comm)
+    ceiling = memory_ceiling(comm) if args.device == "cpu" else device_ceiling(comm)
     rows = measure(comm, args, gloo)
     if gloo is not None:
         gloo.close()
     if rank == 0:
-        print(f"# mpidp allreduce benchmark: {n} ranks, {g.node_count} node(s), shm peers: "
+        print(f"# mpidp allreduce benchmark: {n} ranks, {g.node_count} node(s), {args.device}, "
+              f"shm peers: "
               f"{g.shm().mode_name if g.single_node else 'n/a'}, dtype {args.dtype}, op {args.op}, "
               f"iters {args.iters}, warmup {args.warmup_iters}, repeats {args.repeats}")
         print(table(rows, ceiling, n))

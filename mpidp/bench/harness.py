@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Callable, List, Sequence
+from typing import Optional, Callable, List, Sequence
 
 import numpy as np
 
@@ -44,15 +44,21 @@ def rotation(nbytes: int, budget_bytes: int = 64 << 20, cap: int = 64) -> int:
     return max(1, min(cap, budget_bytes // max(nbytes, 1)))
 
 
-def time_per_call(comm, call: Callable[[int], None], iters: int, warmup: int) -> np.ndarray:
+def time_per_call(comm, call: Callable[[int], None], iters: int, warmup: int,
+                  sync: Optional[Callable[[], None]] = None) -> np.ndarray:
     """Runs call(i) warmup + iters times between barriers; returns every rank's seconds per
-    call (an array of comm size, the same on every rank)."""
+    call (an array of comm size, the same on every rank). ``sync`` (a device's synchronize)
+    runs after the warm-up and after the timed calls, inside the timing (as nccl-tests)."""
     for i in range(warmup):
         call(i)
+    if sync is not None:
+        sync()
     comm.Barrier()
     t0 = time.perf_counter()
     for i in range(iters):
         call(i)
+    if sync is not None:
+        sync()
     local = (time.perf_counter() - t0) / max(iters, 1)
     return np.array(comm.allgather(local))
 
@@ -60,6 +66,19 @@ def time_per_call(comm, call: Callable[[int], None], iters: int, warmup: int) ->
 def stats(values: Sequence[float]) -> dict:
     v = np.asarray(values, dtype=float)
     return {"min": float(v.min()), "avg": float(v.mean()), "max": float(v.max())}
+
+
+def device_ceiling(comm, nbytes: int = 256 << 20, iters: int = 5) -> dict:
+    """memory_ceiling's figures for each rank's GPU (CuPy copy and add, every rank at once)."""
+    from mpidp.gpu.device import cupy
+    cp = cupy()
+    n = nbytes // 4
+    a, b, c = cp.ones(n, cp.float32), cp.ones(n, cp.float32), cp.empty(n, cp.float32)
+    sync = cp.cuda.Device().synchronize
+    copy_s = time_per_call(comm, lambda i: cp.copyto(c, a), iters, 1, sync)
+    add_s = time_per_call(comm, lambda i: cp.add(a, b, out=c), iters, 1, sync)
+    return {"bytes": nbytes, "copy_GBps": nbytes / copy_s.max() / 1e9,
+            "add_GBps": nbytes / add_s.max() / 1e9}
 
 
 def memory_ceiling(comm, nbytes: int = 256 << 20, iters: int = 5) -> dict:

@@ -1,0 +1,120 @@
+"""DeviceBucket: the GPU twin of mpidp.fusion.Bucket — one flat device buffer holding tensors
+of one dtype back to back, packed and unpacked by one multi-tensor kernel launch each
+(mpidp/kernels/pack.cu), all-reduced on the device. Same interface as Bucket, so
+DistributedDataParallel and grouped_allreduce keep their buckets on the device."""
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from .. import collectives, runtime
+from ..dtypes import NUMPY_STORAGE
+from .arrays import as_device_array, producer_stream, write_back
+from .device import cupy
+from .kernels import DeviceOps
+
+
+class DeviceBucket:
+    """``indices`` name the tensors (caller's numbering), ``counts`` their elements;
+    ``buffer`` is the flat CuPy array the collectives see. Kernels run on the stream of the
+    caller's producer (torch's current stream), so gradients, packing, the all-reduce and the
+    optimizer step stay in stream order."""
+
+    __slots__ = ("indices", "counts", "offsets", "dtype", "flat", "divisor", "device")
+
+    def __init__(self, indices: Sequence[int], counts: Sequence[int], dtype: int, device: int):
+        cp = cupy()
+        self.indices = tuple(indices)
+        self.counts = tuple(int(c) for c in counts)
+        self.offsets = tuple(int(o) for o in np.cumsum((0,) + self.counts[:-1]))
+        self.dtype, self.device = dtype, device
+        with cp.cuda.Device(device):
+            self.flat = cp.empty(sum(self.counts), NUMPY_STORAGE[dtype])
+        self.divisor = 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
+
+    @property
+    def buffer(self):
+        return self.flat
+
+    def _ops(self, arrays) -> DeviceOps:
+        first = next((a for a in arrays if a is not None), None)
+        stream = producer_stream(first) if first is not None else \
+            cupy().cuda.get_current_stream()
+        return DeviceOps(stream)
+
+    def pack(self, sources: Sequence[Any], skip_own_slots: bool = False) -> None:
+        """Copies ``sources`` (None packs zeros) into the bucket in one launch; with
+        ``skip_own_slots`` a source that already is its own slot stays where it is."""
+        cp = cupy()
+        arrays = [None if s is None else as_device_array(s) for s in sources]
+        ops = self._ops(arrays)
+        with ops.stream:
+            views = [cp.zeros(c, self.flat.dtype) if a is None else a.flat
+                     for a, c in zip(arrays, self.counts)]
+        base, itemsize = self.flat.data.ptr, self.flat.itemsize
+        if skip_own_slots:
+            keep = [v.data.ptr != base + o * itemsize for v, o in zip(views, self.offsets)]
+            for v, o, k in zip(views, self.offsets, keep):
+                if k:
+                    ops.pack(self.flat[o:o + len(v)], [v])
+            return
+        ops.pack(self.flat, views)
+
+    def reduce_(self, sources: Sequence[Any], destinations: Sequence[Any], op: str,
+                algorithm: str) -> None:
+        """Packs, all-reduces on the device and unpacks, the average's division fused into
+        the unpack. Collective: every rank calls it for the same bucket."""
+        fused = op == "avg"
+        self.divisor = runtime.group().size if fused else 1
+        self.pack(sources)
+        collectives.allreduce_(self.flat, "sum" if fused else op, algorithm)
+        self.unpack(destinations, self.divisor)
+
+    def torch_view(self, position: int, like: Any) -> Any:
+        """A torch tensor shaped and typed as ``like`` that is the slot at ``position``."""
+        torch = sys.modules["torch"]
+        lo = self.offsets[position]
+        t = torch.from_dlpack(self.flat[lo:lo + self.counts[position]])
+        if t.dtype != like.dtype:
+            t = t.view(like.dtype)  # bfloat16 is stored as 16-bit integers
+        return t.view(like.shape)
+
+    def unpack(self, destinations: Sequence[Any], divisor: int = 1) -> None:
+        """Copies the bucket into ``destinations`` (None skips), divided by ``divisor``, in
+        one launch."""
+        arrays = [None if d is None else as_device_array(d) for d in destinations]
+        ops = self._ops(arrays)
+        keep = [(a.flat, o) for a, o in zip(arrays, self.offsets) if a is not None]
+        # slots of skipped tensors are stepped over: one launch per run of kept tensors
+        for run in _runs(keep):
+            lo = run[0][1]
+            ops.unpack(self.flat[lo:], [f for f, _ in run], self.dtype, divisor)
+        for a in arrays:
+            if a is not None:
+                write_back(a)
+
+    def unpack_one(self, position: int, destination: Any,
+                   divisor: Optional[int] = None) -> None:
+        divisor = self.divisor if divisor is None else divisor
+        a = as_device_array(destination)
+        lo = self.offsets[position]
+        self._ops([a]).unpack(self.flat[lo:lo + self.counts[position]], [a.flat], self.dtype,
+                              divisor)
+        write_back(a)
+
+
+def _runs(kept: list) -> list:
+    """Groups (flat, offset) pairs into runs whose slots are back to back in the bucket."""
+    runs: list = []
+    for flat, offset in kept:
+        if runs and runs[-1][-1][1] + len(runs[-1][-1][0]) == offset:
+            runs[-1].append((flat, offset))
+        else:
+            runs.append([(flat, offset)])
+    return runs

@@ -1,0 +1,136 @@
+"""Collectives on device arrays (CuPy arrays, torch CUDA tensors), reached through the public
+functions of mpidp.collectives, which hand any device array here.
+
+All-reduce algorithms on a device (``algorithm=``): ``ring`` — mpidp.ring over NCCL
+send/recv with our kernels; ``nccl`` — ncclAllReduce (the baseline); ``staged`` — device →
+host, the host all-reduce ("auto"), host → device; ``auto`` — ring where NCCL is available,
+staged otherwise (Note [Auto choice on GPU]). The other collectives are staged through the
+host. Every function is collective: every rank calls it, all with device arrays or all with
+host arrays (the header exchange names a rank that differs)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import collectives as host  # the host collectives (they hand device arrays to us)
+from .. import config, handshake, runtime
+from ..dtypes import BF16
+from ..handshake import ALGORITHM_CODES, ALLREDUCE
+from ..ring import ring_allreduce
+from . import device
+from .arrays import as_device_array, empty_like, producer_stream, write_back
+from .kernels import DeviceOps
+from .nccl import NCCLTransport
+
+ALGORITHMS = ("auto", "ring", "nccl", "staged")
+
+# Note [Auto choice on GPU]: the product's default is our ring (the collective we own and
+# measure against NCCL's, bench/RESULTS.md "GPU"); NCCL's all-reduce stays one word away.
+# Without NCCL the only path is through the host.
+
+
+def choose(algorithm: str) -> str:
+    """The device algorithm to run; ValueError for a name that is not one."""
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r} for device arrays; accepted: "
+                         f"{', '.join(ALGORITHMS)}")
+    if algorithm == "auto":
+        return "ring" if device.nccl_available() else "staged"
+    if algorithm in ("ring", "nccl"):
+        device.nccl()  # BackendUnavailableError with the install line
+    return algorithm
+
+
+def transport(g) -> NCCLTransport:
+    """The NCCL transport of group ``g`` (made on first use: every rank makes it together)."""
+    key = ("nccl", device.cupy().cuda.Device().id)
+    if key not in g.transports:
+        g.transports[key] = NCCLTransport(g.comm)
+    return g.transports[key]
+
+
+def _scratch(dst, piece_count: int):
+    cp = device.cupy()
+    n = max(1, min(piece_count, len(dst)))
+    return (cp.empty(n, dst.dtype), cp.empty(n, dst.dtype))
+
+
+def allreduce(x: Any, op: str, algorithm: str, inplace: bool):
+    """mpidp.allreduce / allreduce_ for a device array."""
+    g = runtime.group()
+    try:
+        a = as_device_array(x)
+        opc, avg = host._op_codes(op, a.dtype)
+        algo = choose(algorithm)
+    except (TypeError, ValueError, ImportError) as exc:  # ImportError: CuPy or NCCL missing
+        if g.size > 1:
+            handshake.exchange(g, handshake.error_header(ALLREDUCE, exc), "allreduce", exc)
+        raise
+    if algo == "staged":
+        return staged(x, inplace, lambda h: host.allreduce_(h, op))
+    src = a.flat
+    out, dst = (a.original, src) if inplace else empty_like(a)
+    producer = producer_stream(a)
+    if g.size == 1 and algo == "ring":  # the reduction of one term is the term
+        if dst is not src:
+            with producer:
+                dst[...] = src
+    else:  # NCCL runs even alone: one rank is how a single GPU measures it
+        if g.size > 1:
+            code = ALGORITHM_CODES["ring on GPU" if algo == "ring" else "nccl"]
+            handshake.exchange(g, handshake.header(ALLREDUCE, code, opc + 4 * avg, a.dtype,
+                                                   len(src), a.shape), "allreduce")
+        t = transport(g)
+        t.enter(producer)
+        if algo == "nccl":
+            t.allreduce(src, dst, a.dtype, opc, avg)
+        else:
+            if dst is not src:
+                with t.compute:
+                    dst[...] = src
+            piece = max(1, config.get().ring_piece_bytes // dst.itemsize)
+            ring_allreduce(dst, _scratch(dst, piece), t, DeviceOps(t.compute), a.dtype, opc,
+                           g.size if avg else 1, piece)
+        t.leave(producer)
+    if inplace:
+        write_back(a)
+    return out
+
+
+def staged(x: Any, inplace: bool, host_call):
+    """Runs ``host_call`` on a host copy of ``x`` and returns its result on x's device (in
+    place into ``x`` with ``inplace``): the path without NCCL, and the one of the collectives
+    NCCL does not give us. ``host_call`` returns the host result (for in-place calls, its
+    argument)."""
+    a = as_device_array(x)
+    return _from_host(host_call(_to_host(a)), a, inplace)
+
+
+def _to_host(a):
+    """A C-contiguous host copy of ``a``, after its producer's queued work (a numpy array, or
+    a CPU torch tensor for bfloat16, which numpy lacks)."""
+    flat = device.cupy().asnumpy(a.flat, stream=producer_stream(a), blocking=True)
+    if a.dtype == BF16:
+        import torch
+        return torch.from_numpy(flat.view(np.int16)).view(torch.bfloat16).reshape(a.shape)
+    return flat.reshape(a.shape)
+
+
+def _from_host(result, a, inplace: bool):
+    """The host ``result`` on a's device: copied into a's array with ``inplace``, else a new
+    array of a's kind."""
+    if a.is_torch:
+        import torch
+        t = torch.from_numpy(result) if isinstance(result, np.ndarray) else result
+        if inplace:
+            a.original.copy_(t.reshape(a.shape))
+            return a.original
+        return t.to(a.original.device)
+    cp = device.cupy()
+    with cp.cuda.Device(a.device):
+        on_device = cp.asarray(result)
+    if inplace:
+        a.original[...] = on_device.reshape(a.shape)
+        return a.original
+    return on_device
