@@ -22,6 +22,7 @@ _EXPORTS = {
     "fit": "train", "Trainer": "train", "TrainSettings": "train",
     "MpidpError": "errors", "CommunicationError": "errors", "MismatchError": "errors",
     "NotInitializedError": "errors", "BackendUnavailableError": "errors",
+    "LaunchError": "errors",
 }
 
 __all__ = sorted(_EXPORTS)

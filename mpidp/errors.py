@@ -24,3 +24,8 @@ class MismatchError(MpidpError, ValueError):
 
 class BackendUnavailableError(ImportError):
     """An optional backend (the C extension, CuPy, NCCL) is missing; says how to install it."""
+
+
+class LaunchError(MpidpError):
+    """The job was not started as the launcher says: N independent singletons instead of one
+    world of N ranks (see Note [Independent singletons] in mpidp/launcher.py)."""

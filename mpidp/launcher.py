@@ -3,6 +3,8 @@ read from its environment variables, so the runtime can cross-check MPI's own an
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 from typing import Mapping, NamedTuple, Optional
 
 # launcher -> (rank, size, local rank, local size) variable names, most specific first
@@ -59,3 +61,39 @@ def disagreements(view: Optional[LauncherView], rank: int, size: int, local_rank
         problems.append(f"{view.launcher} says {view.local_size} ranks on this node, "
                         f"MPI says {local_size}")
     return problems
+
+
+# Note [Independent singletons]: a launcher that starts N processes in a way the MPI library
+# mpi4py uses cannot join (srun without an MPI plugin, or with one that library does not
+# speak; another MPI's mpirun) gives N worlds of one rank each. Each would train alone on the
+# whole data set and write the same checkpoints, so init refuses (LaunchError) instead of
+# warning. The batch script of `sbatch -n N` itself sees SLURM_NTASKS=N and SLURM_PROCID=0 but
+# is one process, not N: for Slurm only a step's task count (set by srun) counts.
+def _fix(launcher: str) -> str:
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if launcher == "Slurm":
+        return ("launch with srun --mpi=pmi2 (the mpich wheel speaks PMI2; or MpiDefault=pmi2 "
+                "in slurm.conf), or with mpiexec inside the allocation")
+    if launcher == "Open MPI":
+        return (f"this is Open MPI's mpirun but mpi4py uses another MPI library: launch with "
+                f"that library's mpiexec ({mpiexec} for the mpich wheel)")
+    return (f"mpi4py's MPI library does not speak this launcher's PMI: launch with that "
+            f"library's own mpiexec ({mpiexec} for the mpich wheel)")
+
+
+def independent_singletons(size: int, env: Mapping[str, str] | None = None) -> Optional[str]:
+    """Why this process is one of several that a launcher started as one job although MPI
+    sees a world of ``size`` == 1 (see Note [Independent singletons]), with the fix; None
+    when it is not."""
+    if size != 1:
+        return None
+    env = os.environ if env is None else env
+    view = launcher_view(env)
+    if view is None:
+        return None
+    started = _int(env, "SLURM_STEP_NUM_TASKS") if view.launcher == "Slurm" else view.size
+    if started is None or started <= 1:
+        return None
+    return (f"{view.launcher} started {started} processes but MPI sees a world of 1 in each: "
+            f"the job runs as {started} independent singletons, each training alone; "
+            f"{_fix(view.launcher)}")

@@ -11,7 +11,7 @@ import warnings
 from typing import Any, Optional
 
 from . import config, launcher
-from .errors import NotInitializedError
+from .errors import LaunchError, NotInitializedError
 
 
 class Group:
@@ -69,7 +69,9 @@ def init(comm: Any = None) -> Group:
     """Starts MPI (thread level MULTIPLE) and builds mpidp's group on ``comm`` (default
     COMM_WORLD; a sub-communicator combines data parallelism with the user's own model
     parallelism). Idempotent: later calls return the same group; a different ``comm`` after
-    the first is a ValueError. Every rank of ``comm`` must call it."""
+    the first is a ValueError. LaunchError when a launcher started this process as one of N
+    independent singletons (pass ``MPI.COMM_SELF`` to run one alone on purpose). Every rank of
+    ``comm`` must call it."""
     global _group
     with _lock:
         from mpi4py import MPI
@@ -81,6 +83,11 @@ def init(comm: Any = None) -> Group:
             if MPI.Comm.Compare(_group._user_comm, comm) not in (MPI.IDENT, MPI.CONGRUENT):
                 raise ValueError("mpidp.init() was already called with another communicator")
             return _group
+        if comm == MPI.COMM_WORLD:
+            # Note [Independent singletons] in mpidp/launcher.py
+            reason = launcher.independent_singletons(comm.Get_size())
+            if reason is not None:
+                raise LaunchError(f"mpidp: {reason}")
         cfg = config.get()
         group = Group(comm.Dup(), cfg.emulate_node_size)
         group._user_comm = comm

@@ -62,3 +62,20 @@ def test_collective_before_init_is_a_clear_error():
             "    assert 'mpidp.init()' in str(e); print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_independent_singletons_are_named_with_the_fix():
+    # srun without an MPI plugin: every task is a world of 1
+    step = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2"}
+    reason = launcher.independent_singletons(1, step)
+    assert "2 independent singletons" in reason and "srun --mpi=pmi2" in reason
+    assert launcher.independent_singletons(2, step) is None
+    # the batch script of sbatch -n 2 is one process, not two singletons
+    assert launcher.independent_singletons(1, {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}) is None
+    assert launcher.independent_singletons(1, dict(step, SLURM_STEP_NUM_TASKS="1")) is None
+    # another MPI's launcher
+    ompi = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "3"}
+    assert "Open MPI's mpirun" in launcher.independent_singletons(1, ompi)
+    assert "PMI" in launcher.independent_singletons(1, {"PMI_RANK": "0", "PMI_SIZE": "2"})
+    assert launcher.independent_singletons(1, {"PMI_RANK": "0", "PMI_SIZE": "1"}) is None
+    assert launcher.independent_singletons(1, {}) is None

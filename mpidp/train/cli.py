@@ -134,7 +134,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import mpidp
     from .loop import Trainer
     from .setup import SetupError, agree
-    g = mpidp.init()
+    try:
+        g = mpidp.init()
+    except mpidp.LaunchError as exc:
+        fail(str(exc).removeprefix("mpidp: "))
     try:
         model, sets = agree(g, lambda: build(settings))
         if g.rank == 0:

@@ -1,0 +1,147 @@
+"""The batch scripts of examples/slurm/ submitted with sbatch to a real single-node Slurm
+cluster (tests/slurm/cluster.py, started and stopped by this module), and srun's commonest
+mistake (no MPI plugin: N independent singletons) refused by the runtime.
+
+Slurm comes from the distribution's packages (tests/slurm/install.sh, part of the README's
+test command). Without it, or without root, these tests are skipped, except in CI (the CI
+variable set), where they fail."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm.cluster import SlurmCluster, missing_programs
+
+REPO = Path(__file__).parent.parent
+EXAMPLES = REPO / "examples" / "slurm"
+JOB_TIMEOUT_S = 240
+TRAIN_FLAGS = ["--epochs", "1", "--verbose"]   # one quick epoch, every rank logs
+
+# example script -> (ranks on the one node, strategy)
+JOBS = {
+    "mirrored.sbatch": (2, "mirrored"),
+    "mpiexec.sbatch": (2, "mirrored"),
+    "ps.sbatch": (3, "ps"),
+}
+
+
+def _cannot_run() -> str | None:
+    missing = missing_programs()
+    if missing:
+        return (f"Slurm is not installed (missing {', '.join(missing)}): run "
+                f"bash tests/slurm/install.sh as root")
+    if os.geteuid() != 0:
+        return "the test's Slurm daemons run as root (SlurmUser=root); this is not root"
+    return None
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = _cannot_run()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the Slurm test: {reason}", pytrace=False)
+        pytest.skip(reason)
+    root = Path(tempfile.mkdtemp(prefix="mpidp-slurm-"))
+    try:
+        with SlurmCluster(root) as c:
+            yield c
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _job_env() -> dict:
+    """Jobs run this Python (and the mpich wheel's mpiexec beside it) first on PATH, as
+    they would for a user who submits from a shell with the virtual environment active."""
+    return {"PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def _job_state(c: SlurmCluster, job_id: str) -> dict:
+    out = c.run(["scontrol", "show", "job", "-o", job_id]).stdout
+    return dict(w.split("=", 1) for w in out.split() if "=" in w)
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster):
+    """Submits every example script at once (each small: one node, 1 epoch), waits for all,
+    and returns script -> (scontrol's job record, the job's output)."""
+    c = cluster
+    ids = {}
+    for script, (ranks, _) in JOBS.items():
+        out = c.root / f"{script}.out"
+        # submitted from the cluster's directory (the jobs' working directory); options on
+        # the command line override the script's #SBATCH lines: one node, a few ranks
+        ids[script] = c.run(["sbatch", "--parsable", f"--output={out}",
+                             "--nodes=1", f"--ntasks-per-node={ranks}", "--time=5",
+                             EXAMPLES / script, *TRAIN_FLAGS], env=_job_env(),
+                            cwd=c.root).stdout.strip()
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    records = {}
+    while len(records) < len(ids):
+        for script, job_id in ids.items():
+            if script not in records:
+                record = _job_state(c, job_id)
+                if record["JobState"] not in ("PENDING", "CONFIGURING", "RUNNING",
+                                              "COMPLETING"):
+                    records[script] = record
+        if time.monotonic() > deadline:
+            pending = {s: _job_state(c, i)["JobState"] for s, i in ids.items()
+                       if s not in records}
+            pytest.fail(f"jobs not done in {JOB_TIMEOUT_S} s: {pending}\n{c.logs()}")
+        time.sleep(0.25)
+    return {s: (records[s], (c.root / f"{s}.out").read_text(errors="replace")) for s in ids}
+
+
+def _summary(output: str) -> dict:
+    lines = [l for l in output.splitlines() if l.startswith('{"') and '"summary"' in l]
+    assert len(lines) == 1, f"expected one summary line (rank 0's):\n{output[-4000:]}"
+    return json.loads(lines[0])
+
+
+@pytest.mark.parametrize("script", sorted(JOBS))
+def test_example_batch_script_trains(cluster, jobs, script):
+    ranks, strategy = JOBS[script]
+    record, output = jobs[script]
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), output[-4000:]
+    summary = _summary(output)
+    assert summary["event"] == "summary"
+    assert summary["ranks"] == ranks and summary["strategy"] == strategy, summary
+    # one MPI world: every task logged with its own rank
+    for r in range(ranks):
+        assert f"[rank {r}] epoch   1/1" in output, output[-4000:]
+    if strategy == "ps":
+        assert (summary["workers"], summary["servers"]) == (ranks - 1, 1), summary
+    if script == "mirrored.sbatch":   # checkpoints under the job's directory, per job id
+        checkpoint = Path(summary["checkpoint"])
+        assert checkpoint.parent == cluster.root / "checkpoints" / record["JobId"], summary
+        assert checkpoint.is_file() and summary["resumed_from"] is None, summary
+
+
+def test_srun_without_mpi_plugin_is_refused(cluster):
+    """srun without --mpi=pmi2 (MpiDefault=none here) starts 2 worlds of 1 rank: the
+    training tool refuses with one line and exit code 2, mpidp.init() raises LaunchError."""
+    srun = ["srun", "--nodes=1", "--ntasks=2", "--time=5", sys.executable]
+    proc = cluster.run(srun + ["-m", "mpidp.train", "--epochs", "1"], check=False,
+                       timeout_s=JOB_TIMEOUT_S, env=_job_env(), cwd=cluster.root)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    errors = [l for l in out.splitlines() if l.startswith("mpidp.train: error:")]
+    assert len(errors) == 1, out   # one line, from SLURM_PROCID 0
+    assert "2 independent singletons" in errors[0] and "srun --mpi=pmi2" in errors[0], out
+    assert "summary" not in out, out
+
+    code = ("import mpidp\ntry:\n    mpidp.init()\nexcept mpidp.LaunchError as e:\n"
+            "    print('refused:', e)\nelse:\n    print('initialised')\n")
+    proc = cluster.run(srun + ["-c", code], check=False, timeout_s=JOB_TIMEOUT_S,
+                       env=_job_env(), cwd=cluster.root)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and len(lines) == 2, proc.stdout + proc.stderr
+    assert all(l.startswith("refused: mpidp: Slurm started 2 processes") for l in lines), lines
