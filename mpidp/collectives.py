@@ -119,14 +119,14 @@ def broadcast(x: Any, root: int = 0):
     """Returns a new array or tensor holding root's ``x`` on every rank; ``x`` is unchanged.
     Every rank passes an ``x`` of the same shape and dtype."""
     if is_device_array(x):
-        return _device().staged(x, False, lambda host: broadcast_(host, root))
+        return _device().staged(x, False, BROADCAST, lambda host: broadcast_(host, root))
     return _broadcast(x, root, inplace=False)
 
 
 def broadcast_(x: Any, root: int = 0):
     """In-place ``broadcast``: every rank's ``x`` holds root's values afterwards."""
     if is_device_array(x):
-        return _device().staged(x, True, lambda host: broadcast_(host, root))
+        return _device().staged(x, True, BROADCAST, lambda host: broadcast_(host, root))
     return _broadcast(x, root, inplace=True)
 
 
@@ -161,7 +161,7 @@ def reduce_(x: Any, root: int = 0, op: str = "sum"):
     """Reduces ``x`` over every rank into root's ``x`` (MPI_Reduce, in place at root); the
     other ranks' ``x`` is unchanged. ``op``: sum, avg, min, max. Every rank must call it."""
     if is_device_array(x):
-        return _device().staged(x, True, lambda host: reduce_(host, root, op))
+        return _device().staged(x, True, REDUCE, lambda host: reduce_(host, root, op))
     g = runtime.group()
     try:
         a = as_host_array(x)
@@ -198,7 +198,7 @@ def allgather(x: Any):
     """Concatenates every rank's ``x`` along dimension 0, in rank order, into a new array or
     tensor. The first dimension may differ between ranks; the others and the dtype may not."""
     if is_device_array(x):
-        return _device().staged(x, False, allgather)
+        return _device().staged(x, False, ALLGATHER, allgather)
     g = runtime.group()
     try:
         a = as_host_array(x)
@@ -230,7 +230,8 @@ def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto"):
     blocks split as ``numpy.array_split`` splits. ``algorithm``: auto or ring (our ring's
     reduce-scatter phase) or mpi (MPI_Reduce_scatter). ``x`` is unchanged."""
     if is_device_array(x):
-        return _device().staged(x, False, lambda host: reduce_scatter(host, op, algorithm))
+        return _device().staged(x, False, REDUCE_SCATTER,
+                                 lambda host: reduce_scatter(host, op, algorithm))
     g = runtime.group()
     try:
         a = as_host_array(x)

@@ -101,6 +101,16 @@ class Bucket:
         """The bucket as the collectives take it (DeviceBucket's is a device array)."""
         return self.host
 
+    def allreduce_(self, op: str, algorithm: str) -> None:
+        """All-reduces the bucket's buffer in place (collective)."""
+        collectives.allreduce_(self.host, op, algorithm)
+
+    def capture_stream(self) -> None:
+        """Host buffers have no stream to order by (DeviceBucket's capture one)."""
+
+    def join_stream(self) -> None:
+        """See capture_stream."""
+
     def pack(self, sources: Sequence[Any], skip_own_slots: bool = False) -> None:
         """Copies ``sources`` (one per index; None packs zeros) into the buffer, in one C call.
         With ``skip_own_slots``, a source that already is its own slot of this bucket (a

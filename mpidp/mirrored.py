@@ -16,7 +16,8 @@ from . import algorithms, collectives, runtime
 from .errors import MpidpError
 from .fusion import Bucket, broadcast_tensors_, check_same_model, plan
 
-FIRST_BUCKET_CAP_BYTES = 1 << 20  # PyTorch DDP's first bucket (Note [Bucket order])
+FIRST_BUCKET_CAP_BYTES = 1 << 20
+  # PyTorch DDP's first bucket (Note [Bucket order])
 
 # Note [Bucket order]
 # Buckets are first filled in reverse registration order (gradients of the last layers are
@@ -56,7 +57,7 @@ def _communicate(tasks: queue.SimpleQueue, results: queue.SimpleQueue) -> None:
         try:
             if destinations is None:  # gradients are bucket views: average in place
                 bucket.pack(sources, skip_own_slots=True)
-                collectives.allreduce_(bucket.buffer, "avg", algorithm)
+                bucket.allreduce_("avg", algorithm)
             else:
                 bucket.reduce_(sources, destinations, "avg", algorithm)
             results.put((None, time.perf_counter() - t0))
@@ -202,6 +203,7 @@ class DistributedDataParallel(torch.nn.Module):
         # parameters without a gradient here are settled after the used-map exchange
         dests = None if self.gradient_as_bucket_view else \
             [p.grad if self._ready[i] else None for i, p in zip(bucket.indices, params)]
+        bucket.capture_stream()  # on a GPU: the stream these gradients were produced on
         self._tasks.put((bucket, sources, dests, self.algorithm))
 
     def _finish_backward(self) -> None:
@@ -217,6 +219,8 @@ class DistributedDataParallel(torch.nn.Module):
                 exc, seconds = self._results.get()
                 comm_s += seconds
                 error = error or exc
+            for bucket in self._buckets:
+                bucket.join_stream()  # on a GPU: the optimizer's stream after the unpacks
             self.comm_stats["wait_s"] += time.perf_counter() - t0
             self.comm_stats["comm_s"] += comm_s
             self.comm_stats["steps"] += 1
@@ -234,8 +238,9 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _settle_unused(self) -> None:
         used = np.array(self._ready, dtype=np.int32)
-        if self._size > 1:
-            collectives.allreduce_(used, "sum", self.algorithm)
+        if self._size > 1:  # a host array: a device algorithm's name means "auto" here
+            collectives.allreduce_(used, "sum", self.algorithm
+                                   if self.algorithm in algorithms.ALGORITHMS else "auto")
         elif used.all():
             return
         if not self.find_unused_parameters:
@@ -287,7 +292,9 @@ def _validate(module, device_ids, output_device, dim, process_group, bucket_cap_
             if d is None:
                 continue
             dev = torch.device(f"cuda:{d}" if isinstance(d, int) else d)
-            if home and dev != next(iter(home)):
+            here = next(iter(home), None)
+            if here is not None and (dev.type != here.type or
+                                     dev.index is not None and dev.index != here.index):
                 raise ValueError(f"{what}={value!r}: the module's parameters are on "
                                  f"{next(iter(home))}; move the module there first "
                                  "(module.to(device)), as with torch's DDP")
@@ -299,9 +306,13 @@ def _validate(module, device_ids, output_device, dim, process_group, bucket_cap_
                                       or isinstance(bucket_cap_mb, bool)
                                       or not bucket_cap_mb > 0):
         raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
-    if algorithm not in algorithms.ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; accepted: "
-                         f"{', '.join(algorithms.ALGORITHMS)}")
+    on_gpu = any(p.is_cuda for p in module.parameters())
+    if on_gpu:
+        from .gpu.collectives import ALGORITHMS as DEVICE_ALGORITHMS
+    accepted = DEVICE_ALGORITHMS if on_gpu else algorithms.ALGORITHMS
+    if algorithm not in accepted:
+        raise ValueError(f"unknown algorithm {algorithm!r}; accepted"
+                         f"{' for a module on a GPU' if on_gpu else ''}: {', '.join(accepted)}")
 
 
 def _check_thread_level() -> None:

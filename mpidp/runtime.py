@@ -52,6 +52,10 @@ class Group:
         return self._shm
 
     def free(self) -> None:
+        for transport in self.transports.values():  # NCCL communicators before MPI goes
+            if hasattr(transport, "free"):
+                transport.free()
+        self.transports.clear()
         if self._shm is not None:
             self._shm.free()
             self._shm = None

@@ -18,7 +18,7 @@ from mpidp.dtypes import BF16, F16, F32, F64, FLOATING, I32, I64, NUMPY_STORAGE
 KERNELS = Path(__file__).parent.parent / "mpidp" / "kernels"
 HARNESS = Path(__file__).parent / "host_harness.cu"
 SOURCES = sorted(KERNELS.glob("*.cu"))
-ARCHS = ("sm_80", "sm_90")
+ARCHS = ("sm_75", "sm_80", "sm_90")  # sm_75: the bfloat16 conversion's pre-sm_80 path
 SUFFIXES = ("f16", "bf16", "f32", "f64", "i32", "i64")
 ENTRY_POINTS = {
     "reduce.cu": [f"mpidp_reduce_{d}_{o}" for d in SUFFIXES for o in ("sum", "min", "max")]
@@ -52,6 +52,19 @@ def test_kernel_compiles_without_warnings(source, arch, tmp_path):
     symbols = (tmp_path / f"{source.stem}.cubin").read_bytes()  # the ELF's string table
     for name in ENTRY_POINTS[source.name]:  # what mpidp.gpu.kernels asks CuPy for
         assert name.encode() + b"\0" in symbols, name
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_float_math_keeps_denormals_under_ftz(source, tmp_path):
+    """CuPy compiles with -ftz=true; our float ops must not flush (Note [Rounding like the
+    host] in elementwise.cuh): no .ftz instruction in the PTX even with the flag."""
+    out = tmp_path / f"{source.stem}.ptx"
+    cmd = [nvcc(), "-std=c++17", "-arch=sm_90", "-ptx", "-ftz=true", "-I", str(KERNELS),
+           "-o", str(out), str(source)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    flushing = [line.strip() for line in out.read_text().splitlines() if ".ftz" in line]
+    assert not flushing, flushing[:5]
 
 
 @pytest.fixture(scope="module")

@@ -260,6 +260,9 @@ def plot(rows: list, ceiling: dict, nranks: int, path: str) -> None:
 def main(args) -> int:
     import mpidp
     g = mpidp.init()
+    if args.device == "gpu":
+        from mpidp.gpu.device import bind
+        bind(g.local_rank)  # CuPy was not imported at init: bind now, before any buffer
     comm = g.comm
     rank, n = comm.Get_rank(), comm.Get_size()
     algos = _algorithms(args)

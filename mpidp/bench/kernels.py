@@ -49,8 +49,8 @@ def measure(args) -> list:
             dtype = DTYPE_NAMES.index(name)
             storage = np.uint16 if dtype == BF16 else np.dtype(name)
             count = nbytes // np.dtype(storage).itemsize
-            a = cp.ones(count, storage)
-            b = cp.ones(count, storage)
+            one = cp.full(count, 0x3F80, cp.uint16) if dtype == BF16 else cp.ones(count, storage)
+            a, b = one, one.copy()  # 1.0 (bfloat16's bits for 1.0 are 0x3F80)
             copy_ms = _time_ms(cp, lambda: cp.copyto(a, b), args.iters)
             copy_gbps = 2 * nbytes / copy_ms / 1e6
             cases = [(f"reduce {op}", 3, lambda op=op: ops.reduce_into(a, b, dtype, OP_CODES[op][0]))

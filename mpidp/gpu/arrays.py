@@ -3,7 +3,6 @@ dtype code, zero-copy (torch through DLPack), and the stream that produced it.""
 from __future__ import annotations
 
 import sys
-import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -100,8 +99,15 @@ def producer_stream(a: DeviceArray):
     torch tensor, CuPy's current stream for a CuPy array."""
     cp = cupy()
     if a.is_torch:
-        s = sys.modules["torch"].cuda.current_stream(a.original.device)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # CuPy 14 renames it
-            return cp.cuda.ExternalStream(s.cuda_stream, a.device)
+        return external_stream(sys.modules["torch"].cuda.current_stream(a.original.device))
     return cp.cuda.get_current_stream()
+
+
+def external_stream(torch_stream):
+    """CuPy's view of a torch CUDA stream (CuPy 14's Stream.from_external where it exists:
+    ExternalStream is deprecated there)."""
+    cp = cupy()
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(torch_stream, "__cuda_stream__"):
+        return from_external(torch_stream)
+    return cp.cuda.ExternalStream(torch_stream.cuda_stream, torch_stream.device.index)

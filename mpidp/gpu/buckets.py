@@ -11,18 +11,21 @@ import numpy as np
 
 from .. import collectives, runtime
 from ..dtypes import NUMPY_STORAGE
-from .arrays import as_device_array, producer_stream, write_back
+from .arrays import DeviceArray, as_device_array, external_stream, producer_stream, write_back
 from .device import cupy
 from .kernels import DeviceOps
 
 
 class DeviceBucket:
     """``indices`` name the tensors (caller's numbering), ``counts`` their elements;
-    ``buffer`` is the flat CuPy array the collectives see. Kernels run on the stream of the
-    caller's producer (torch's current stream), so gradients, packing, the all-reduce and the
+    ``buffer`` is the bucket as the collectives take it. Everything runs on the bucket's GPU
+    (whichever device the calling thread has current) and on one stream: the one captured by
+    ``capture_stream`` (DDP: the stream backward ran on), else the first tensor's producer
+    (torch's current stream), so gradients, packing, the all-reduce, the unpack and the
     optimizer step stay in stream order."""
 
-    __slots__ = ("indices", "counts", "offsets", "dtype", "flat", "divisor", "device")
+    __slots__ = ("indices", "counts", "offsets", "dtype", "flat", "divisor", "device",
+                 "buffer", "stream")
 
     def __init__(self, indices: Sequence[int], counts: Sequence[int], dtype: int, device: int):
         cp = cupy()
@@ -32,25 +35,48 @@ class DeviceBucket:
         self.dtype, self.device = dtype, device
         with cp.cuda.Device(device):
             self.flat = cp.empty(sum(self.counts), NUMPY_STORAGE[dtype])
+        # the bucket as the collectives see it: a DeviceArray keeps bfloat16's dtype code
+        self.buffer = DeviceArray(self.flat, self.flat, dtype, self.flat.shape, False, True,
+                                  device)
         self.divisor = 1
+        self.stream = None
 
     @property
     def nbytes(self) -> int:
         return self.flat.nbytes
 
-    @property
-    def buffer(self):
-        return self.flat
+    def capture_stream(self) -> None:
+        """Remembers the calling thread's current torch stream on the bucket's GPU (DDP calls
+        it where the gradients are produced, before handing the bucket to its thread)."""
+        self.stream = external_stream(sys.modules["torch"].cuda.current_stream(self.device))
+
+    def join_stream(self) -> None:
+        """The calling thread's current torch stream waits for the bucket's work."""
+        if self.stream is not None:
+            torch = sys.modules["torch"]
+            torch.cuda.current_stream(self.device).wait_stream(
+                torch.cuda.ExternalStream(self.stream.ptr, device=self.device))
 
     def _ops(self, arrays) -> DeviceOps:
+        if self.stream is not None:
+            return DeviceOps(self.stream)
         first = next((a for a in arrays if a is not None), None)
         stream = producer_stream(first) if first is not None else \
             cupy().cuda.get_current_stream()
         return DeviceOps(stream)
 
+    def allreduce_(self, op: str, algorithm: str) -> None:
+        """All-reduces the bucket in place, in its stream's order."""
+        with cupy().cuda.Device(self.device), self._ops([]).stream:
+            collectives.allreduce_(self.buffer, op, algorithm)
+
     def pack(self, sources: Sequence[Any], skip_own_slots: bool = False) -> None:
         """Copies ``sources`` (None packs zeros) into the bucket in one launch; with
         ``skip_own_slots`` a source that already is its own slot stays where it is."""
+        with cupy().cuda.Device(self.device):
+            self._pack(sources, skip_own_slots)
+
+    def _pack(self, sources: Sequence[Any], skip_own_slots: bool) -> None:
         cp = cupy()
         arrays = [None if s is None else as_device_array(s) for s in sources]
         ops = self._ops(arrays)
@@ -73,7 +99,7 @@ class DeviceBucket:
         fused = op == "avg"
         self.divisor = runtime.group().size if fused else 1
         self.pack(sources)
-        collectives.allreduce_(self.flat, "sum" if fused else op, algorithm)
+        self.allreduce_("sum" if fused else op, algorithm)
         self.unpack(destinations, self.divisor)
 
     def torch_view(self, position: int, like: Any) -> Any:
@@ -88,6 +114,10 @@ class DeviceBucket:
     def unpack(self, destinations: Sequence[Any], divisor: int = 1) -> None:
         """Copies the bucket into ``destinations`` (None skips), divided by ``divisor``, in
         one launch."""
+        with cupy().cuda.Device(self.device):
+            self._unpack(destinations, divisor)
+
+    def _unpack(self, destinations: Sequence[Any], divisor: int) -> None:
         arrays = [None if d is None else as_device_array(d) for d in destinations]
         ops = self._ops(arrays)
         keep = [(a.flat, o) for a, o in zip(arrays, self.offsets) if a is not None]
@@ -102,11 +132,12 @@ class DeviceBucket:
     def unpack_one(self, position: int, destination: Any,
                    divisor: Optional[int] = None) -> None:
         divisor = self.divisor if divisor is None else divisor
-        a = as_device_array(destination)
-        lo = self.offsets[position]
-        self._ops([a]).unpack(self.flat[lo:lo + self.counts[position]], [a.flat], self.dtype,
-                              divisor)
-        write_back(a)
+        with cupy().cuda.Device(self.device):
+            a = as_device_array(destination)
+            lo = self.offsets[position]
+            self._ops([a]).unpack(self.flat[lo:lo + self.counts[position]], [a.flat],
+                                  self.dtype, divisor)
+            write_back(a)
 
 
 def _runs(kept: list) -> list:

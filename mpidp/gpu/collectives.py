@@ -27,33 +27,41 @@ ALGORITHMS = ("auto", "ring", "nccl", "staged")
 
 # Note [Auto choice on GPU]: the product's default is our ring (the collective we own and
 # measure against NCCL's, bench/RESULTS.md "GPU"); NCCL's all-reduce stays one word away.
-# Without NCCL the only path is through the host.
+# NCCL needs a GPU of its own per rank ("Duplicate GPU detected" otherwise): where a node has
+# more ranks than GPUs, and without NCCL, the only path is through the host. The test is
+# local (ranks on a node agree); nodes that disagree meet in the header exchange, which
+# names the difference instead of hanging.
 
 
-def choose(algorithm: str) -> str:
-    """The device algorithm to run; ValueError for a name that is not one."""
+def shares_gpu(g) -> bool:
+    """True where this node runs more ranks than it has GPUs (ranks bind local_rank % count)."""
+    return g.local_size > device.cupy().cuda.runtime.getDeviceCount()
+
+
+def choose(g, algorithm: str) -> str:
+    """The device algorithm to run; ValueError for a name that is not one, or NCCL's where
+    ranks share a GPU."""
     if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r} for device arrays; accepted: "
                          f"{', '.join(ALGORITHMS)}")
     if algorithm == "auto":
-        return "ring" if device.nccl_available() else "staged"
+        return "ring" if device.nccl_available() and not shares_gpu(g) else "staged"
     if algorithm in ("ring", "nccl"):
         device.nccl()  # BackendUnavailableError with the install line
+        if shares_gpu(g):
+            raise ValueError(f"algorithm {algorithm!r} runs over NCCL, which needs one GPU per "
+                             f"rank; this node has {g.local_size} ranks on fewer GPUs (use "
+                             "'staged' or 'auto', or one rank per GPU)")
     return algorithm
 
 
 def transport(g) -> NCCLTransport:
-    """The NCCL transport of group ``g`` (made on first use: every rank makes it together)."""
+    """The NCCL transport of group ``g`` on the current device (made on first use: every rank
+    makes it together)."""
     key = ("nccl", device.cupy().cuda.Device().id)
     if key not in g.transports:
         g.transports[key] = NCCLTransport(g.comm)
     return g.transports[key]
-
-
-def _scratch(dst, piece_count: int):
-    cp = device.cupy()
-    n = max(1, min(piece_count, len(dst)))
-    return (cp.empty(n, dst.dtype), cp.empty(n, dst.dtype))
 
 
 def allreduce(x: Any, op: str, algorithm: str, inplace: bool):
@@ -62,13 +70,19 @@ def allreduce(x: Any, op: str, algorithm: str, inplace: bool):
     try:
         a = as_device_array(x)
         opc, avg = host._op_codes(op, a.dtype)
-        algo = choose(algorithm)
+        algo = choose(g, algorithm)
     except (TypeError, ValueError, ImportError) as exc:  # ImportError: CuPy or NCCL missing
         if g.size > 1:
             handshake.exchange(g, handshake.error_header(ALLREDUCE, exc), "allreduce", exc)
         raise
     if algo == "staged":
-        return staged(x, inplace, lambda h: host.allreduce_(h, op))
+        return staged(x, inplace, ALLREDUCE, lambda h: host.allreduce_(h, op))
+    with device.cupy().cuda.Device(a.device):  # this thread may have another current device
+        return _allreduce_on_device(g, a, opc, avg, algo, inplace)
+
+
+def _allreduce_on_device(g, a, opc: int, avg: bool, algo: str, inplace: bool):
+    cp = device.cupy()
     src = a.flat
     out, dst = (a.original, src) if inplace else empty_like(a)
     producer = producer_stream(a)
@@ -86,11 +100,13 @@ def allreduce(x: Any, op: str, algorithm: str, inplace: bool):
         if algo == "nccl":
             t.allreduce(src, dst, a.dtype, opc, avg)
         else:
-            if dst is not src:
-                with t.compute:
-                    dst[...] = src
             piece = max(1, config.get().ring_piece_bytes // dst.itemsize)
-            ring_allreduce(dst, _scratch(dst, piece), t, DeviceOps(t.compute), a.dtype, opc,
+            with t.compute:  # copies and scratch in the compute stream's order and pool
+                if dst is not src:
+                    dst[...] = src
+                n = max(1, min(piece, len(dst)))
+                scratch = (cp.empty(n, dst.dtype), cp.empty(n, dst.dtype))
+            ring_allreduce(dst, scratch, t, DeviceOps(t.compute), a.dtype, opc,
                            g.size if avg else 1, piece)
         t.leave(producer)
     if inplace:
@@ -98,13 +114,21 @@ def allreduce(x: Any, op: str, algorithm: str, inplace: bool):
     return out
 
 
-def staged(x: Any, inplace: bool, host_call):
+def staged(x: Any, inplace: bool, kind: int, host_call):
     """Runs ``host_call`` on a host copy of ``x`` and returns its result on x's device (in
     place into ``x`` with ``inplace``): the path without NCCL, and the one of the collectives
     NCCL does not give us. ``host_call`` returns the host result (for in-place calls, its
-    argument)."""
-    a = as_device_array(x)
-    return _from_host(host_call(_to_host(a)), a, inplace)
+    argument). ``kind``: the handshake's collective code, for reporting a bad ``x``."""
+    g = runtime.group()
+    try:
+        a = as_device_array(x)
+    except (TypeError, ImportError) as exc:
+        if g.size > 1:
+            handshake.exchange(g, handshake.error_header(kind, exc),
+                               handshake.KIND_NAMES[kind], exc)
+        raise
+    with device.cupy().cuda.Device(a.device):
+        return _from_host(host_call(_to_host(a)), a, inplace)
 
 
 def _to_host(a):
@@ -128,9 +152,12 @@ def _from_host(result, a, inplace: bool):
             return a.original
         return t.to(a.original.device)
     cp = device.cupy()
-    with cp.cuda.Device(a.device):
+    if not isinstance(result, np.ndarray):  # bfloat16 as a torch tensor: its bits
+        import torch
+        result = result.contiguous().view(torch.int16).numpy().view(np.uint16)
+    with producer_stream(a):
         on_device = cp.asarray(result)
-    if inplace:
-        a.original[...] = on_device.reshape(a.shape)
-        return a.original
+        if inplace:
+            a.original[...] = on_device.reshape(a.shape)
+            return a.original
     return on_device

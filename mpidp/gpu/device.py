@@ -93,6 +93,7 @@ def bind_if_visible(local_rank: int) -> None:
         return
     try:
         bind(local_rank)
-    except ImportError:  # torch sees a GPU but CuPy is not installed: bind torch alone
-        torch = sys.modules["torch"]
-        torch.cuda.set_device(device_for(local_rank, torch.cuda.device_count()))
+    except Exception:  # no CuPy, or one built for another CUDA: bind torch alone
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.set_device(device_for(local_rank, torch.cuda.device_count()))

@@ -29,12 +29,14 @@ def kernel_dir():
 
 
 def source(name: str) -> str:
-    return (kernel_dir() / name).read_text()
+    """The kernel source with elementwise.cuh pasted in place of its #include: CuPy's disk
+    cache keys on the source text, so a changed header must change the text."""
+    header = (kernel_dir() / "elementwise.cuh").read_text()
+    return (kernel_dir() / name).read_text().replace('#include "elementwise.cuh"', header)
 
 
 def compile_options() -> tuple:
-    """NVRTC options: the kernels include elementwise.cuh from their own directory."""
-    return ("--std=c++17", f"-I{kernel_dir()}")
+    return ("--std=c++17",)
 
 
 def function(source_name: str, name: str):
@@ -128,6 +130,7 @@ class DeviceOps:
     def _copy(self, bucket, tensors: Sequence, unpack: bool) -> None:
         pointers, offsets, sizes, longest = self._table(bucket, tensors, bucket.itemsize,
                                                         in_bytes=True)
+        longest *= bucket.itemsize  # in bytes, as the copy counts
         kernel = function("pack.cu", "mpidp_copy_bytes")
         with self.stream:
             kernel((_blocks(-(-longest // _VECTOR_BYTES)), len(tensors)), (THREADS,),

@@ -8,7 +8,10 @@
 // divides the rounded sum (x * (1/n) when n is a power of two, where the two are the same
 // real number, x / n otherwise). On a device the conversions are the hardware's (cvt, the
 // same IEEE rounding); on the host the bit-exact software ones below. Only NaN payloads may
-// differ between the two.
+// differ between the two. CuPy compiles every kernel with -ftz=true (flush denormals to zero),
+// which would make float arithmetic on denormals — every bfloat16 subnormal is one — differ
+// from the host: float add, multiply, divide and compare are therefore written as PTX
+// instructions without .ftz (tests/test_gpu_kernels.py checks the PTX under -ftz=true).
 #ifndef MPIDP_ELEMENTWISE_CUH
 #define MPIDP_ELEMENTWISE_CUH
 
@@ -73,6 +76,28 @@ MPIDP_HD u16 float_to_bf16_soft(float x) {
 }
 
 #if defined(__CUDA_ARCH__)
+// float arithmetic that keeps denormals whatever -ftz says (Note [Rounding like the host])
+__device__ __forceinline__ float fadd(float a, float b) {
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float fmul(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float fdiv(float a, float b) {
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ bool fless(float a, float b) {
+    unsigned r;
+    asm("{ .reg .pred p; setp.lt.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(r) : "f"(a), "f"(b));
+    return r != 0;
+}
 __device__ __forceinline__ float f16_to_float(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -84,11 +109,19 @@ __device__ __forceinline__ u16 float_to_f16(float x) {
     return h;
 }
 __device__ __forceinline__ u16 float_to_bf16(float x) {
+#if __CUDA_ARCH__ >= 800
     u16 h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));  // sm_80 and later
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
     return h;
+#else
+    return float_to_bf16_soft(x);  // cvt to bf16 came with sm_80
+#endif
 }
 #else
+inline float fadd(float a, float b) { return a + b; }
+inline float fmul(float a, float b) { return a * b; }
+inline float fdiv(float a, float b) { return a / b; }
+inline bool fless(float a, float b) { return a < b; }
 inline float f16_to_float(u16 h) { return f16_to_float_soft(h); }
 inline u16 float_to_f16(float x) { return float_to_f16_soft(x); }
 inline u16 float_to_bf16(float x) { return float_to_bf16_soft(x); }
@@ -113,21 +146,35 @@ template <> struct Arith<bf16> {
 };
 
 // Integer sums wrap (two's complement) as numpy's do: added unsigned, no overflow UB.
-MPIDP_HD float add(float a, float b) { return a + b; }
+MPIDP_HD float add(float a, float b) { return fadd(a, b); }
 MPIDP_HD double add(double a, double b) { return a + b; }
 MPIDP_HD int add(int a, int b) { return (int)((u32)a + (u32)b); }
 MPIDP_HD long long add(long long a, long long b) { return (long long)((u64)a + (u64)b); }
 
+MPIDP_HD bool less(float a, float b) { return fless(a, b); }
+MPIDP_HD bool less(double a, double b) { return a < b; }
+MPIDP_HD bool less(int a, int b) { return a < b; }
+MPIDP_HD bool less(long long a, long long b) { return a < b; }
+
 template <int OP, typename A> MPIDP_HD A combine(A a, A b) {
     if (OP == OP_SUM) return add(a, b);
-    if (OP == OP_MIN) return b < a ? b : a;
-    return b > a ? b : a;
+    if (OP == OP_MIN) return less(b, a) ? b : a;
+    return less(a, b) ? b : a;  // b > a
 }
+
+MPIDP_HD float product(float a, float b) { return fmul(a, b); }
+MPIDP_HD double product(double a, double b) { return a * b; }
+MPIDP_HD int product(int a, int b) { return (int)((u32)a * (u32)b); }
+MPIDP_HD long long product(long long a, long long b) { return (long long)((u64)a * (u64)b); }
+MPIDP_HD float quotient(float a, float b) { return fdiv(a, b); }
+MPIDP_HD double quotient(double a, double b) { return a / b; }
+MPIDP_HD int quotient(int a, int b) { return a / b; }  // never called: averages are floating
+MPIDP_HD long long quotient(long long a, long long b) { return a / b; }
 
 // The average's division (Note [Rounding like the host]); divisor >= 1, floating types only.
 template <typename A> MPIDP_HD A divide(A x, long long divisor) {
     const A d = (A)divisor;
-    return (divisor & (divisor - 1)) == 0 ? x * ((A)1 / d) : x / d;
+    return (divisor & (divisor - 1)) == 0 ? product(x, quotient((A)1, d)) : quotient(x, d);
 }
 
 // dst op src, then (divisor > 1) divided: the reduce-then-scale of one pass.
