@@ -10,7 +10,7 @@ import traceback
 import warnings
 from typing import Any, Optional
 
-from . import config, launcher
+from . import config, launcher, timeline
 from .errors import NotInitializedError
 
 
@@ -90,6 +90,8 @@ def init(comm: Any = None) -> Group:
             for problem in launcher.disagreements(launcher.launcher_view(), group.rank,
                                                   group.size, group.local_rank, group.local_size):
                 warnings.warn(f"mpidp: rank {group.rank}: {problem}", RuntimeWarning, stacklevel=2)
+        if timeline.ON:
+            timeline.start(group.comm)
         _group = group
         atexit.register(shutdown)
         return group
@@ -102,6 +104,7 @@ def shutdown() -> None:
         if _group is not None:
             from mpi4py import MPI
             if not MPI.Is_finalized():
+                timeline.finish()
                 _group.free()
                 _group.comm.Free()
             _group = None
