@@ -270,6 +270,7 @@ def finish() -> Optional[str]:
               "threads": dict(_threads), "main": _main_ident, "dropped": _dropped}
     records = comm.gather(record, root=0)
     comm.Free()
+    _events.clear()  # a later init records afresh
     if records is None:
         return None
     first = _state["first"]

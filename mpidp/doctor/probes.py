@@ -65,8 +65,12 @@ def mpi(ctx) -> dict:
     import mpi4py
     from mpi4py import MPI
     first = MPI.Get_library_version().strip().splitlines()[0]
+    levels = [MPI.THREAD_SINGLE, MPI.THREAD_FUNNELED, MPI.THREAD_SERIALIZED,
+              MPI.THREAD_MULTIPLE]  # the standard orders them; their values are the library's
+    level = MPI.Query_thread()
     return {"library": " ".join(first.split()), "standard": MPI.Get_version(),
-            "thread": MPI.Query_thread(), "mpi4py": mpi4py.__version__}
+            "thread": levels.index(level) if level in levels else -1,
+            "mpi4py": mpi4py.__version__}
 
 
 @functools.lru_cache(maxsize=1)

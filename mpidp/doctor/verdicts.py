@@ -16,7 +16,7 @@ THREAD_NAMES = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")
 
 
 def verdict_mpi(values: list) -> list:
-    """values: {library, standard (major, minor), thread (0-3), mpi4py, vendor}."""
+    """values: {library, standard (major, minor), thread (0 SINGLE .. 3 MULTIPLE), mpi4py}."""
     v0 = values[0]
     libraries = by_value(values, lambda v: v["library"])
     out = [Finding(INFO, f"{v0['library']} (MPI standard {v0['standard'][0]}."
