@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import collectives, runtime
+from . import collectives, runtime, timeline
 from .fusion import broadcast_tensors_, check_same_model, plan
 
 DEFAULT_BUCKET_CAP_BYTES = 25 << 20
@@ -71,7 +71,8 @@ class CentralStorage:
                 bucket.unpack([p.grad for p in params], self._size)
         reduced = time.perf_counter()
         if self.is_root:
-            self.optimizer.step()
+            with timeline.span("optimizer step"):
+                self.optimizer.step()
         stepped = time.perf_counter()
         for bucket in self._buckets:
             params = [self._params[i].detach() for i in bucket.indices]

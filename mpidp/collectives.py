@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import algorithms, handshake, runtime
+from . import algorithms, handshake, runtime, timeline
 from .errors import MismatchError
 from .dtypes import FLOATING, ITEMSIZE, OP_CODES, OPS, as_host_array, empty_like, write_back
 from .handshake import (ALLGATHER, ALLREDUCE, ALGORITHM_CODES, BROADCAST, REDUCE,
@@ -52,6 +52,7 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
     return _allreduce(x, op, algorithm, inplace=True)
 
 
+@timeline.traced("allreduce")
 def _allreduce(x, op, algorithm, inplace):
     g = runtime.group()
     try:
@@ -108,8 +109,9 @@ def allreduce_segments_(flats: list, dtype: int, op: str = "sum",
         return False
     hdr = handshake.header(ALLREDUCE, ALGORITHM_CODES["shm"], opc + 4 * avg, dtype, count,
                            (count,))  # what a packed bucket of this count sends
-    status, info = ctx.allreduce(hdr, None, None, dtype, opc, g.size if avg else 1,
-                                 segments=flats)
+    with timeline.span("allreduce"):
+        status, info = ctx.allreduce(hdr, None, None, dtype, opc, g.size if avg else 1,
+                                     segments=flats)
     if status:
         raise handshake.mismatch_error("allreduce", info, g.rank)
     return True
@@ -136,6 +138,7 @@ def check_root(root: Any, size: int) -> None:
         raise ValueError(f"root {root!r} is not a rank of this group (0..{size - 1})")
 
 
+@timeline.traced("broadcast")
 def _broadcast(x, root, inplace):
     g = runtime.group()
     try:
@@ -157,6 +160,7 @@ def _broadcast(x, root, inplace):
     return out
 
 
+@timeline.traced("reduce")
 def reduce_(x: Any, root: int = 0, op: str = "sum"):
     """Reduces ``x`` over every rank into root's ``x`` (MPI_Reduce, in place at root); the
     other ranks' ``x`` is unchanged. ``op``: sum, avg, min, max. Every rank must call it."""
@@ -194,6 +198,7 @@ def reduce_(x: Any, root: int = 0, op: str = "sum"):
     return a.original
 
 
+@timeline.traced("allgather")
 def allgather(x: Any):
     """Concatenates every rank's ``x`` along dimension 0, in rank order, into a new array or
     tensor. The first dimension may differ between ranks; the others and the dtype may not."""
@@ -225,6 +230,7 @@ def allgather(x: Any):
     return out
 
 
+@timeline.traced("reduce_scatter")
 def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto"):
     """Reduces ``x`` over every rank and returns this rank's block along dimension 0, the
     blocks split as ``numpy.array_split`` splits. ``algorithm``: auto or ring (our ring's

@@ -23,6 +23,7 @@ class Config:
     timeout_s: float = 300.0           # MPIDP_TIMEOUT_S: a shm wait longer than this fails
     abort_on_exception: bool = True    # MPIDP_ABORT_ON_EXCEPTION: abort the job on any rank's error
     require_extension: bool = False    # MPIDP_REQUIRE_EXTENSION (default: on when CI is set)
+    timeline: str = ""                 # MPIDP_TIMELINE: a Chrome-trace JSON file ("": off)
 
 
 def _parse_bool(name: str, text: str) -> bool:
@@ -78,6 +79,8 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
             raise ValueError(f"MPIDP_TIMEOUT_S={v!r}: must be > 0")
     if (v := get("MPIDP_ABORT_ON_EXCEPTION")) is not None:
         kw["abort_on_exception"] = _parse_bool("MPIDP_ABORT_ON_EXCEPTION", v)
+    if (v := get("MPIDP_TIMELINE")) is not None:
+        kw["timeline"] = v.strip()
     v = get("MPIDP_REQUIRE_EXTENSION")
     if v is not None:
         kw["require_extension"] = _parse_bool("MPIDP_REQUIRE_EXTENSION", v)

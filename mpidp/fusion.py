@@ -13,7 +13,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
-from . import algorithms, collectives, host_kernels, runtime
+from . import algorithms, collectives, host_kernels, runtime, timeline
 from .dtypes import FLOATING, I64, NUMPY_STORAGE, as_host_array, flat_host_array, write_back
 from .errors import MismatchError
 from .gpu import is_device_array
@@ -111,6 +111,7 @@ class Bucket:
     def join_stream(self) -> None:
         """See capture_stream."""
 
+    @timeline.traced("pack")
     def pack(self, sources: Sequence[Any], skip_own_slots: bool = False) -> None:
         """Copies ``sources`` (one per index; None packs zeros) into the buffer, in one C call.
         With ``skip_own_slots``, a source that already is its own slot of this bucket (a
@@ -159,6 +160,7 @@ class Bucket:
             t = t.view(like.dtype)  # bfloat16 is stored as 16-bit integers
         return t.view(like.shape)
 
+    @timeline.traced("unpack")
     def unpack(self, destinations: Sequence[Any], divisor: int = 1) -> None:
         """Copies the buffer into ``destinations`` (one per index; None skips that tensor),
         divided by ``divisor`` in the same pass, in one C call."""

@@ -81,10 +81,10 @@ def _fix(launcher: str) -> str:
             f"library's own mpiexec ({mpiexec} for the mpich wheel)")
 
 
-def independent_singletons(size: int, env: Mapping[str, str] | None = None) -> Optional[str]:
-    """Why this process is one of several that a launcher started as one job although MPI
-    sees a world of ``size`` == 1 (see Note [Independent singletons]), with the fix; None
-    when it is not."""
+def singleton_launch(size: int, env: Mapping[str, str] | None = None) -> Optional[tuple]:
+    """(what happened, the fix) where this process is one of several that a launcher started
+    as one job although MPI sees a world of ``size`` == 1 (see Note [Independent
+    singletons]); None when it is not."""
     if size != 1:
         return None
     env = os.environ if env is None else env
@@ -95,5 +95,11 @@ def independent_singletons(size: int, env: Mapping[str, str] | None = None) -> O
     if started is None or started <= 1:
         return None
     return (f"{view.launcher} started {started} processes but MPI sees a world of 1 in each: "
-            f"the job runs as {started} independent singletons, each training alone; "
-            f"{_fix(view.launcher)}")
+            f"the job runs as {started} independent singletons, each training alone",
+            _fix(view.launcher))
+
+
+def independent_singletons(size: int, env: Mapping[str, str] | None = None) -> Optional[str]:
+    """singleton_launch's finding as one sentence with its fix, or None."""
+    found = singleton_launch(size, env)
+    return None if found is None else f"{found[0]}; {found[1]}"

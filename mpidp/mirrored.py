@@ -12,7 +12,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from . import algorithms, collectives, runtime
+from . import algorithms, collectives, runtime, timeline
 from .errors import MpidpError
 from .fusion import Bucket, broadcast_tensors_, check_same_model, plan
 
@@ -195,6 +195,8 @@ class DistributedDataParallel(torch.nn.Module):
             self._next += 1
 
     def _launch(self, bucket: Bucket) -> None:
+        if timeline.ON:
+            timeline.instant("bucket ready", {"bucket": self._next, "bytes": bucket.nbytes})
         if self._size == 1 and not self.gradient_as_bucket_view:
             self._results.put((None, 0.0))  # one rank: each gradient already is the average
             return
@@ -206,6 +208,7 @@ class DistributedDataParallel(torch.nn.Module):
         bucket.capture_stream()  # on a GPU: the stream these gradients were produced on
         self._tasks.put((bucket, sources, dests, self.algorithm))
 
+    @timeline.traced("wait for buckets")
     def _finish_backward(self) -> None:
         """Runs when autograd finishes: every bucket reduced and unpacked, unused parameters
         settled, buckets rebuilt after the first iteration."""

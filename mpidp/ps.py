@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from . import timeline
 from .ring import partition
 from .windows import Window, layout
 
@@ -166,6 +167,7 @@ class Worker:
         with self.ps.window.locked(s0):
             return self.ps.window.fetch_add(s0, lay.control, NEXT_BATCH, 1)
 
+    @timeline.traced("pull")
     def pull(self, flat: np.ndarray) -> None:
         """Fills ``flat`` (every tensor concatenated) with the servers' parameters, first
         waiting (SSP) until every worker has at least (steps - S) pushes applied, or, if it
@@ -186,6 +188,7 @@ class Worker:
             time.sleep(IDLE_SLEEP_S)
         self.pulled_versions = ps.read_all(flat)
 
+    @timeline.traced("push")
     def push(self, grad_flat: np.ndarray, scale_by_staleness: bool = False) -> None:
         """Adds this worker's gradient into every server's accumulator, counted once. Its
         staleness (server updates since the pull it was computed from) is recorded; with
@@ -260,7 +263,8 @@ class Server:
                 continue
             t0 = time.perf_counter()
             n = int(pending.sum())
-            apply(params, grads, n)
+            with timeline.span("apply", {"pushes": n}):
+                apply(params, grads, n)
             with win.locked(me, exclusive=True):  # publish
                 win.local(lay.params)[...] = params
                 applied = slice(lay.applied(0), lay.applied(0) + lay.workers)

@@ -10,7 +10,7 @@ import traceback
 import warnings
 from typing import Any, Optional
 
-from . import config, launcher
+from . import config, launcher, timeline
 from .errors import LaunchError, NotInitializedError
 
 
@@ -101,6 +101,8 @@ def init(comm: Any = None) -> Group:
             for problem in launcher.disagreements(launcher.launcher_view(), group.rank,
                                                   group.size, group.local_rank, group.local_size):
                 warnings.warn(f"mpidp: rank {group.rank}: {problem}", RuntimeWarning, stacklevel=2)
+        if timeline.ON:
+            timeline.start(group.comm)
         _group = group
         from .gpu.device import bind_if_visible
         bind_if_visible(group.local_rank)  # before any CUDA work of the user's (imports nothing)
@@ -115,6 +117,7 @@ def shutdown() -> None:
         if _group is not None:
             from mpi4py import MPI
             if not MPI.Is_finalized():
+                timeline.finish()
                 _group.free()
                 _group.comm.Free()
             _group = None

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .. import collectives, runtime
+from .. import collectives, runtime, timeline
 from ..data import ShardSampler, batches
 from . import checkpoint, setup
 from .report import Report, emit
@@ -40,6 +40,7 @@ def parameters_sha256(module: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+@timeline.traced("evaluate")
 def evaluate(module: torch.nn.Module, test, g) -> float:
     """Held-out accuracy: every rank scores its share, the counts are summed. Every rank
     calls it."""
@@ -137,7 +138,8 @@ class Trainer:
                 t0 = time.perf_counter()
                 waited = strategy.stats["wait_s"]
                 strategy.zero_grad()
-                loss = loss_fn(strategy.forward(x), y)
+                with timeline.span("forward"):
+                    loss = loss_fn(strategy.forward(x), y)
                 strategy.step(loss)
                 dt = time.perf_counter() - t0
                 dw = strategy.stats["wait_s"] - waited
@@ -203,6 +205,7 @@ class Trainer:
         report.summary(summary)
         return summary
 
+    @timeline.traced("checkpoint")
     def _save(self, g, strategy, model, position: tuple, global_step: int, train_samples: int):
         """Checkpoint at ``position`` = (epoch, batches done in it): every rank sends its RNG
         state, rank 0 writes. Every rank calls it."""

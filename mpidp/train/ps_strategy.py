@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from .. import runtime
+from .. import runtime, timeline
 from ..data import ShardSampler, batches
 from ..fusion import broadcast_tensors_, check_same_model
 from ..ps import ParameterServer, Server, Worker
@@ -84,7 +84,8 @@ class ParameterServerStrategy(Strategy):
         torch.nn.utils.vector_to_parameters(torch.from_numpy(self.flat), self.params)
 
     def step(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        with timeline.span("backward"):
+            loss.backward()
         t0 = time.perf_counter()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self.worker.push(torch.cat([g.reshape(-1) for g in grads]).numpy(),

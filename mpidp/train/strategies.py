@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import runtime
+from .. import runtime, timeline
 from ..central import CentralStorage
 from ..data import batches
 from ..fusion import broadcast_optimizer_state
@@ -84,8 +84,10 @@ class Mirrored(Strategy):
         self.stats = self.forward.comm_stats
 
     def step(self, loss: torch.Tensor) -> None:
-        loss.backward()
-        self.optimizer.step()
+        with timeline.span("backward"):
+            loss.backward()
+        with timeline.span("optimizer step"):
+            self.optimizer.step()
 
     def load_optimizer(self, state: Optional[dict]) -> None:
         if runtime.rank() == 0:
@@ -105,8 +107,10 @@ class Central(Strategy):
         self.stats = self.forward.comm_stats
 
     def step(self, loss: torch.Tensor) -> None:
-        loss.backward()
-        self.forward.step()
+        with timeline.span("backward"):
+            loss.backward()
+        with timeline.span("central step"):
+            self.forward.step()
 
     def load_optimizer(self, state: Optional[dict]) -> None:
         if self.optimizer is not None:

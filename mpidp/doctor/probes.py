@@ -1,0 +1,268 @@
+"""The doctor's probes: what each rank finds out about MPI, its place in the job, shared memory,
+one-sided communication, the all-reduce algorithms, CuPy/NCCL and Slurm. Every rank runs every
+probe in the same order (several are collective); each returns a small picklable value that
+rank 0 gathers and judges (mpidp.doctor.verdicts)."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import socket
+import time
+import warnings
+
+import numpy as np
+
+from .. import launcher
+from . import verdicts
+
+ALLREDUCE_COUNTS = (5, 1 << 16)  # float32: 20 B (inline in shm) and 256 KiB (sliced)
+SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS",
+                   "SLURM_NPROCS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_NUM_NODES",
+                   "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
+                   "SLURM_CPUS_PER_TASK", "HYDI_CONTROL_FD", "OMPI_COMM_WORLD_SIZE")
+
+
+class SkipProbe(Exception):
+    """Raised by a probe that does not apply; the check is reported as SKIP."""
+
+
+class Context:
+    """What the probes share on one rank: COMM_WORLD and, once built, mpidp's group."""
+
+    def __init__(self, world):
+        self.world = world
+        self.rank, self.size = world.Get_rank(), world.Get_size()
+        self.group = None
+        self.group_problem = "mpidp.init() was not reached"
+
+    def need_group(self):
+        if self.group is None:
+            raise SkipProbe(f"needs mpidp.init(): {self.group_problem}")
+        return self.group
+
+
+def _launcher_view(size: int):
+    """The launcher's view, without Slurm's when this is a batch script rather than an srun
+    step (a batch script sees SLURM_NTASKS=N but is one process: the Slurm check says so)."""
+    view = launcher.launcher_view()
+    if view is not None and view.launcher == "Slurm" and \
+            "SLURM_STEP_NUM_TASKS" not in os.environ:
+        return None
+    return view
+
+
+def prints_report(size: int) -> bool:
+    """Whether this process, rank 0 of its world, prints: in a job run as independent
+    singletons only the launcher's rank 0 does."""
+    view = _launcher_view(size)
+    return size > 1 or view is None or not view.rank
+
+
+# ---- MPI and the job ------------------------------------------------------------------------
+
+def mpi(ctx) -> dict:
+    import mpi4py
+    from mpi4py import MPI
+    first = MPI.Get_library_version().strip().splitlines()[0]
+    levels = [MPI.THREAD_SINGLE, MPI.THREAD_FUNNELED, MPI.THREAD_SERIALIZED,
+              MPI.THREAD_MULTIPLE]  # the standard orders them; their values are the library's
+    level = MPI.Query_thread()
+    return {"library": " ".join(first.split()), "standard": MPI.Get_version(),
+            "thread": levels.index(level) if level in levels else -1,
+            "mpi4py": mpi4py.__version__}
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_info() -> dict:
+    """CuPy, the CUDA devices and NCCL as this process sees them; never imports CuPy unless
+    it is installed, never raises."""
+    if importlib.util.find_spec("cupy") is None:
+        return {"installed": False}
+    out: dict = {"installed": True}
+    try:
+        import cupy
+        out["version"] = cupy.__version__
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    try:
+        out["devices"] = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:
+        out["devices"], out["device_error"] = 0, f"{type(exc).__name__}: {exc}"
+    try:
+        from cupy.cuda import nccl
+        out["nccl"] = nccl.get_version()
+    except Exception as exc:
+        out["nccl_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def ranks(ctx) -> dict:
+    from mpi4py import MPI
+    w = ctx.world
+    node = w.Split_type(MPI.COMM_TYPE_SHARED, ctx.rank)
+    try:
+        local_rank, local_size = node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
+    node_count = w.allreduce(1 if local_rank == 0 else 0)
+    view = _launcher_view(ctx.size)
+    problems = launcher.disagreements(view, ctx.rank, ctx.size, local_rank, local_size)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"host": socket.gethostname(), "pid": os.getpid(), "cpus": cpus,
+            "local_rank": local_rank, "local_size": local_size, "node_count": node_count,
+            "launcher": view.launcher if view else None, "problems": problems,
+            "singleton": verdicts.singleton_diagnosis(os.environ, ctx.size),
+            "gpus": gpu_info().get("devices")}
+
+
+def setup(ctx) -> dict:
+    """mpidp's version, kernels and settings, then ``mpidp.init()`` (collective)."""
+    import dataclasses
+
+    import mpidp
+    from mpi4py import MPI
+    out: dict = {"version": mpidp.__version__, "init": None}
+    try:
+        from .. import config
+        cfg, defaults = config.get(), config.Config()
+        out["settings"] = [(f"MPIDP_{f.name.upper()}", getattr(cfg, f.name))
+                           for f in dataclasses.fields(cfg)
+                           if getattr(cfg, f.name) != getattr(defaults, f.name)]
+    except ValueError as exc:
+        out["settings"], out["config_error"] = [], str(exc)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from .. import host_kernels
+        out["kernels"] = "c" if host_kernels.IMPLEMENTATION == "c" else \
+            f"numpy: {host_kernels._import_error}"
+    except Exception as exc:
+        out["kernels"] = f"numpy: {exc}"
+    try:
+        with warnings.catch_warnings():  # the doctor reports launcher problems itself
+            warnings.simplefilter("ignore")
+            from .. import runtime
+            ctx.group = runtime.init()
+    except Exception as exc:
+        out["init"] = f"{type(exc).__name__}: {exc}"
+    everywhere = ctx.world.allreduce(int(ctx.group is not None), op=MPI.MIN)
+    if not everywhere:
+        ctx.group_problem = "it failed on some rank"
+        ctx.group = None
+    return out
+
+
+# ---- communication --------------------------------------------------------------------------
+
+def shared_memory(ctx) -> dict:
+    """Every rank of a node writes its slot of an ``MPI.Win.Allocate_shared`` window and
+    reads every peer's; then mpidp's shm context is built (collective)."""
+    g = ctx.need_group()
+    from mpi4py import MPI
+
+    from .. import config
+    node = g.node_comm
+    win = MPI.Win.Allocate_shared(8, 8, comm=node)
+    try:
+        win.Lock_all()
+        np.frombuffer(win.Shared_query(g.local_rank)[0], np.int64)[0] = g.local_rank + 1
+        win.Sync()
+        node.Barrier()
+        win.Sync()
+        got = sum(int(np.frombuffer(win.Shared_query(q)[0], np.int64)[0])
+                  for q in range(g.local_size))
+        win.Unlock_all()
+    finally:
+        win.Free()
+    try:
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    return {"host": socket.gethostname(), "local_rank": g.local_rank,
+            "local_size": g.local_size, "got": got,
+            "expected": g.local_size * (g.local_size + 1) // 2, "mode": g.shm().mode_name,
+            "forced": config.get().shm_peers != "auto", "dev_shm_free": free}
+
+
+def one_sided(ctx) -> dict:
+    """Every rank adds rank+1 to every rank's counter (Fetch_and_op) and vector
+    (Accumulate) in an ``MPI.Win.Allocate`` window, as the parameter server does."""
+    g = ctx.need_group()
+    from ..windows import Window, layout
+    counter, vector, nbytes = layout((1, np.int64), (4, np.float64))
+    win = Window(g.comm, nbytes)
+    try:
+        g.comm.Barrier()  # every window zeroed before anyone adds
+        for target in range(g.size):
+            with win.locked(target):
+                win.fetch_add(target, counter, 0, g.rank + 1)
+                win.accumulate(np.full(4, g.rank + 1.0), target, vector)
+        g.comm.Barrier()
+        with win.locked(g.rank, exclusive=True):
+            got = int(win.local(counter)[0])
+            vec = [float(x) for x in win.local(vector)]
+    finally:
+        win.free()
+    return {"counter": got, "vector": vec, "expected": g.size * (g.size + 1) // 2}
+
+
+def allreduce(ctx) -> list:
+    """A small all-reduce with every algorithm that can run on this group, at two sizes,
+    checked exactly: (algorithm, status, detail, [(bytes, seconds)]) per algorithm."""
+    g = ctx.need_group()
+    from .. import algorithms, collectives
+    from .findings import FAIL, OK, SKIP
+    n = g.size
+    rows = []
+    for name in algorithms.ALGORITHMS:
+        if name == "shm" and not g.single_node:
+            rows.append((name, SKIP, f"needs one node; the group spans {g.node_count}", []))
+            continue
+        try:
+            timings, wrong = [], []
+            for count in ALLREDUCE_COUNTS:
+                base = (np.arange(count) % 7).astype(np.float32)
+                x = base + np.float32(g.rank + 1)
+                best = float("inf")
+                for _ in range(3):  # the first call may set things up; keep the fastest
+                    t0 = time.perf_counter()
+                    y = collectives.allreduce(x, "sum", name)
+                    best = min(best, time.perf_counter() - t0)
+                expected = base * n + np.float32(n * (n + 1) // 2)
+                if not np.array_equal(y, expected):
+                    wrong.append(f"{int(np.count_nonzero(y != expected))} of {count} "
+                                 f"elements wrong at {count * 4} B")
+                timings.append((count * 4, best))
+            detail = f"; auto picks {algorithms.choose(g, 'auto', count * 4)}" \
+                if name == "auto" else ""
+            rows.append((name, FAIL, "; ".join(wrong), timings) if wrong else
+                        (name, OK, detail, timings))
+        except Exception as exc:
+            rows.append((name, FAIL, f"{type(exc).__name__}: {exc}", []))
+    return rows
+
+
+# ---- GPU and Slurm --------------------------------------------------------------------------
+
+def gpu(ctx) -> dict:
+    info = dict(gpu_info())
+    g = ctx.group
+    info["local_size"] = g.local_size if g is not None else 1
+    info["host"] = socket.gethostname()
+    if info.get("devices") and g is not None:
+        try:
+            import cupy
+            props = cupy.cuda.runtime.getDeviceProperties(g.local_rank % info["devices"])
+            name = props["name"]
+            info["name"] = name.decode() if isinstance(name, bytes) else str(name)
+        except Exception as exc:
+            info["name"] = f"? ({type(exc).__name__})"
+    return info
+
+
+def slurm(ctx) -> dict:
+    return {"rank": ctx.rank, "size": ctx.size,
+            "env": {k: os.environ[k] for k in SLURM_VARIABLES if k in os.environ}}
