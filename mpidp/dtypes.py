@@ -22,7 +22,7 @@ OPS = ("sum", "avg", "min", "max")
 OP_CODES = {"sum": (OP_SUM, False), "avg": (OP_SUM, True), "min": (OP_MIN, False),
             "max": (OP_MAX, False)}
 
-_NUMPY_CODES = {np.dtype(np.float16): F16, np.dtype(np.float32): F32,
+NUMPY_CODES = {np.dtype(np.float16): F16, np.dtype(np.float32): F32,
                 np.dtype(np.float64): F64, np.dtype(np.int32): I32, np.dtype(np.int64): I64}
 
 
@@ -67,7 +67,7 @@ def as_host_array(x: Any, what: str = "x") -> HostArray:
     buffers, such as buckets); TypeError names an unsupported type or dtype."""
     global _torch_code_cache
     if isinstance(x, np.ndarray):
-        code = _NUMPY_CODES.get(x.dtype)
+        code = NUMPY_CODES.get(x.dtype)
         if code is None:
             raise TypeError(f"{what} has dtype {x.dtype}; supported: {', '.join(DTYPE_NAMES)}"
                             " (bfloat16 as a torch tensor)")

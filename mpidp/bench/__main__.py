@@ -10,26 +10,16 @@ def parser() -> argparse.ArgumentParser:
                                 description="mpidp benchmarks; launch with mpiexec -n N",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
-    from . import allreduce
-    ar = sub.add_parser("allreduce", help="all-reduce sweep with nccl-tests' columns",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    allreduce.add_arguments(ar)
-    ar.set_defaults(run=allreduce.main)
-    from . import train
-    tr = sub.add_parser("train", help="DDP training samples/s: mpidp vs torch DDP (gloo)",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    train.add_arguments(tr)
-    tr.set_defaults(run=train.main)
-    from . import fusion
-    fu = sub.add_parser("fusion", help="bucket pack/unpack GB/s; fused vs separate all-reduces",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    fusion.add_arguments(fu)
-    fu.set_defaults(run=fusion.main)
-    from . import kernels
-    ke = sub.add_parser("kernels", help="GPU kernel GB/s against a device-to-device copy",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    kernels.add_arguments(ke)
-    ke.set_defaults(run=kernels.main)
+    from . import allreduce, fusion, kernels, train
+    for name, module, text in (
+            ("allreduce", allreduce, "all-reduce sweep with nccl-tests' columns"),
+            ("train", train, "DDP training samples/s: mpidp vs torch DDP (gloo)"),
+            ("fusion", fusion, "bucket pack/unpack GB/s; fused vs separate all-reduces"),
+            ("kernels", kernels, "GPU kernel GB/s against a device-to-device copy")):
+        sub_parser = sub.add_parser(name, help=text,
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        module.add_arguments(sub_parser)
+        sub_parser.set_defaults(run=module.main)
     return p
 
 

@@ -5,13 +5,9 @@ from __future__ import annotations
 import sys
 from typing import Any, NamedTuple
 
-import numpy as np
 
-from ..dtypes import BF16, DTYPE_NAMES, F16, F32, F64, I32, I64, NUMPY_STORAGE
+from ..dtypes import BF16, DTYPE_NAMES, F16, F32, F64, I32, I64, NUMPY_CODES, NUMPY_STORAGE
 from .device import cupy
-
-_NUMPY_CODES = {np.dtype(np.float16): F16, np.dtype(np.float32): F32,
-                np.dtype(np.float64): F64, np.dtype(np.int32): I32, np.dtype(np.int64): I64}
 
 
 class DeviceArray(NamedTuple):
@@ -44,7 +40,7 @@ def as_device_array(x: Any, what: str = "x") -> DeviceArray:
         return x
     cp = cupy()
     if isinstance(x, cp.ndarray):
-        code = _NUMPY_CODES.get(x.dtype)
+        code = NUMPY_CODES.get(x.dtype)
         if code is None:
             raise TypeError(f"{what} has dtype {x.dtype}; supported: {', '.join(DTYPE_NAMES)} "
                             "(bfloat16 as a torch tensor)")

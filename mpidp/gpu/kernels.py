@@ -94,7 +94,7 @@ class DeviceOps:
             kernel((_blocks(-(-count // (_VECTOR_BYTES // buf.itemsize))),), (THREADS,),
                    (buf, np.int64(count), np.int64(divisor)))
 
-    def _table(self, bucket, tensors: Sequence, itemsize: int, in_bytes: bool) -> tuple:
+    def _table(self, tensors: Sequence, itemsize: int, in_bytes: bool) -> tuple:
         cp = cupy()
         counts = [len(t) for t in tensors]
         offsets = np.cumsum([0] + counts[:-1], dtype=np.int64)
@@ -121,14 +121,14 @@ class DeviceOps:
                 self._unpack_divide(part, chunk, dtype, divisor)
 
     def _unpack_divide(self, bucket, tensors: Sequence, dtype: int, divisor: int) -> None:
-        pointers, offsets, counts, longest = self._table(bucket, tensors, 1, in_bytes=False)
+        pointers, offsets, counts, longest = self._table(tensors, 1, in_bytes=False)
         kernel = function("pack.cu", f"mpidp_unpack_divide_{DTYPE_SUFFIX[dtype]}")
         with self.stream:
             kernel((_blocks(longest), len(tensors)), (THREADS,),
                    (bucket, pointers, offsets, counts, np.int64(divisor)))
 
     def _copy(self, bucket, tensors: Sequence, unpack: bool) -> None:
-        pointers, offsets, sizes, longest = self._table(bucket, tensors, bucket.itemsize,
+        pointers, offsets, sizes, longest = self._table(tensors, bucket.itemsize,
                                                         in_bytes=True)
         longest *= bucket.itemsize  # in bytes, as the copy counts
         kernel = function("pack.cu", "mpidp_copy_bytes")
