@@ -1,5 +1,5 @@
-"""The process group mpidp runs on: ``init``, rank and node topology, and the abort of the
-whole job when any rank dies of an uncaught exception."""
+"""The process group mpidp runs on: ``init``, rank and node topology, the abort of the
+whole job when any rank dies of an uncaught exception, and its watchdog (mpidp.watchdog)."""
 from __future__ import annotations
 
 import atexit
@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from . import config, launcher
 from .errors import NotInitializedError
+from .watchdog import Board, Watchdog
 
 
 class Group:
@@ -39,6 +40,8 @@ class Group:
         self.auto_is_shm = self.node_count == 1 and config.get().algorithm == "auto"
         self._shm = None   # mpidp.shm.ShmContext of node_comm, made on first use
         self.transports = {}  # id(communicator) -> the ring's MPITransport on it
+        self.board = Board(config.get().debug)  # Note [Watchdog] in mpidp/watchdog.py
+        self.watchdog: Optional[Watchdog] = None
 
     @property
     def single_node(self) -> bool:
@@ -52,6 +55,9 @@ class Group:
         return self._shm
 
     def free(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
         if self._shm is not None:
             self._shm.free()
             self._shm = None
@@ -86,6 +92,8 @@ def init(comm: Any = None) -> Group:
         group._user_comm = comm
         if cfg.abort_on_exception:
             _install_abort_hooks(group)
+        if group.size > 1:
+            group.watchdog = Watchdog(group, cfg.timeout_s)
         if comm == MPI.COMM_WORLD and cfg.emulate_node_size == 0:
             for problem in launcher.disagreements(launcher.launcher_view(), group.rank,
                                                   group.size, group.local_rank, group.local_size):
