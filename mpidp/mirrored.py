@@ -54,17 +54,17 @@ def _communicate(tasks: queue.SimpleQueue, results: queue.SimpleQueue, board) ->
             return
         bucket, sources, destinations, algorithm, position = task
         board.context = ("DDP gradient bucket {} of {}", *position)
-        t0 = time.perf_counter()
+        t0, error = time.perf_counter(), None
         try:
             if destinations is None:  # gradients are bucket views: average in place
                 bucket.pack(sources, skip_own_slots=True)
                 collectives.allreduce_(bucket.host, "avg", algorithm)
             else:
                 bucket.reduce_(sources, destinations, "avg", algorithm)
-            results.put((None, time.perf_counter() - t0))
         except BaseException as exc:  # reported by the main thread at the end of backward
-            results.put((exc, time.perf_counter() - t0))
+            error = exc
         board.context = None
+        results.put((error, time.perf_counter() - t0))
 
 
 class DistributedDataParallel(torch.nn.Module):

@@ -162,7 +162,11 @@ class ParameterServer:
 
     def free(self) -> None:
         """Collective over ``comm``."""
-        self.window.free()
+        if self.group is None:
+            self.window.free()
+            return
+        with collective(self.group, "ps: freeing the window"):
+            self.window.free()
 
 
 class Worker:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from . import config, launcher
 from .errors import NotInitializedError
-from .watchdog import Board, Watchdog
+from .watchdog import Board, Watchdog, collective
 
 
 class Group:
@@ -55,12 +55,14 @@ class Group:
         return self._shm
 
     def free(self) -> None:
+        """Collective: frees the node's windows (under the watchdog), then stops it."""
+        if self._shm is not None:
+            with collective(self, "shutdown: freeing the shared-memory windows", check=False):
+                self._shm.free()
+            self._shm = None
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
-        if self._shm is not None:
-            self._shm.free()
-            self._shm = None
         for c in (self.node_comm, self.leader_comm):
             if c is not None:
                 c.Free()

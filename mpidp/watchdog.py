@@ -105,14 +105,15 @@ def board_of(g) -> Board:
 
 
 @contextlib.contextmanager
-def collective(g, name: str):
+def collective(g, name: str, check: bool = True):
     """Runs its body — an object collective or a barrier on the group's communicator, which
     every rank of ``g`` enters in the same order — as the group's next collective under the
-    watchdog, named ``name``; in debug mode a header naming it is exchanged first."""
+    watchdog, named ``name``; in debug mode with ``check`` a header naming it is exchanged
+    first."""
     b = g.board
     hdr = b.publish(handshake.other_header(name))
     try:
-        if b.debug and g.size > 1:
+        if check and b.debug and g.size > 1:
             handshake.exchange(g, hdr, name)
         yield
     finally:
@@ -309,7 +310,8 @@ def report(me: int, lane: int, states: dict, size: int, timeout_s: float, grace_
         seq = m["seq"]
         lines.append(f"mpidp: watchdog: {where}: collective #{seq}, {m['what']}, has not "
                      f"completed after {m['for_s']:.0f} s {limit}; aborting the job")
-        arrived = sorted(r for r, s in answered.items() if s["in"] and s["seq"] == seq)
+        arrived = sorted(r for r, s in answered.items()
+                         if s["in"] and s["seq"] == seq and s["what"] == m["what"])
         if asked:
             lines.append(f"  arrived at collective #{seq}: {_ranks(arrived)}")
             lines.append(f"  not arrived: "

@@ -113,3 +113,12 @@ def test_report_of_a_parameter_server_wait_and_of_a_rank_that_cannot_ask():
     assert "arrived" not in "\n".join(alone[1:])
     assert alone[1].startswith("  other ranks were not asked: MPI runs below "
                                "MPI_THREAD_MULTIPLE")
+
+
+def test_report_counts_a_rank_in_another_collective_of_the_same_number_as_not_arrived():
+    mine = "allreduce float32[16] op=avg algorithm=shm"
+    other = "checkpoint: gathering every rank's RNG state"
+    states = {0: state(0, 27, True, mine), 1: state(1, 27, True, other)}
+    lines = report(0, COLLECTIVE, states, 2, 3, 3, True).splitlines()
+    assert lines[1:3] == ["  arrived at collective #27: rank 0", "  not arrived: rank 1"]
+    assert lines[4] == f"  rank 1 (pid 101 on node7): in collective #27, {other}, for 4.0 s"
