@@ -6,13 +6,14 @@ import atexit
 import socket
 import sys
 import threading
+import time
 import traceback
 import warnings
 from typing import Any, Optional
 
 from . import config, launcher
 from .errors import NotInitializedError
-from .watchdog import Board, Watchdog, collective
+from .watchdog import FORWARD_S, Board, Watchdog, collective
 
 
 class Group:
@@ -168,6 +169,7 @@ def _install_abort_hooks(g: Group) -> None:
             sys.stderr.write("".join(traceback.format_exception(exc_type, exc, tb)))
             sys.stderr.write(_abort_message(g, kind, exc))
             sys.stderr.flush()
+            time.sleep(FORWARD_S)  # let the launcher forward it before the job is torn down
         finally:
             MPI.COMM_WORLD.Abort(1)
 

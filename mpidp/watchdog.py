@@ -52,6 +52,9 @@ EXIT_CODE = 124                        # the job was ended for waiting too long
 QUERY_TAG, REPLY_TAG = 0x7764, 0x7765  # "wd", on the watchdog's own communicator
 REPLY_BYTES = 4096
 COLLECTIVE, ONE_SIDED = 0, 1           # the board's lanes
+# between the report and MPI_Abort: Hydra drops what is still in its pipes when it tears the
+# job down, and the report would be lost now and then
+FORWARD_S = 1.0
 
 
 class Board:
@@ -141,15 +144,15 @@ class Sampler:
         self.seen = [((0, 0), now), ((0, 0), now)]  # per lane: ((seq, done), since)
 
     def sample(self, now: float) -> Optional[int]:
-        """Records the board at ``now``; returns a lane whose operation has been under way
-        for ``timeout_s`` or more, else None."""
+        """Records the board at ``now``; returns the first lane whose operation has been
+        under way for ``timeout_s`` or more, else None."""
         b = self.board
         stalled = None
         for lane, key in enumerate(((b.seq, b.done), (b.pseq, b.pdone))):
             if self.seen[lane][0] != key:
                 self.seen[lane] = (key, now)
             elif key[0] != key[1] and now - self.seen[lane][1] >= self.timeout_s:
-                stalled = lane
+                stalled = lane if stalled is None else stalled
         return stalled
 
 
@@ -169,7 +172,8 @@ class Watchdog:
         self.sampler = Sampler(self.board, timeout_s, time.monotonic())
         self._defer_until = 0.0
         self._sends: list = []
-        self._query_buf = np.zeros(1, np.int64)
+        self._query_buf = np.zeros(2, np.int64)  # (asking rank, its round of questions)
+        self._round = 0
         self._query = self._post_query()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mpidp-watchdog", daemon=True)
@@ -189,7 +193,7 @@ class Watchdog:
 
     def _run(self) -> None:
         try:
-            while not self._stop.wait(self.interval_s):
+            while not self._stop.wait(self.interval_s) and not self._MPI.Is_finalized():
                 now = time.monotonic()
                 self._answer(now)
                 lane = self.sampler.sample(now)
@@ -226,7 +230,8 @@ class Watchdog:
             asked.append(src)
             # the asking rank is reporting: let it speak first
             self._defer_until = max(self._defer_until, now + 2 * self.grace_s + 1.0)
-            data = json.dumps(self.state(now)).encode()[:REPLY_BYTES]
+            answer = dict(self.state(now), round=int(self._query_buf[1]))
+            data = json.dumps(answer).encode()[:REPLY_BYTES]
             reply = np.zeros(REPLY_BYTES, np.uint8)
             reply[:len(data)] = np.frombuffer(data, np.uint8)
             self._sends.append((self.comm.Isend(reply, src, REPLY_TAG), reply))
@@ -238,8 +243,9 @@ class Watchdog:
         """Fills ``states`` with every rank's answer (None: none within grace_s); returns
         whether a lower rank is reporting too (it then speaks first)."""
         me, comm = self.g.rank, self.comm
+        self._round += 1
         others = [r for r in range(self.g.size) if r != me]
-        question = np.array([me], np.int64)
+        question = np.array([me, self._round], np.int64)
         buffers = {r: np.zeros(REPLY_BYTES, np.uint8) for r in others}
         pending = {r: comm.Irecv(buffers[r], r, REPLY_TAG) for r in others}
         self._sends += [(comm.Isend(question, r, QUERY_TAG), question) for r in others]
@@ -247,15 +253,22 @@ class Watchdog:
         deadline = time.monotonic() + self.grace_s
         while pending and time.monotonic() < deadline:
             for r in [r for r, req in pending.items() if req.Test()]:
-                del pending[r]
                 text = bytes(buffers[r]).rstrip(b"\0").decode(errors="replace")
+                buffers[r][...] = 0
                 try:
-                    states[r] = json.loads(text)
+                    answer = json.loads(text)
                 except ValueError:
-                    states[r] = None
+                    answer = None
+                if answer is not None and answer.get("round") != self._round:
+                    pending[r] = comm.Irecv(buffers[r], r, REPLY_TAG)  # a late earlier one
+                    continue
+                states[r] = answer
+                del pending[r]
             lower_reports |= any(r < me for r in self._answer(time.monotonic()))
             time.sleep(0.005)
-        for r in pending:
+        for r, req in pending.items():
+            req.Cancel()
+            req.Wait()
             states[r] = None
         return lower_reports
 
@@ -263,12 +276,15 @@ class Watchdog:
         mine = self.state(now)
         states = {self.g.rank: mine}
         lower_reports = self._ask_everyone(states) if self.comm is not None else False
+        if self.sampler.sample(time.monotonic()) != lane:
+            return  # the operation completed while the others were asked: no stall after all
         text = report(self.g.rank, lane, states, self.g.size, self.timeout_s, self.grace_s,
                       self.can_ask)
         if lower_reports:  # its abort normally ends this process before the sleep does
             time.sleep(self.grace_s + 2.0)
         sys.stderr.write(text)
         sys.stderr.flush()
+        time.sleep(FORWARD_S)
         self._MPI.COMM_WORLD.Abort(EXIT_CODE)
 
 

@@ -35,12 +35,15 @@ def _fault_here(rank_var="FAULT_RANK"):
 
 
 def inject(kind):
-    """The fault ``kind`` happens now: raise, sleep (a stall: FAULT_SLEEP_S, default 600 s)
-    or kill (SIGKILL of this process, its pid first written to FAULT_PID_FILE if set)."""
+    """The fault ``kind`` happens now: raise, sleep (a stall: FAULT_SLEEP_S, default 600 s),
+    stop (SIGSTOP: the process neither runs nor dies) or kill (SIGKILL of this process, its
+    pid first written to FAULT_PID_FILE if set)."""
     if kind == "raise":
         raise RuntimeError("injected fault: this rank's data loader failed")
     if kind == "sleep":
         time.sleep(float(os.environ.get("FAULT_SLEEP_S", "600")))
+    elif kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "kill":
         if os.environ.get("FAULT_PID_FILE"):
             with open(os.environ["FAULT_PID_FILE"], "w") as f:
@@ -144,11 +147,16 @@ def ps_faulty_digits():
     (counted from 0; default 1, so that the first epoch's checkpoint exists), FAULT_AT
     counting within that epoch. FAULT=kill_push: a worker dies inside its FAULT_AT-th push,
     after adding its gradient on the server and before counting the push, holding a lock on
-    the server's window; FAULT=sleep_push: a worker stalls before that push; FAULT=kill_server:
+    the server's window; FAULT=stop_push: it stops there instead (SIGSTOP: a death the
+    launcher does not see); FAULT=sleep_push: it stalls before that push; FAULT=kill_server:
     the server dies in its FAULT_AT-th optimizer step (pushes drained, not yet published)."""
     if _fault_here():
         _arm_ps_fault(os.environ.get("FAULT"), int(os.environ.get("FAULT_AT", "-1")),
                       int(os.environ.get("FAULT_EPOCH", "1")))
+    # only the server builds an optimizer, and the first one imports torch._dynamo (seconds):
+    # every rank builds one here, so that the ranks reach their first collectives together
+    # and the short MPIDP_TIMEOUT_S of the tests sees no start-up skew
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     return data.digits()
 
 
@@ -168,13 +176,13 @@ def _arm_ps_fault(kind, at, epoch):
     def faulty_push(self, grad, *args):
         if kind == "sleep_push" and due(self.steps + 1):
             inject("sleep")
-        state["pushing"] = kind == "kill_push" and due(self.steps + 1)
+        state["pushing"] = kind in ("kill_push", "stop_push") and due(self.steps + 1)
         push(self, grad, *args)
 
     def faulty_accumulate(self, *args, **kwargs):
         accumulate(self, *args, **kwargs)
         if state["pushing"]:
-            inject("kill")
+            inject(kind.split("_")[0])
 
     def serve_epoch(self, apply):
         applies = [0]
