@@ -18,13 +18,20 @@ waits inside MPI or the shared-memory protocol), waits at most ``grace_s`` for t
 prints one report on stderr and calls MPI_Abort (exit code 124, as coreutils' ``timeout``).
 A rank asked first postpones its own report, so one rank normally speaks.
 
+Progress: MPICH moves a message only while the receiving process is inside MPI. Each
+watchdog thread enters MPI at every wake (it tests for questions), so questions are answered
+within one interval whatever the main thread does — computing, sleeping, spinning in the
+shared-memory protocol (which is not MPI) or blocked in an MPI call (which, at
+MPI_THREAD_MULTIPLE, does not keep another thread out). Those wakes also progress the
+parameter server's one-sided operations a little, harmlessly.
+
 What the report can know: every rank that answers says what it is in (collective number and
 header, or a parameter-server wait) or that it is in none since collective #k (its own code:
 computing, loading data, stalled), and for how long. A rank that does not answer within
 ``grace_s`` has exited, is stopped, or holds Python's GIL in a long C call; across nodes a
-dead network looks the same. Without MPI_THREAD_MULTIPLE the thread cannot ask, and the
-report holds this rank's view only. A dead process is normally ended sooner by the launcher
-(Hydra and Slurm end the job when one of its processes dies).
+lost node or network looks the same, and the report cannot tell these apart. Without
+MPI_THREAD_MULTIPLE the thread cannot ask, and the report holds this rank's view only. A
+dead process is usually reported sooner by the launcher (Hydra ends the job at once).
 
 Why 180 s by default: the watchdog must outwait every legitimate wait inside an operation,
 and those are the waits for one rank doing work the others do not — rank 0 writing a
@@ -50,7 +57,7 @@ from . import handshake
 
 EXIT_CODE = 124                        # the job was ended for waiting too long
 QUERY_TAG, REPLY_TAG = 0x7764, 0x7765  # "wd", on the watchdog's own communicator
-REPLY_BYTES = 4096
+REPLY_BYTES = 1024  # a JSON state: two descriptions of at most 300 characters and a few numbers
 COLLECTIVE, ONE_SIDED = 0, 1           # the board's lanes
 # between the report and MPI_Abort: Hydra drops what is still in its pipes when it tears the
 # job down, and the report would be lost now and then
@@ -231,7 +238,10 @@ class Watchdog:
             # the asking rank is reporting: let it speak first
             self._defer_until = max(self._defer_until, now + 2 * self.grace_s + 1.0)
             answer = dict(self.state(now), round=int(self._query_buf[1]))
-            data = json.dumps(answer).encode()[:REPLY_BYTES]
+            data = json.dumps(answer).encode()
+            if len(data) > REPLY_BYTES:  # never cut the JSON: shorten the descriptions
+                answer.update({k: answer[k] and answer[k][:60] for k in ("what", "pwhat")})
+                data = json.dumps(answer).encode()[:REPLY_BYTES]
             reply = np.zeros(REPLY_BYTES, np.uint8)
             reply[:len(data)] = np.frombuffer(data, np.uint8)
             self._sends.append((self.comm.Isend(reply, src, REPLY_TAG), reply))
