@@ -10,7 +10,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import collectives, runtime, timeline
-from .fusion import broadcast_tensors_, check_same_model, plan
+from .fingerprint import check_same_buckets, check_same_model
+from .fusion import broadcast_tensors_, plan
 
 DEFAULT_BUCKET_CAP_BYTES = 25 << 20
 
@@ -44,6 +45,7 @@ class CentralStorage:
         self.optimizer: Optional[Any] = make_optimizer(self._params) if self.is_root else None
         self._buckets = plan([p.detach() for p in self._params], bucket_cap_bytes) \
             if self._params else []
+        check_same_buckets(g, self._buckets, "CentralStorage")
         self.comm_stats = {"steps": 0, "wait_s": 0.0, "comm_s": 0.0}
 
     def __call__(self, *args, **kwargs):

@@ -5,7 +5,8 @@ mpidp.gpu.collectives.
 
 Every function here is a synchronisation point: every rank of the group must call it, in the
 same order. Inputs are checked across ranks first (mpidp.handshake); bad input on any rank
-raises on every rank, and the runtime stays usable afterwards."""
+raises on every rank, and the runtime stays usable afterwards. Each collective is posted on
+the group's watchdog board while it runs (Note [Watchdog] in mpidp/watchdog.py)."""
 from __future__ import annotations
 
 from typing import Any
@@ -55,38 +56,43 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
 @timeline.traced("allreduce")
 def _allreduce(x, op, algorithm, inplace):
     g = runtime.group()
+    b = g.board  # Note [Watchdog] in mpidp/watchdog.py: publish, and done when we return
     try:
-        a = as_host_array(x)
-        opc, avg = _op_codes(op, a.dtype)
-        algo = algorithms.choose(g, algorithm, a.flat.nbytes)
-    except (TypeError, ValueError) as exc:
-        if g.size > 1:
-            handshake.exchange(g, handshake.error_header(ALLREDUCE, exc), "allreduce", exc)
-        raise
-    src = a.flat
-    out, dst = (a.original, src) if inplace else empty_like(a)
-    divisor = g.size if avg else 1
-    if g.size == 1:
-        if dst is not src:
-            dst[...] = src
-    else:
-        hdr = (ALLREDUCE, ALGORITHM_CODES[algo], opc + 4 * avg, a.dtype, len(src),
-               hash(a.shape), 0, 0)
-        if algo == "shm":
-            status, info = algorithms.shm(g, src, dst, a.dtype, opc, divisor, hdr)
-            if status:
-                raise handshake.mismatch_error("allreduce", info, g.rank)
+        try:
+            a = as_host_array(x)
+            opc, avg = _op_codes(op, a.dtype)
+            algo = algorithms.choose(g, algorithm, a.flat.nbytes)
+        except (TypeError, ValueError) as exc:
+            if g.size > 1:
+                handshake.exchange(g, b.publish(handshake.error_header(ALLREDUCE, exc)),
+                                   "allreduce", exc)
+            raise
+        src = a.flat
+        out, dst = (a.original, src) if inplace else empty_like(a)
+        divisor = g.size if avg else 1
+        if g.size == 1:
+            if dst is not src:
+                dst[...] = src
         else:
-            handshake.exchange(g, hdr, "allreduce")
-            if algo == "mpi":
-                algorithms.mpi_allreduce(g, src, dst, a.dtype, opc, divisor)
-            elif algo == "ring":
-                algorithms.ring(g, src, dst, a.dtype, opc, divisor)
+            hdr = b.publish((ALLREDUCE, ALGORITHM_CODES[algo], opc + 4 * avg, a.dtype, len(src),
+                             hash(a.shape), 0, 0))
+            if algo == "shm":
+                status, info = algorithms.shm(g, src, dst, a.dtype, opc, divisor, hdr)
+                if status:
+                    raise handshake.mismatch_error("allreduce", info, g.rank)
             else:
-                algorithms.hier(g, src, dst, a.dtype, opc, divisor, hdr)
-    if inplace:
-        write_back(a)
-    return out
+                handshake.exchange(g, hdr, "allreduce")
+                if algo == "mpi":
+                    algorithms.mpi_allreduce(g, src, dst, a.dtype, opc, divisor)
+                elif algo == "ring":
+                    algorithms.ring(g, src, dst, a.dtype, opc, divisor)
+                else:
+                    algorithms.hier(g, src, dst, a.dtype, opc, divisor, hdr)
+        if inplace:
+            write_back(a)
+        return out
+    finally:
+        b.done = b.seq
 
 
 def allreduce_segments_(flats: list, dtype: int, op: str = "sum",
@@ -107,14 +113,18 @@ def allreduce_segments_(flats: list, dtype: int, op: str = "sum",
     ctx = g.shm()
     if nbytes <= ctx.inline_bytes or len(flats) > ctx.max_segments:
         return False
-    hdr = handshake.header(ALLREDUCE, ALGORITHM_CODES["shm"], opc + 4 * avg, dtype, count,
-                           (count,))  # what a packed bucket of this count sends
-    with timeline.span("allreduce"):
-        status, info = ctx.allreduce(hdr, None, None, dtype, opc, g.size if avg else 1,
-                                     segments=flats)
-    if status:
-        raise handshake.mismatch_error("allreduce", info, g.rank)
-    return True
+    b = g.board  # Note [Watchdog] in mpidp/watchdog.py
+    hdr = b.publish(handshake.header(ALLREDUCE, ALGORITHM_CODES["shm"], opc + 4 * avg, dtype,
+                                     count, (count,)))  # what a packed bucket of this count sends
+    try:
+        with timeline.span("allreduce"):
+            status, info = ctx.allreduce(hdr, None, None, dtype, opc, g.size if avg else 1,
+                                         segments=flats)
+        if status:
+            raise handshake.mismatch_error("allreduce", info, g.rank)
+        return True
+    finally:
+        b.done = b.seq
 
 
 def broadcast(x: Any, root: int = 0):
@@ -141,19 +151,28 @@ def check_root(root: Any, size: int) -> None:
 @timeline.traced("broadcast")
 def _broadcast(x, root, inplace):
     g = runtime.group()
+    b = g.board  # Note [Watchdog] in mpidp/watchdog.py
+    try:
+        return _broadcast_on(g, b, x, root, inplace)
+    finally:
+        b.done = b.seq
+
+
+def _broadcast_on(g, b, x, root, inplace):
     try:
         a = as_host_array(x)
         check_root(root, g.size)
     except (TypeError, ValueError) as exc:
         if g.size > 1:
-            handshake.exchange(g, handshake.error_header(BROADCAST, exc), "broadcast", exc)
+            handshake.exchange(g, b.publish(handshake.error_header(BROADCAST, exc)), "broadcast",
+                               exc)
         raise
     out, flat = (a.original, a.flat) if inplace else empty_like(a)
     if not inplace:
         flat[...] = a.flat
     if g.size > 1:
-        handshake.exchange(g, handshake.header(BROADCAST, 0, int(root), a.dtype, len(a.flat),
-                                               a.shape), "broadcast")
+        handshake.exchange(g, b.publish(handshake.header(BROADCAST, 0, int(root), a.dtype,
+                                                         len(a.flat), a.shape)), "broadcast")
         g.comm.Bcast(flat.view(np.uint8), root=int(root))
     if inplace:
         write_back(a)
@@ -167,18 +186,26 @@ def reduce_(x: Any, root: int = 0, op: str = "sum"):
     if is_device_array(x):
         return _device().staged(x, True, REDUCE, lambda host: reduce_(host, root, op))
     g = runtime.group()
+    b = g.board
+    try:
+        return _reduce_on(g, b, x, root, op)
+    finally:
+        b.done = b.seq
+
+
+def _reduce_on(g, b, x, root, op):
     try:
         a = as_host_array(x)
         check_root(root, g.size)
         opc, avg = _op_codes(op, a.dtype)
     except (TypeError, ValueError) as exc:
         if g.size > 1:
-            handshake.exchange(g, handshake.error_header(REDUCE, exc), "reduce", exc)
+            handshake.exchange(g, b.publish(handshake.error_header(REDUCE, exc)), "reduce", exc)
         raise
     if g.size > 1:
-        roots = handshake.exchange(g, handshake.header(
+        roots = handshake.exchange(g, b.publish(handshake.header(
             REDUCE, ALGORITHM_CODES["mpi"], opc + 4 * avg, a.dtype, len(a.flat), a.shape,
-            free=int(root)), "reduce")
+            free=int(root))), "reduce")
         if len(set(int(r) for r in roots)) > 1:
             raise MismatchError(f"rank {g.rank}: reduce called with different roots: "
                                 + ", ".join(f"rank {i} root={int(r)}"
@@ -205,20 +232,29 @@ def allgather(x: Any):
     if is_device_array(x):
         return _device().staged(x, False, ALLGATHER, allgather)
     g = runtime.group()
+    b = g.board
+    try:
+        return _allgather_on(g, b, x)
+    finally:
+        b.done = b.seq
+
+
+def _allgather_on(g, b, x):
     try:
         a = as_host_array(x)
         if len(a.shape) == 0:
             raise ValueError("allgather needs at least one dimension (it concatenates along 0)")
     except (TypeError, ValueError) as exc:
         if g.size > 1:
-            handshake.exchange(g, handshake.error_header(ALLGATHER, exc), "allgather", exc)
+            handshake.exchange(g, b.publish(handshake.error_header(ALLGATHER, exc)), "allgather",
+                               exc)
         raise
     row = int(np.prod(a.shape[1:], dtype=np.int64))
     if g.size == 1:
         rows = [a.shape[0]]
     else:
         hdr = handshake.header(ALLGATHER, 0, 0, a.dtype, row, a.shape[1:], free=a.shape[0])
-        rows = [int(r) for r in handshake.exchange(g, hdr, "allgather")]
+        rows = [int(r) for r in handshake.exchange(g, b.publish(hdr), "allgather")]
     out, flat = empty_like(a, (sum(rows),) + tuple(a.shape[1:]))
     itemsize = a.flat.itemsize
     counts = [r * row * itemsize for r in rows]
@@ -239,6 +275,14 @@ def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto"):
         return _device().staged(x, False, REDUCE_SCATTER,
                                  lambda host: reduce_scatter(host, op, algorithm))
     g = runtime.group()
+    b = g.board
+    try:
+        return _reduce_scatter_on(g, b, x, op, algorithm)
+    finally:
+        b.done = b.seq
+
+
+def _reduce_scatter_on(g, b, x, op, algorithm):
     try:
         a = as_host_array(x)
         if len(a.shape) == 0:
@@ -249,8 +293,8 @@ def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto"):
                              "auto, ring, mpi")
     except (TypeError, ValueError) as exc:
         if g.size > 1:
-            handshake.exchange(g, handshake.error_header(REDUCE_SCATTER, exc), "reduce_scatter",
-                               exc)
+            handshake.exchange(g, b.publish(handshake.error_header(REDUCE_SCATTER, exc)),
+                               "reduce_scatter", exc)
         raise
     algo = "ring" if algorithm == "auto" else algorithm
     row = int(np.prod(a.shape[1:], dtype=np.int64))
@@ -264,7 +308,7 @@ def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto"):
         return out
     hdr = handshake.header(REDUCE_SCATTER, ALGORITHM_CODES[algo], opc + 4 * avg, a.dtype,
                            len(a.flat), a.shape)
-    handshake.exchange(g, hdr, "reduce_scatter")
+    handshake.exchange(g, b.publish(hdr), "reduce_scatter")
     if algo == "ring":
         work = a.flat.copy()
         algorithms.ring_reduce_scatter(g, work, a.dtype, opc, chunks)

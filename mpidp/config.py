@@ -20,7 +20,8 @@ class Config:
     shm_peers: str = "auto"            # MPIDP_SHM_PEERS: auto | cma | window
     hier_min_bytes: int = 64 << 10     # MPIDP_HIER_MIN_BYTES: below it, auto uses mpi across nodes
     emulate_node_size: int = 0         # MPIDP_EMULATE_NODE_SIZE: k > 0 treats k ranks as a node
-    timeout_s: float = 300.0           # MPIDP_TIMEOUT_S: a shm wait longer than this fails
+    timeout_s: float = 180.0           # MPIDP_TIMEOUT_S: Note [Watchdog] in mpidp/watchdog.py
+    debug: bool = False                # MPIDP_DEBUG: fingerprint every collective (handshake.py)
     abort_on_exception: bool = True    # MPIDP_ABORT_ON_EXCEPTION: abort the job on any rank's error
     require_extension: bool = False    # MPIDP_REQUIRE_EXTENSION (default: on when CI is set)
     timeline: str = ""                 # MPIDP_TIMELINE: a Chrome-trace JSON file ("": off)
@@ -75,8 +76,10 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
             kw["timeout_s"] = float(v)
         except ValueError:
             raise ValueError(f"MPIDP_TIMEOUT_S={v!r}: expected seconds") from None
-        if not kw["timeout_s"] > 0:
-            raise ValueError(f"MPIDP_TIMEOUT_S={v!r}: must be > 0")
+        if not 0 < kw["timeout_s"] < float("inf"):
+            raise ValueError(f"MPIDP_TIMEOUT_S={v!r}: must be > 0 and finite")
+    if (v := get("MPIDP_DEBUG")) is not None:
+        kw["debug"] = _parse_bool("MPIDP_DEBUG", v)
     if (v := get("MPIDP_ABORT_ON_EXCEPTION")) is not None:
         kw["abort_on_exception"] = _parse_bool("MPIDP_ABORT_ON_EXCEPTION", v)
     if (v := get("MPIDP_TIMELINE")) is not None:

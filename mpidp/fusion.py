@@ -15,8 +15,8 @@ import numpy as np
 
 from . import algorithms, collectives, host_kernels, runtime, timeline
 from .dtypes import FLOATING, I64, NUMPY_STORAGE, as_host_array, flat_host_array, write_back
-from .errors import MismatchError
 from .gpu import is_device_array
+from .watchdog import collective
 
 
 def assign_buckets(sizes_bytes: Sequence[int], dtypes: Sequence[Any], cap_bytes: int,
@@ -392,7 +392,8 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0) -> None:
             return value
         structure = {"state": {k: strip(v) for k, v in state["state"].items()},
                      "param_groups": state["param_groups"]}
-    structure = g.comm.bcast(structure, root=root)
+    with collective(g, "broadcast_optimizer_state: the state's structure"):
+        structure = g.comm.bcast(structure, root=root)
     if g.rank != root:
         def fill(value):
             if isinstance(value, tuple) and len(value) == 4 and value[0] == "mpidp-tensor":
@@ -407,28 +408,3 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0) -> None:
     broadcast_tensors_(tensors, root)
     if g.rank != root:
         optimizer.load_state_dict(structure)
-
-
-def check_same_model(g, module: Any, who: str) -> None:
-    """Parameter and buffer names, shapes and dtypes of ``module`` must agree on every rank of
-    group ``g``; a MismatchError naming the first difference of each rank otherwise, raised on
-    every rank (``who`` names the caller in the message). Every rank calls it."""
-    mine = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad)
-            for n, p in module.named_parameters()]
-    mine += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
-    everyone = g.comm.allgather(mine) if g.size > 1 else [mine]
-    lines = []
-    for r, theirs in enumerate(everyone[1:], start=1):
-        if theirs == everyone[0]:
-            continue
-        if len(theirs) != len(everyone[0]):
-            lines.append(f"  rank {r}: {len(theirs)} parameters and buffers, rank 0 has "
-                         f"{len(everyone[0])}")
-        diff = next(((a, b) for a, b in zip(everyone[0], theirs) if a != b), None)
-        if diff is not None:
-            lines.append(f"  rank {r}: {diff[1][0]} {diff[1][1]} {diff[1][3]}{list(diff[1][2])} "
-                         f"where rank 0 has {diff[0][0]} {diff[0][1]} {diff[0][3]}"
-                         f"{list(diff[0][2])}")
-    if lines:
-        raise MismatchError(f"rank {g.rank}: {who}: the model differs between "
-                            "ranks; every rank raises this error:\n" + "\n".join(lines))

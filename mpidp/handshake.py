@@ -3,19 +3,45 @@ collective, algorithm, op, dtype, count, shape, local error), every rank sees ev
 and a disagreement is reported on every rank instead of corrupting data or hanging.
 
 On one node the headers travel through the shared-memory control block (and the shm
-all-reduce carries its data in the same call); across nodes in one MPI_Allgather of 64 bytes."""
+all-reduce carries its data in the same call); across nodes in one MPI_Allgather of 64 bytes.
+
+Note [Debug fingerprints]
+The header covers what a collective's data depends on: which collective, algorithm, op,
+root, dtype, element count and a hash of the shape. Two things escape it: collectives that
+look alike but are not the same call (rank 2 skipped the first of two identical
+all-reduces, so its second pairs with the others' first and the sums mix), and mpidp's own
+object collectives over MPI (the pickled allgather, gather, bcast and barriers of set-up,
+checkpoints and the parameter server), which exchange no header and hang when ranks disagree.
+With MPIDP_DEBUG=1 every header also carries where the collective was called (the first
+frame outside mpidp's collective layer, file name and line, hashed into the algorithm word),
+and every object collective is preceded by a header naming it (kind OTHER, the name's CRC-32
+in the shape word): a rank that calls another collective, or the same one from another line,
+is named on every rank, with its call site. The cost is a stack walk per collective and one
+more exchange per object collective, so it is off by default. A sequence number would add
+nothing here (the k-th collectives of the ranks are the ones paired, so their numbers always
+agree); the watchdog's report carries it instead, to name the ranks that are behind."""
 from __future__ import annotations
 
+import os
+import sys
+import zlib
 from typing import Optional, Sequence
 
 import numpy as np
 
-from .dtypes import DTYPE_NAMES, OPS
+from .dtypes import DTYPE_NAMES
 from .errors import MismatchError
 
-ALLREDUCE, BROADCAST, ALLGATHER, REDUCE_SCATTER, REDUCE = 1, 2, 3, 4, 5
+ALLREDUCE, BROADCAST, ALLGATHER, REDUCE_SCATTER, REDUCE, OTHER = 1, 2, 3, 4, 5, 6
 KIND_NAMES = {ALLREDUCE: "allreduce", BROADCAST: "broadcast", ALLGATHER: "allgather",
               REDUCE_SCATTER: "reduce_scatter", REDUCE: "reduce"}
+_OP_WORDS = {0: "sum", 1: "min", 2: "max", 4: "avg"}  # op code + 4 * average
+_OTHER_NAMES: dict = {}  # CRC-32 -> name of an object collective (the same table on every rank)
+_SITES: dict = {}        # 24-bit CRC -> call site this process has seen
+# frames skipped when looking for a collective's call site (Note [Debug fingerprints])
+_LAYER = frozenset(("mpidp.collectives", "mpidp.fusion", "mpidp.handshake", "mpidp.watchdog",
+                    "mpidp.timeline", "mpidp.gpu.collectives", "mpidp.gpu.buckets",
+                    "mpidp.fingerprint", "contextlib"))
 ALGORITHM_CODES = {"mpi": 1, "ring": 2, "shm": 3, "hier": 4, "ring on GPU": 5, "nccl": 6}
 _ALGORITHM_NAMES = {v: k for k, v in ALGORITHM_CODES.items()}
 
@@ -34,18 +60,49 @@ def error_header(kind: int, exc: BaseException) -> tuple:
     return (kind, 0, 0, 0, 0, 0, ERR_TYPE if isinstance(exc, TypeError) else ERR_VALUE, 0)
 
 
-def _describe(h: Sequence[int], op_names: Sequence[str]) -> str:
-    kind, algorithm, op, dtype, count, _, error, _ = h
-    name = KIND_NAMES.get(kind, f"collective #{kind}")
-    if error:
-        return f"{name} with an input it rejected"
-    what = f"{name} {DTYPE_NAMES[dtype]}[{count}]" if 0 <= dtype < len(DTYPE_NAMES) else name
-    if kind == BROADCAST:
-        what += f" root={op}"
-    elif 0 <= op < len(op_names):
-        what += f" op={op_names[op]}"
-    if algorithm in _ALGORITHM_NAMES:
-        what += f" algorithm={_ALGORITHM_NAMES[algorithm]}"
+def other_header(name: str) -> tuple:
+    """The header of an object collective called ``name`` (Note [Debug fingerprints])."""
+    crc = zlib.crc32(name.encode())
+    _OTHER_NAMES[crc] = name
+    return (OTHER, 0, 0, 0, 0, crc, ERR_NONE, 0)
+
+
+def call_site() -> str:
+    """``file.py:line`` of the first caller outside mpidp's collective layer."""
+    f = sys._getframe(1)
+    while f.f_back is not None and f.f_globals.get("__name__") in _LAYER:
+        f = f.f_back
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+
+
+def with_site(hdr: tuple, site: str) -> tuple:
+    """``hdr`` carrying a hash of its call site ``site`` above the algorithm byte."""
+    crc = zlib.crc32(site.encode()) & 0xFFFFFF
+    _SITES[crc] = site
+    return (hdr[0], hdr[1] | crc << 8) + tuple(hdr[2:])
+
+
+def describe(h: Sequence[int]) -> str:
+    """A header in words: "allreduce float32[650] op=avg algorithm=shm", with its call site
+    where it carries one."""
+    kind, algorithm, op, dtype, count, shape, error, _ = h
+    site, algorithm = algorithm >> 8, algorithm & 0xFF
+    name = KIND_NAMES.get(kind, f"collective kind {kind}")
+    if kind == OTHER:
+        what = _OTHER_NAMES.get(shape, f"object collective {shape:#x}")
+    elif error:
+        what = f"{name} with an input it rejected"
+    else:
+        what = f"{name} {DTYPE_NAMES[dtype]}[{count}]" if 0 <= dtype < len(DTYPE_NAMES) \
+            else name
+        if kind == BROADCAST:
+            what += f" root={op}"
+        elif op in _OP_WORDS and kind != ALLGATHER:
+            what += f" op={_OP_WORDS[op]}"
+        if algorithm in _ALGORITHM_NAMES:
+            what += f" algorithm={_ALGORITHM_NAMES[algorithm]}"
+    if site:
+        what += f" at {_SITES[site]}" if site in _SITES else f" at call site {site:#08x}"
     return what
 
 
@@ -54,7 +111,7 @@ def mismatch_error(operation: str, headers: Sequence[Sequence[int]], mine: int) 
     ref = tuple(headers[0][:FREE_WORD])
     lines = []
     for r, h in enumerate(headers):
-        text = _describe(h, OPS)
+        text = describe(h)
         if tuple(h[:FREE_WORD]) != ref:
             text += "  <- differs from rank 0"
             if h[4] == ref[4] and h[5] != ref[5] and h[3] == ref[3]:

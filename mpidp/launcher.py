@@ -39,6 +39,8 @@ def launcher_view(env: Mapping[str, str] | None = None) -> Optional[LauncherView
     for name, (rank, size, local_rank, local_size) in _VARIABLES:
         r, n = _int(env, rank), _int(env, size)
         if r is not None and n is not None:
+            if name == "MPICH/Hydra" and "SLURM_STEP_ID" in env and "HYDI_CONTROL_FD" not in env:
+                name = "Slurm (PMI2)"  # srun --mpi=pmi2 sets the PMI variables, not Hydra
             return LauncherView(name, r, n, _int(env, local_rank), _int(env, local_size))
     return None
 
@@ -71,7 +73,7 @@ def disagreements(view: Optional[LauncherView], rank: int, size: int, local_rank
 # is one process, not N: for Slurm only a step's task count (set by srun) counts.
 def _fix(launcher: str) -> str:
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    if launcher == "Slurm":
+    if launcher.startswith("Slurm"):
         return ("launch with srun --mpi=pmi2 (the mpich wheel speaks PMI2; or MpiDefault=pmi2 "
                 "in slurm.conf), or with mpiexec inside the allocation")
     if launcher == "Open MPI":
@@ -91,7 +93,8 @@ def singleton_launch(size: int, env: Mapping[str, str] | None = None) -> Optiona
     view = launcher_view(env)
     if view is None:
         return None
-    started = _int(env, "SLURM_STEP_NUM_TASKS") if view.launcher == "Slurm" else view.size
+    started = _int(env, "SLURM_STEP_NUM_TASKS") if view.launcher.startswith("Slurm") \
+        else view.size
     if started is None or started <= 1:
         return None
     return (f"{view.launcher} started {started} processes but MPI sees a world of 1 in each: "

@@ -14,10 +14,10 @@ import torch
 
 from . import algorithms, collectives, runtime, timeline
 from .errors import MpidpError
-from .fusion import Bucket, broadcast_tensors_, check_same_model, plan
+from .fingerprint import check_same_buckets, check_same_model
+from .fusion import Bucket, broadcast_tensors_, plan
 
-FIRST_BUCKET_CAP_BYTES = 1 << 20
-  # PyTorch DDP's first bucket (Note [Bucket order])
+FIRST_BUCKET_CAP_BYTES = 1 << 20  # PyTorch DDP's first bucket (Note [Bucket order])
 
 # Note [Bucket order]
 # Buckets are first filled in reverse registration order (gradients of the last layers are
@@ -45,24 +45,26 @@ FIRST_BUCKET_CAP_BYTES = 1 << 20
 # autograd made fresh tensors (zero_grad's default set_to_none=True).
 
 
-def _communicate(tasks: queue.SimpleQueue, results: queue.SimpleQueue) -> None:
+def _communicate(tasks: queue.SimpleQueue, results: queue.SimpleQueue, board) -> None:
     """The communication thread's loop: one task per bucket, one result (None, or the
-    exception) per task."""
+    exception) per task. The watchdog's ``board`` says which bucket is being reduced."""
     while True:
         task = tasks.get()
         if task is None:
             return
-        bucket, sources, destinations, algorithm = task
-        t0 = time.perf_counter()
+        bucket, sources, destinations, algorithm, position = task
+        board.context = ("DDP gradient bucket {} of {}", *position)
+        t0, error = time.perf_counter(), None
         try:
             if destinations is None:  # gradients are bucket views: average in place
                 bucket.pack(sources, skip_own_slots=True)
                 bucket.allreduce_("avg", algorithm)
             else:
                 bucket.reduce_(sources, destinations, "avg", algorithm)
-            results.put((None, time.perf_counter() - t0))
         except BaseException as exc:  # reported by the main thread at the end of backward
-            results.put((exc, time.perf_counter() - t0))
+            error = exc
+        board.context = None
+        results.put((error, time.perf_counter() - t0))
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -122,9 +124,11 @@ class DistributedDataParallel(torch.nn.Module):
     # ---- buckets ------------------------------------------------------------------------
 
     def _build(self, order: tuple) -> None:
+        """Buckets from ``order``, their layout checked across ranks. Every rank calls it."""
         first = min(FIRST_BUCKET_CAP_BYTES, self.bucket_cap_bytes)
         self._buckets = plan([p.detach() for p in self._params], self.bucket_cap_bytes, first,
                              order) if self._params else []
+        check_same_buckets(runtime.group(), self._buckets, "DistributedDataParallel")
         self._bucket_of = [0] * len(self._params)
         self._slots = [None] * len(self._params)  # Note [Gradients as bucket views]
         for b, bucket in enumerate(self._buckets):
@@ -167,7 +171,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._order: list = []
         if self._thread is None:
             self._thread = threading.Thread(target=_communicate, daemon=True,
-                                            args=(self._tasks, self._results),
+                                            args=(self._tasks, self._results,
+                                                  runtime.group().board),
                                             name="mpidp-ddp-comm")
             self._thread.start()
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -206,7 +211,8 @@ class DistributedDataParallel(torch.nn.Module):
         dests = None if self.gradient_as_bucket_view else \
             [p.grad if self._ready[i] else None for i, p in zip(bucket.indices, params)]
         bucket.capture_stream()  # on a GPU: the stream these gradients were produced on
-        self._tasks.put((bucket, sources, dests, self.algorithm))
+        self._tasks.put((bucket, sources, dests, self.algorithm,
+                         (self._next + 1, len(self._buckets))))
 
     @timeline.traced("wait for buckets")
     def _finish_backward(self) -> None:

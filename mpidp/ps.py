@@ -19,6 +19,11 @@ MPI, so a server's pushes and pulls wait while it runs its optimizer step; with 
 per server that is a short wait, on an oversubscribed node it is what limits throughput.
 Control words that workers update with ``Fetch_and_op`` are read with ``Get_accumulate
 (NO_OP)`` (an atomic read), never a plain ``Get`` racing an accumulate.
+
+Every wait of a worker (next batch, pull with its staleness wait, push, end of epoch) and a
+server's wait for pushes is posted on the watchdog's board (Note [Watchdog] in
+mpidp/watchdog.py): a worker or server that stalls or dies leaves the others waiting at most
+MPIDP_TIMEOUT_S, and a server's clock restarts at every push it applies.
 """
 from __future__ import annotations
 
@@ -27,8 +32,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from . import timeline
+from . import runtime, timeline
 from .ring import partition
+from .watchdog import board_of, collective
 from .windows import Window, layout
 
 # control words of every server's window, then per-worker pending[W], applied[W], done[W]
@@ -88,6 +94,9 @@ class ParameterServer:
             raise ValueError(f"num_servers must be between 1 and the number of ranks - 1 "
                              f"({size - 1}), got {num_servers}")
         self.comm, self.rank = comm, comm.Get_rank()
+        g = runtime.group() if runtime.is_initialized() else None
+        self.group = g if g is not None and g.comm == comm else None  # watched collectives
+        self.board = board_of(g)
         self.num_workers = size - num_servers
         self.servers = tuple(range(self.num_workers, size))
         self.is_server = self.rank >= self.num_workers
@@ -102,7 +111,15 @@ class ParameterServer:
             with self.window.locked(self.rank, exclusive=True):
                 self.window.local(mine.params)[...] = self.gather_shard(initial_flat,
                                                                         self.index)
-        comm.Barrier()  # every shard published before any pull
+        self.barrier("ps: initial shards published")  # before any pull
+
+    def barrier(self, name: str) -> None:
+        """A barrier over ``comm`` named ``name`` under the watchdog. Collective."""
+        if self.group is None:
+            self.comm.Barrier()
+            return
+        with collective(self.group, name):
+            self.comm.Barrier()
 
     # ---- flat vector <-> shards --------------------------------------------------------
 
@@ -145,7 +162,11 @@ class ParameterServer:
 
     def free(self) -> None:
         """Collective over ``comm``."""
-        self.window.free()
+        if self.group is None:
+            self.window.free()
+            return
+        with collective(self.group, "ps: freeing the window"):
+            self.window.free()
 
 
 class Worker:
@@ -164,8 +185,9 @@ class Worker:
         """The next batch number of this epoch, shared among the workers (fetch-and-add on
         the first server): a fast worker takes more batches."""
         s0, lay = self.ps.servers[0], self.ps.layouts[0]
-        with self.ps.window.locked(s0):
-            return self.ps.window.fetch_add(s0, lay.control, NEXT_BATCH, 1)
+        with self.ps.board.waiting(("ps worker: taking the next batch from server rank {}", s0)):
+            with self.ps.window.locked(s0):
+                return self.ps.window.fetch_add(s0, lay.control, NEXT_BATCH, 1)
 
     @timeline.traced("pull")
     def pull(self, flat: np.ndarray) -> None:
@@ -173,6 +195,13 @@ class Worker:
         waiting (SSP) until every worker has at least (steps - S) pushes applied, or, if it
         has finished the epoch, all of its pushes. Only control words are polled; the
         applied counts only grow within an epoch, so the shards read afterwards satisfy it."""
+        what = ("ps worker: pull, waiting until every worker has at least {} pushes applied "
+                "(staleness {})", self.steps - self.staleness, self.staleness) \
+            if self.staleness is not None else ("ps worker: pull",)
+        with self.ps.board.waiting(what):
+            self._pull(flat)
+
+    def _pull(self, flat: np.ndarray) -> None:
         ps = self.ps
         controls = ps.controls()
         while self.staleness is not None:
@@ -193,6 +222,12 @@ class Worker:
         """Adds this worker's gradient into every server's accumulator, counted once. Its
         staleness (server updates since the pull it was computed from) is recorded; with
         ``scale_by_staleness`` the gradient is divided by it first (Zhang et al. 2016)."""
+        with self.ps.board.waiting(("ps worker: push {} of this epoch", self.steps + 1)):
+            worst = self._push(grad_flat, scale_by_staleness)
+        self.staleness_seen.append(worst)
+        self.steps += 1
+
+    def _push(self, grad_flat: np.ndarray, scale_by_staleness: bool) -> int:
         ps, win = self.ps, self.ps.window
         worst = 0
         for k, s in enumerate(ps.servers):
@@ -205,20 +240,20 @@ class Worker:
                 win.accumulate(part, s, lay.grads)
                 win.fetch_add(s, lay.control, lay.pending(self.w), 1)
             worst = max(worst, stale)
-        self.staleness_seen.append(worst)
-        self.steps += 1
+        return worst
 
     def finish_epoch(self) -> None:
         """This worker has pushed its last gradient of the epoch: its final step count is
         published (others wait for those pushes, no more) and its clock restarts."""
         ps, win = self.ps, self.ps.window
         lay0 = ps.layouts[0]
-        with win.locked(ps.servers[0]):
-            win.fetch_add(ps.servers[0], lay0.control, lay0.done(self.w), self.steps + 1)
-        self.steps = 0
-        for k, s in enumerate(ps.servers):
-            with win.locked(s):
-                win.fetch_add(s, ps.layouts[k].control, FINISHED, 1)
+        with ps.board.waiting(("ps worker: telling the servers it finished the epoch",)):
+            with win.locked(ps.servers[0]):
+                win.fetch_add(ps.servers[0], lay0.control, lay0.done(self.w), self.steps + 1)
+            self.steps = 0
+            for k, s in enumerate(ps.servers):
+                with win.locked(s):
+                    win.fetch_add(s, ps.layouts[k].control, FINISHED, 1)
 
 
 class Server:
@@ -242,6 +277,12 @@ class Server:
             return win.local(self.lay.params).copy()
 
     def serve_epoch(self, apply: Callable[[np.ndarray, np.ndarray, int], None]) -> None:
+        board = self.ps.board
+        with board.waiting(("ps server: waiting for a push, or for every worker to finish the "
+                            "epoch",)):
+            self._serve(apply, board)
+
+    def _serve(self, apply, board) -> None:
         ps, win, lay = self.ps, self.ps.window, self.lay
         me = ps.rank
         control_of = win.local(lay.control)
@@ -274,13 +315,15 @@ class Server:
             self.pushes += n
             self.epoch_pushes += n
             self.busy_s += time.perf_counter() - t0
+            board.progress()
 
     def reset_epoch(self) -> None:
         """Between epochs, when no worker is active: clocks, flags and the batch counter."""
         win, lay = self.ps.window, self.lay
         self.epoch_pushes = 0
-        with win.locked(self.ps.rank, exclusive=True):
-            control = win.local(lay.control)
-            version = control[VERSION]
-            control[...] = 0
-            control[VERSION] = version
+        with self.ps.board.waiting(("ps server: resetting its epoch counters",)):
+            with win.locked(self.ps.rank, exclusive=True):
+                control = win.local(lay.control)
+                version = control[VERSION]
+                control[...] = 0
+                control[VERSION] = version

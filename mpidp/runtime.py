@@ -1,5 +1,5 @@
-"""The process group mpidp runs on: ``init``, rank and node topology, and the abort of the
-whole job when any rank dies of an uncaught exception."""
+"""The process group mpidp runs on: ``init``, rank and node topology, the abort of the
+whole job when any rank dies of an uncaught exception, and its watchdog (mpidp.watchdog)."""
 from __future__ import annotations
 
 import atexit
@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 from . import config, launcher, timeline
 from .errors import LaunchError, NotInitializedError
+from .abort import abort_job
+from .watchdog import Board, Watchdog, collective
 
 
 class Group:
@@ -39,6 +41,8 @@ class Group:
         self.auto_is_shm = self.node_count == 1 and config.get().algorithm == "auto"
         self._shm = None   # mpidp.shm.ShmContext of node_comm, made on first use
         self.transports = {}  # id(communicator) -> the ring's MPITransport on it
+        self.board = Board(config.get().debug)  # Note [Watchdog] in mpidp/watchdog.py
+        self.watchdog: Optional[Watchdog] = None
 
     @property
     def single_node(self) -> bool:
@@ -52,13 +56,18 @@ class Group:
         return self._shm
 
     def free(self) -> None:
+        """Collective: frees the node's windows (under the watchdog), then stops it."""
         for transport in self.transports.values():  # NCCL communicators before MPI goes
             if hasattr(transport, "free"):
                 transport.free()
         self.transports.clear()
         if self._shm is not None:
-            self._shm.free()
+            with collective(self, "shutdown: freeing the shared-memory windows", check=False):
+                self._shm.free()
             self._shm = None
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
         for c in (self.node_comm, self.leader_comm):
             if c is not None:
                 c.Free()
@@ -97,12 +106,15 @@ def init(comm: Any = None) -> Group:
         group._user_comm = comm
         if cfg.abort_on_exception:
             _install_abort_hooks(group)
+        if group.size > 1:
+            group.watchdog = Watchdog(group, cfg.timeout_s)
         if comm == MPI.COMM_WORLD and cfg.emulate_node_size == 0:
             for problem in launcher.disagreements(launcher.launcher_view(), group.rank,
                                                   group.size, group.local_rank, group.local_size):
                 warnings.warn(f"mpidp: rank {group.rank}: {problem}", RuntimeWarning, stacklevel=2)
         if timeline.ON:
-            timeline.start(group.comm)
+            with collective(group, "init: starting the timeline", check=False):
+                timeline.start(group.comm)
         _group = group
         from .gpu.device import bind_if_visible
         bind_if_visible(group.local_rank)  # before any CUDA work of the user's (imports nothing)
@@ -117,7 +129,9 @@ def shutdown() -> None:
         if _group is not None:
             from mpi4py import MPI
             if not MPI.Is_finalized():
-                timeline.finish()
+                if timeline.ON:
+                    with collective(_group, "shutdown: merging the timeline", check=False):
+                        timeline.finish()
                 _group.free()
                 _group.comm.Free()
             _group = None
@@ -171,11 +185,11 @@ def _install_abort_hooks(g: Group) -> None:
 
     def abort(kind: str, exc_type, exc, tb) -> None:
         try:
-            sys.stderr.write("".join(traceback.format_exception(exc_type, exc, tb)))
-            sys.stderr.write(_abort_message(g, kind, exc))
-            sys.stderr.flush()
-        finally:
-            MPI.COMM_WORLD.Abort(1)
+            message = ("".join(traceback.format_exception(exc_type, exc, tb))
+                       + _abort_message(g, kind, exc))
+        except BaseException:  # a message that cannot be formatted still ends the job
+            message = f"mpidp: rank {g.rank}: uncaught {kind}exception; aborting the job\n"
+        abort_job(message, 1)
 
     previous = sys.excepthook
 

@@ -39,7 +39,8 @@ class ShmContext:
             MPI.memory(mem)[:] = b"\0" * len(mem)
         node_comm.Barrier()
         self.seq = 0
-        self.timeout_s = config.get().timeout_s
+        # a backstop behind the watchdog, which reports first (Note [Watchdog] in watchdog.py)
+        self.timeout_s = 2 * config.get().timeout_s + 10
         self.chunk_bytes = config.get().shm_chunk_bytes
         self.inline_bytes = min(config.get().shm_inline_bytes, self._ext.SHM_INLINE_BYTES)
         self.peers = self._choose_peers(config.get().shm_peers)
@@ -97,7 +98,8 @@ class ShmContext:
         if status == SHM_TIMEOUT:
             raise CommunicationError(
                 self.rank, operation, f"timed out after {self.timeout_s:g} s waiting for local "
-                f"ranks {info} (MPIDP_TIMEOUT_S); they never reached this collective")
+                f"ranks {info} (2 x MPIDP_TIMEOUT_S + 10 s, and the watchdog did not end the "
+                "job); they never reached this collective")
         if status == SHM_PEER_ERROR:
             failed, peer, errno = info
             raise CommunicationError(self.rank, operation,

@@ -39,6 +39,11 @@ def test_launcher_views():
     assert v.launcher == "Open MPI"
     assert launcher.launcher_view({"SLURM_PROCID": "3", "SLURM_NTASKS": "4",
                                    "SLURM_LOCALID": "1"}).local_rank == 1
+    # srun --mpi=pmi2 sets the PMI variables too; mpiexec inside an allocation is Hydra's
+    pmi2 = {"PMI_RANK": "1", "PMI_SIZE": "2", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1",
+            "SLURM_NTASKS": "2"}
+    assert launcher.launcher_view(pmi2) == launcher.LauncherView("Slurm (PMI2)", 1, 2, None, None)
+    assert launcher.launcher_view({**pmi2, "HYDI_CONTROL_FD": "7"}).launcher == "MPICH/Hydra"
 
 
 def test_disagreements_name_singletons():

@@ -145,3 +145,26 @@ def test_srun_without_mpi_plugin_is_refused(cluster):
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0 and len(lines) == 2, proc.stdout + proc.stderr
     assert all(l.startswith("refused: mpidp: Slurm started 2 processes") for l in lines), lines
+
+
+def test_doctor_under_srun(cluster):
+    """The doctor inside a real srun step: with --mpi=pmi2 the Slurm check finds one MPI rank
+    per task and the launcher's variables agree; without it, the singletons are a FAIL that
+    names the fix, and the doctor exits non-zero."""
+    srun = ["srun", "--nodes=1", "--ntasks=2", "--time=5"]
+    doctor = [sys.executable, "-m", "mpidp.doctor"]
+    proc = cluster.run(srun + ["--mpi=pmi2"] + doctor, check=False, timeout_s=JOB_TIMEOUT_S,
+                       env=_job_env(), cwd=cluster.root)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "mpidp doctor: 2 rank(s)" in out and ", 0 FAIL," in out, out
+    assert "launcher variables agree with MPI on every rank (Slurm (PMI2))" in out, out
+    assert "tasks = MPI ranks, SLURM_PROCID = rank on every rank" in out, out
+
+    proc = cluster.run(srun + doctor, check=False, timeout_s=JOB_TIMEOUT_S,
+                       env=_job_env(), cwd=cluster.root)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    fails = [l for l in out.splitlines() if l.lstrip().startswith("FAIL")]
+    assert fails and any("singleton" in l for l in fails), out
+    assert "srun --mpi=pmi2" in out, out

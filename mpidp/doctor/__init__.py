@@ -15,6 +15,7 @@ import importlib.metadata
 import sys
 import threading
 
+from ..abort import abort_job
 from . import probes, verdicts
 from .findings import (FAIL, Finding, Raised, Skipped, exit_code, format_findings,
                        format_report, judge, summary_line)
@@ -35,14 +36,11 @@ CHECKS = (
 def deadline(what: str, seconds: float, rank: int):
     """Aborts the job (MPI_Abort) when the block has not finished within ``seconds``."""
     def expire():
-        sys.stderr.write(
+        abort_job(
             f"mpidp.doctor: rank {rank}: FAIL: the {what!r} check did not finish within "
             f"{seconds:g} s: a rank is stuck in MPI or died; aborting the job\n"
             "        fix: the rank that failed printed its error above; if none did, check "
-            "the network between the hosts (firewall, FI_PROVIDER / UCX_NET_DEVICES)\n")
-        sys.stderr.flush()
-        from mpi4py import MPI
-        MPI.COMM_WORLD.Abort(1)
+            "the network between the hosts (firewall, FI_PROVIDER / UCX_NET_DEVICES)\n", 1)
     timer = threading.Timer(seconds, expire)
     timer.daemon = True
     timer.start()

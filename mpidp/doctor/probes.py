@@ -46,7 +46,7 @@ def _launcher_view(size: int):
     """The launcher's view, without Slurm's when this is a batch script rather than an srun
     step (a batch script sees SLURM_NTASKS=N but is one process: the Slurm check says so)."""
     view = launcher.launcher_view()
-    if view is not None and view.launcher == "Slurm" and \
+    if view is not None and view.launcher.startswith("Slurm") and \
             "SLURM_STEP_NUM_TASKS" not in os.environ:
         return None
     return view

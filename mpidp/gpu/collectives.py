@@ -64,6 +64,17 @@ def transport(g) -> NCCLTransport:
     return g.transports[key]
 
 
+def _refuse(g, kind: int, exc: BaseException) -> None:
+    """Joins the header exchange of collective ``kind`` with this rank's local error, which
+    raises on every rank (posted on the watchdog's board like any collective)."""
+    b = g.board
+    try:
+        handshake.exchange(g, b.publish(handshake.error_header(kind, exc)),
+                           handshake.KIND_NAMES[kind], exc)
+    finally:
+        b.done = b.seq
+
+
 def allreduce(x: Any, op: str, algorithm: str, inplace: bool):
     """mpidp.allreduce / allreduce_ for a device array."""
     g = runtime.group()
@@ -73,9 +84,9 @@ def allreduce(x: Any, op: str, algorithm: str, inplace: bool):
         algo = choose(g, algorithm)
     except (TypeError, ValueError, ImportError) as exc:  # ImportError: CuPy or NCCL missing
         if g.size > 1:
-            handshake.exchange(g, handshake.error_header(ALLREDUCE, exc), "allreduce", exc)
+            _refuse(g, ALLREDUCE, exc)
         raise
-    if algo == "staged":
+    if algo == "staged":  # the host all-reduce posts itself on the watchdog's board
         return staged(x, inplace, ALLREDUCE, lambda h: host.allreduce_(h, op))
     with device.cupy().cuda.Device(a.device):  # this thread may have another current device
         return _allreduce_on_device(g, a, opc, avg, algo, inplace)
@@ -91,10 +102,14 @@ def _allreduce_on_device(g, a, opc: int, avg: bool, algo: str, inplace: bool):
             with producer:
                 dst[...] = src
     else:  # NCCL runs even alone: one rank is how a single GPU measures it
-        if g.size > 1:
+        if g.size > 1:  # Note [Watchdog] in mpidp/watchdog.py: the host waits here only
             code = ALGORITHM_CODES["ring on GPU" if algo == "ring" else "nccl"]
-            handshake.exchange(g, handshake.header(ALLREDUCE, code, opc + 4 * avg, a.dtype,
-                                                   len(src), a.shape), "allreduce")
+            b = g.board
+            try:
+                handshake.exchange(g, b.publish(handshake.header(
+                    ALLREDUCE, code, opc + 4 * avg, a.dtype, len(src), a.shape)), "allreduce")
+            finally:
+                b.done = b.seq
         t = transport(g)
         t.enter(producer)
         if algo == "nccl":
@@ -124,8 +139,7 @@ def staged(x: Any, inplace: bool, kind: int, host_call):
         a = as_device_array(x)
     except (TypeError, ImportError) as exc:
         if g.size > 1:
-            handshake.exchange(g, handshake.error_header(kind, exc),
-                               handshake.KIND_NAMES[kind], exc)
+            _refuse(g, kind, exc)
         raise
     with device.cupy().cuda.Device(a.device):
         return _from_host(host_call(_to_host(a)), a, inplace)

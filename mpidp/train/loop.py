@@ -14,6 +14,7 @@ import torch
 
 from .. import collectives, runtime, timeline
 from ..data import ShardSampler, batches
+from ..watchdog import collective
 from . import checkpoint, setup
 from .report import Report, emit
 from .settings import MOMENTUM, TrainSettings, check_world, scaled_lr, straggler_of
@@ -110,11 +111,13 @@ class Trainer:
             path, state = resumed if g.rank == 0 else (None, None)
             strategy.load_optimizer(state["optimizer"] if state else None)
             rngs = state["rng"] if state else None
-            checkpoint.set_rng_state(g.comm.scatter(rngs, root=0) if g.size > 1 else rngs[0])
             where = (str(path), state["epoch"], state["step_in_epoch"], state["global_step"]) \
                 if state else None
-            saved_path, start_epoch, start_step, global_step = \
-                g.comm.bcast(where, root=0) if g.size > 1 else where
+            with collective(g, "resume: scattering the checkpoint's RNG states"):
+                checkpoint.set_rng_state(g.comm.scatter(rngs, root=0) if g.size > 1
+                                         else rngs[0])
+                saved_path, start_epoch, start_step, global_step = \
+                    g.comm.bcast(where, root=0) if g.size > 1 else where
             report.line(f"resuming from {saved_path}: epoch {start_epoch + 1}, step "
                         f"{start_step}" if start_epoch < s.epochs else
                         f"{saved_path} is the end of the run: nothing left to train")
@@ -210,8 +213,9 @@ class Trainer:
         """Checkpoint at ``position`` = (epoch, batches done in it): every rank sends its RNG
         state, rank 0 writes. Every rank calls it."""
         s = self.settings
-        rng = g.comm.gather(checkpoint.rng_state(), root=0) if g.size > 1 \
-            else [checkpoint.rng_state()]
+        with collective(g, "checkpoint: gathering every rank's RNG state"):
+            rng = g.comm.gather(checkpoint.rng_state(), root=0) if g.size > 1 \
+                else [checkpoint.rng_state()]
         optimizer = strategy.optimizer_state()  # collective for ps (servers hold it)
         if g.rank != 0:
             return None

@@ -11,8 +11,10 @@ import torch
 
 from .. import runtime, timeline
 from ..data import ShardSampler, batches
-from ..fusion import broadcast_tensors_, check_same_model
+from ..fingerprint import check_same_model
+from ..fusion import broadcast_tensors_
 from ..ps import ParameterServer, Server, Worker
+from ..watchdog import collective
 from .settings import scaled_lr
 from .setup import SetupError
 from .strategies import Strategy
@@ -126,32 +128,37 @@ class ParameterServerStrategy(Strategy):
         published parameters, then the servers reset their clocks for the next epoch."""
         if not self.is_server:
             self.worker.finish_epoch()
-        self.ps.comm.Barrier()
-        self.ps.read_all(self.flat)
+        self.ps.barrier("ps epoch end: every worker finished")
+        with self.ps.board.waiting(("ps epoch end: reading the published parameters",)):
+            self.ps.read_all(self.flat)
         self._load_flat()
         if self.buffers:  # rank 0's running statistics (a worker's) are the model's
             broadcast_tensors_(self.buffers, 0)
-        self.ps.comm.Barrier()
+        self.ps.barrier("ps epoch end: every rank read the parameters")
         if self.is_server:
             self.server.reset_epoch()
-        self.ps.comm.Barrier()
+        self.ps.barrier("ps epoch end: the servers reset")
 
     def optimizer_state(self) -> Optional[list]:
         """Collective: every server's optimizer state, gathered on rank 0 (by rank)."""
         mine = self.optimizer.state_dict() if self.optimizer is not None else None
-        return self.ps.comm.gather(mine, root=0)
+        with collective(runtime.group(), "checkpoint: gathering the servers' optimizer state"):
+            return self.ps.comm.gather(mine, root=0)
 
     def load_optimizer(self, state: Optional[list]) -> None:
-        mine = self.ps.comm.scatter(state, root=0)
+        with collective(runtime.group(), "resume: scattering the servers' optimizer state"):
+            mine = self.ps.comm.scatter(state, root=0)
         if self.optimizer is not None and mine is not None:
             self.optimizer.load_state_dict(mine)
 
     def report(self, total_s: float) -> dict:
         """Collective: the staleness histogram and the servers' counts and rates, on every
         rank."""
-        seen = self.ps.comm.allgather(None if self.is_server else self.worker.staleness_seen)
-        served = self.ps.comm.allgather((self.server.applies, self.server.pushes,
-                                         self.server.busy_s) if self.is_server else None)
+        with collective(runtime.group(), "summary: gathering the ps figures"):
+            seen = self.ps.comm.allgather(None if self.is_server else
+                                          self.worker.staleness_seen)
+            served = self.ps.comm.allgather((self.server.applies, self.server.pushes,
+                                             self.server.busy_s) if self.is_server else None)
         values = [v for lst in seen if lst for v in lst]
         histogram = {str(k): int(c) for k, c in zip(*np.unique(values, return_counts=True))} \
             if values else {}

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from ..watchdog import collective
 from . import checkpoint
 from .settings import TrainSettings
 
@@ -30,7 +31,8 @@ def agree(g, check: Callable[[], Any], name_rank: bool = True) -> Any:
         result, message = check(), None
     except ValueError as exc:
         result, message = None, str(exc)
-    messages = g.comm.allgather(message) if g.size > 1 else [message]
+    with collective(g, "set-up: agreeing on a check's outcome"):
+        messages = g.comm.allgather(message) if g.size > 1 else [message]
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
     if failed:
         r, m = failed[0]
@@ -41,7 +43,8 @@ def agree(g, check: Callable[[], Any], name_rank: bool = True) -> Any:
 def same_everywhere(g, fingerprint: dict) -> None:
     """SetupError on every rank unless every rank passed the same ``fingerprint`` (the inputs
     that decide which collectives a run calls), naming the first rank and field that differ."""
-    everyone = g.comm.allgather(fingerprint) if g.size > 1 else [fingerprint]
+    with collective(g, "set-up: comparing settings and data set sizes"):
+        everyone = g.comm.allgather(fingerprint) if g.size > 1 else [fingerprint]
     for r, theirs in enumerate(everyone[1:], start=1):
         for key, value in everyone[0].items():
             if theirs.get(key) != value:

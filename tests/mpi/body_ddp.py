@@ -2,6 +2,7 @@
 on the concatenated batch (SGD with momentum and Adam, with and without gradients as bucket
 views, no_sync accumulation, unused parameters), bucket rebuild, construction-time broadcast
 and model check, the Horovod-style helpers, and every error path. Prints 'ok <rank>'."""
+import re
 import sys
 
 import numpy as np
@@ -225,6 +226,14 @@ if n > 1:
     except MismatchError as exc:
         expect(f"rank {n - 1}: parameter 0.weight torch.float32[9, 6] where rank 0 has "
                "parameter 0.weight torch.float32[8, 6]" in str(exc), f"mismatch text: {exc}")
+    try:  # the same model, bucketed differently on one rank: caught before any bucket runs
+        mpidp.DistributedDataParallel(net(), bucket_cap_mb=TINY_MB if rank == n - 1 else 25)
+        failures.append("bucket layout mismatch: no error")
+    except MismatchError as exc:
+        expect("gradient buckets differ between ranks" in str(exc) and
+               re.search(rf"rank {n - 1}: bucket 1 of \d+: 4 tensors, float32\[103\] where "
+                         r"rank 0 has bucket 1 of 1: 6 tensors, float32\[159\]", str(exc)),
+               f"bucket mismatch text: {exc}")
 
 # ---- drop-in: a torch DDP tutorial loop with only the import and init lines changed -----------
 from mpidp import DistributedDataParallel as DDP  # noqa: E402  (was torch.nn.parallel)
