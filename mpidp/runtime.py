@@ -49,10 +49,15 @@ class Group:
         return self.node_count == 1
 
     def shm(self):
-        """The shared-memory context of this node's ranks (collective on first use)."""
+        """The shared-memory context of this node's ranks (collective on first use, watched
+        as a collective of its own when no collective is under way)."""
         if self._shm is None:
             from .shm import ShmContext
-            self._shm = ShmContext(self.node_comm)
+            if self.board.seq == self.board.done:
+                with collective(self, "shared-memory set-up", check=False):
+                    self._shm = ShmContext(self.node_comm)
+            else:
+                self._shm = ShmContext(self.node_comm)
         return self._shm
 
     def free(self) -> None:
@@ -113,8 +118,13 @@ def init(comm: Any = None) -> Group:
                                                   group.size, group.local_rank, group.local_size):
                 warnings.warn(f"mpidp: rank {group.rank}: {problem}", RuntimeWarning, stacklevel=2)
         if timeline.ON:
-            with collective(group, "init: starting the timeline", check=False):
-                timeline.start(group.comm)
+            try:
+                with collective(group, "init: starting the timeline", check=False):
+                    timeline.start(group.comm)
+            except BaseException:  # raised on every rank: nothing of this group survives
+                group.free()
+                group.comm.Free()
+                raise
         _group = group
         from .gpu.device import bind_if_visible
         bind_if_visible(group.local_rank)  # before any CUDA work of the user's (imports nothing)
@@ -129,11 +139,13 @@ def shutdown() -> None:
         if _group is not None:
             from mpi4py import MPI
             if not MPI.Is_finalized():
+                records = None
                 if timeline.ON:
-                    with collective(_group, "shutdown: merging the timeline", check=False):
-                        timeline.finish()
-                _group.free()
+                    with collective(_group, "shutdown: gathering the timeline", check=False):
+                        records = timeline.gather()
+                _group.free()  # stops the watchdog
                 _group.comm.Free()
+                timeline.write(records)
             _group = None
 
 

@@ -259,9 +259,15 @@ def start(comm) -> None:
 
 
 def finish() -> Optional[str]:
-    """Measures the clock offsets again, gathers every rank's events on rank 0 and writes the
-    merged trace; returns its path on rank 0 (None elsewhere, or when not started). Called by
-    ``mpidp.shutdown`` (at exit); every rank calls it."""
+    """``gather`` then ``write``: the merged trace's path on rank 0 (None elsewhere, or when
+    not started). Every rank calls it."""
+    return write(gather())
+
+
+def gather() -> Optional[list]:
+    """Measures the clock offsets again and gathers every rank's events on rank 0; returns
+    them there (None elsewhere, or when not started). Called by ``mpidp.shutdown`` (at exit);
+    every rank calls it."""
     comm = _state.pop("comm", None)
     if comm is None:
         return None
@@ -276,6 +282,15 @@ def finish() -> Optional[str]:
     first = _state["first"]
     for rec in records[1:]:
         rec["sync"] = (first[rec["rank"]], last[rec["rank"]])
+    return records
+
+
+def write(records: Optional[list]) -> Optional[str]:
+    """Writes ``gather``'s records as the merged trace (rank 0; not collective, so the
+    shutdown runs it after the watchdog has stopped: a large trace on slow storage is no
+    stall); returns its path, or None for None or a failed write (said on stderr)."""
+    if records is None:
+        return None
     path = _state["path"]
     try:
         write_atomically(path, chrome_trace(records))

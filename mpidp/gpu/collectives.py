@@ -102,28 +102,32 @@ def _allreduce_on_device(g, a, opc: int, avg: bool, algo: str, inplace: bool):
             with producer:
                 dst[...] = src
     else:  # NCCL runs even alone: one rank is how a single GPU measures it
-        if g.size > 1:  # Note [Watchdog] in mpidp/watchdog.py: the host waits here only
-            code = ALGORITHM_CODES["ring on GPU" if algo == "ring" else "nccl"]
-            b = g.board
-            try:
-                handshake.exchange(g, b.publish(handshake.header(
-                    ALLREDUCE, code, opc + 4 * avg, a.dtype, len(src), a.shape)), "allreduce")
-            finally:
-                b.done = b.seq
-        t = transport(g)
-        t.enter(producer)
-        if algo == "nccl":
-            t.allreduce(src, dst, a.dtype, opc, avg)
-        else:
-            piece = max(1, config.get().ring_piece_bytes // dst.itemsize)
-            with t.compute:  # copies and scratch in the compute stream's order and pool
-                if dst is not src:
-                    dst[...] = src
-                n = max(1, min(piece, len(dst)))
-                scratch = (cp.empty(n, dst.dtype), cp.empty(n, dst.dtype))
-            ring_allreduce(dst, scratch, t, DeviceOps(t.compute), a.dtype, opc,
-                           g.size if avg else 1, piece)
-        t.leave(producer)
+        # Note [Watchdog] in mpidp/watchdog.py: the host waits in the header exchange, in
+        # the NCCL communicator's set-up (first call) and while enqueueing; not for the
+        # device's work, which the streams order after this returns
+        b = g.board
+        code = ALGORITHM_CODES["ring on GPU" if algo == "ring" else "nccl"]
+        hdr = b.publish(handshake.header(ALLREDUCE, code, opc + 4 * avg, a.dtype, len(src),
+                                         a.shape))
+        try:
+            if g.size > 1:
+                handshake.exchange(g, hdr, "allreduce")
+            t = transport(g)
+            t.enter(producer)
+            if algo == "nccl":
+                t.allreduce(src, dst, a.dtype, opc, avg)
+            else:
+                piece = max(1, config.get().ring_piece_bytes // dst.itemsize)
+                with t.compute:  # copies and scratch in the compute stream's order and pool
+                    if dst is not src:
+                        dst[...] = src
+                    n = max(1, min(piece, len(dst)))
+                    scratch = (cp.empty(n, dst.dtype), cp.empty(n, dst.dtype))
+                ring_allreduce(dst, scratch, t, DeviceOps(t.compute), a.dtype, opc,
+                               g.size if avg else 1, piece)
+            t.leave(producer)
+        finally:
+            b.done = b.seq
     if inplace:
         write_back(a)
     return out
