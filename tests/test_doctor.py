@@ -97,6 +97,18 @@ def test_mpi_verdict_flags_mixed_libraries_and_low_thread_levels():
     assert verdicts.verdict_mpi([dict(v, thread=0)])[2].status == FAIL
 
 
+def test_mpidp_verdict_init_failures():
+    v = {"version": "0.1.0", "kernels": "c", "settings": [], "config_error": None, "init": None}
+    assert verdicts.verdict_mpidp([v, v])[-1] == Finding(OK, "mpidp.init(): group built on "
+                                                             "every rank")
+    broken = dict(v, init="RuntimeError: no shared memory")
+    found = verdicts.verdict_mpidp([v, broken])[-1]
+    assert found.status == FAIL and found.text.startswith("mpidp.init() failed on rank 1")
+    refused = dict(v, init="LaunchError: mpidp: Slurm started 2 processes ...")
+    found = verdicts.verdict_mpidp([refused])[-1]   # the singletons are named under Ranks
+    assert found.status == SKIP and "see Ranks" in found.text
+
+
 def test_shm_verdict_blocked_cma_and_small_dev_shm():
     v = {"host": "a", "local_rank": 0, "local_size": 2, "got": 3, "expected": 3,
          "mode": "window", "forced": False, "dev_shm_free": 64 << 20}
@@ -150,7 +162,8 @@ def test_slurm_verdicts():
     assert batch[-1].status == WARN and "batch script" in batch[-1].text
     single = [{"rank": 0, "size": 1, "env": dict(job, SLURM_PROCID="1",
                                                  SLURM_STEP_NUM_TASKS="2")}]
-    assert verdicts.verdict_slurm(single)[-1].status == FAIL
+    last = verdicts.verdict_slurm(single)[-1]   # the failure itself is reported under Ranks
+    assert last.status == INFO and "singletons named under Ranks" in last.text
     shifted = values(2, SLURM_STEP_NUM_TASKS="2", **job)
     shifted[1]["env"]["SLURM_PROCID"] = "0"
     assert "SLURM_PROCID differs from the MPI rank on rank 1" in \

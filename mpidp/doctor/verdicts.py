@@ -143,6 +143,9 @@ def verdict_mpidp(values: list) -> list:
     for err, rs in failed.items():
         if any(e in err for e in bad):
             continue  # the settings' error, named above
+        if err.startswith("LaunchError"):  # independent singletons, named under Ranks
+            out.append(Finding(SKIP, "mpidp.init() refuses this launch (see Ranks)"))
+            continue
         out.append(Finding(FAIL, f"mpidp.init() failed on {rank_list(rs)}: {err}",
                            "the message names the cause; the checks below need mpidp.init"))
     if not failed:
@@ -313,10 +316,8 @@ def verdict_slurm(values: list) -> list:
                            "launch the job with srun --mpi=pmi2 or mpiexec inside the script"))
         return out
     if size == 1 and step_tasks.isdigit() and int(step_tasks) > 1:
-        return out + [Finding(FAIL, f"srun started {step_tasks} tasks but MPI sees a world "
-                                    f"of 1 in each: independent singletons",
-                              "srun --mpi=pmi2 (the mpich wheel speaks PMI2; pmix needs "
-                              "libpmix), or mpiexec inside the allocation")]
+        return out + [Finding(INFO, f"srun started {step_tasks} tasks but MPI sees a world "
+                                    "of 1 in each: the singletons named under Ranks")]
     wrong = [v["rank"] for v in values if v["env"].get("SLURM_PROCID") != str(v["rank"])]
     if step_tasks != str(size) or wrong:
         return out + [Finding(FAIL, f"srun step of {step_tasks} tasks, MPI has {size} ranks"
