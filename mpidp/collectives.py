@@ -37,6 +37,32 @@ def _op_codes(op: Any, dtype: int) -> tuple:
     return codes
 
 
+def refuse(g, kind: int, exc: BaseException) -> None:
+    """This rank's input to collective ``kind`` is bad (``exc``): joins the collective's
+    header exchange with an error code, which raises on every rank (``exc`` here, a
+    MismatchError elsewhere), so no rank waits for it. Alone, returns (the caller raises)."""
+    if g.size > 1:
+        b = g.board  # Note [Watchdog] in mpidp/watchdog.py
+        try:
+            handshake.exchange(g, b.publish(handshake.error_header(kind, exc)),
+                               handshake.KIND_NAMES[kind], exc)
+        finally:
+            b.done = b.seq
+
+
+def _posted(body):
+    """Runs ``body(g, board, ...)`` as one collective on the group's watchdog board, marked
+    done when it returns or raises (Note [Watchdog] in mpidp/watchdog.py)."""
+    def run(*args, **kwargs):
+        g = runtime.group()
+        b = g.board
+        try:
+            return body(g, b, *args, **kwargs)
+        finally:
+            b.done = b.seq
+    return run
+
+
 def allreduce(x: Any, op: str = "sum", algorithm: str = "auto"):
     """Reduces ``x`` over every rank and returns the result as a new array or tensor of the
     same type, shape and dtype; ``x`` is unchanged. ``op``: sum, avg, min, max.
@@ -54,45 +80,39 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
 
 
 @timeline.traced("allreduce")
-def _allreduce(x, op, algorithm, inplace):
-    g = runtime.group()
-    b = g.board  # Note [Watchdog] in mpidp/watchdog.py: publish, and done when we return
+@_posted
+def _allreduce(g, b, x, op, algorithm, inplace):
     try:
-        try:
-            a = as_host_array(x)
-            opc, avg = _op_codes(op, a.dtype)
-            algo = algorithms.choose(g, algorithm, a.flat.nbytes)
-        except (TypeError, ValueError) as exc:
-            if g.size > 1:
-                handshake.exchange(g, b.publish(handshake.error_header(ALLREDUCE, exc)),
-                                   "allreduce", exc)
-            raise
-        src = a.flat
-        out, dst = (a.original, src) if inplace else empty_like(a)
-        divisor = g.size if avg else 1
-        if g.size == 1:
-            if dst is not src:
-                dst[...] = src
+        a = as_host_array(x)
+        opc, avg = _op_codes(op, a.dtype)
+        algo = algorithms.choose(g, algorithm, a.flat.nbytes)
+    except (TypeError, ValueError) as exc:
+        refuse(g, ALLREDUCE, exc)
+        raise
+    src = a.flat
+    out, dst = (a.original, src) if inplace else empty_like(a)
+    divisor = g.size if avg else 1
+    if g.size == 1:
+        if dst is not src:
+            dst[...] = src
+    else:
+        hdr = b.publish((ALLREDUCE, ALGORITHM_CODES[algo], opc + 4 * avg, a.dtype, len(src),
+                         hash(a.shape), 0, 0))
+        if algo == "shm":
+            status, info = algorithms.shm(g, src, dst, a.dtype, opc, divisor, hdr)
+            if status:
+                raise handshake.mismatch_error("allreduce", info, g.rank)
         else:
-            hdr = b.publish((ALLREDUCE, ALGORITHM_CODES[algo], opc + 4 * avg, a.dtype, len(src),
-                             hash(a.shape), 0, 0))
-            if algo == "shm":
-                status, info = algorithms.shm(g, src, dst, a.dtype, opc, divisor, hdr)
-                if status:
-                    raise handshake.mismatch_error("allreduce", info, g.rank)
+            handshake.exchange(g, hdr, "allreduce")
+            if algo == "mpi":
+                algorithms.mpi_allreduce(g, src, dst, a.dtype, opc, divisor)
+            elif algo == "ring":
+                algorithms.ring(g, src, dst, a.dtype, opc, divisor)
             else:
-                handshake.exchange(g, hdr, "allreduce")
-                if algo == "mpi":
-                    algorithms.mpi_allreduce(g, src, dst, a.dtype, opc, divisor)
-                elif algo == "ring":
-                    algorithms.ring(g, src, dst, a.dtype, opc, divisor)
-                else:
-                    algorithms.hier(g, src, dst, a.dtype, opc, divisor, hdr)
-        if inplace:
-            write_back(a)
-        return out
-    finally:
-        b.done = b.seq
+                algorithms.hier(g, src, dst, a.dtype, opc, divisor, hdr)
+    if inplace:
+        write_back(a)
+    return out
 
 
 def allreduce_segments_(flats: list, dtype: int, op: str = "sum",
@@ -149,23 +169,13 @@ def check_root(root: Any, size: int) -> None:
 
 
 @timeline.traced("broadcast")
-def _broadcast(x, root, inplace):
-    g = runtime.group()
-    b = g.board  # Note [Watchdog] in mpidp/watchdog.py
-    try:
-        return _broadcast_on(g, b, x, root, inplace)
-    finally:
-        b.done = b.seq
-
-
-def _broadcast_on(g, b, x, root, inplace):
+@_posted
+def _broadcast(g, b, x, root, inplace):
     try:
         a = as_host_array(x)
         check_root(root, g.size)
     except (TypeError, ValueError) as exc:
-        if g.size > 1:
-            handshake.exchange(g, b.publish(handshake.error_header(BROADCAST, exc)), "broadcast",
-                               exc)
+        refuse(g, BROADCAST, exc)
         raise
     out, flat = (a.original, a.flat) if inplace else empty_like(a)
     if not inplace:
@@ -185,22 +195,17 @@ def reduce_(x: Any, root: int = 0, op: str = "sum"):
     other ranks' ``x`` is unchanged. ``op``: sum, avg, min, max. Every rank must call it."""
     if is_device_array(x):
         return _device().staged(x, True, REDUCE, lambda host: reduce_(host, root, op))
-    g = runtime.group()
-    b = g.board
-    try:
-        return _reduce_on(g, b, x, root, op)
-    finally:
-        b.done = b.seq
+    return _reduce(x, root, op)
 
 
-def _reduce_on(g, b, x, root, op):
+@_posted
+def _reduce(g, b, x, root, op):
     try:
         a = as_host_array(x)
         check_root(root, g.size)
         opc, avg = _op_codes(op, a.dtype)
     except (TypeError, ValueError) as exc:
-        if g.size > 1:
-            handshake.exchange(g, b.publish(handshake.error_header(REDUCE, exc)), "reduce", exc)
+        refuse(g, REDUCE, exc)
         raise
     if g.size > 1:
         roots = handshake.exchange(g, b.publish(handshake.header(
@@ -231,23 +236,17 @@ def allgather(x: Any):
     tensor. The first dimension may differ between ranks; the others and the dtype may not."""
     if is_device_array(x):
         return _device().staged(x, False, ALLGATHER, allgather)
-    g = runtime.group()
-    b = g.board
-    try:
-        return _allgather_on(g, b, x)
-    finally:
-        b.done = b.seq
+    return _allgather(x)
 
 
-def _allgather_on(g, b, x):
+@_posted
+def _allgather(g, b, x):
     try:
         a = as_host_array(x)
         if len(a.shape) == 0:
             raise ValueError("allgather needs at least one dimension (it concatenates along 0)")
     except (TypeError, ValueError) as exc:
-        if g.size > 1:
-            handshake.exchange(g, b.publish(handshake.error_header(ALLGATHER, exc)), "allgather",
-                               exc)
+        refuse(g, ALLGATHER, exc)
         raise
     row = int(np.prod(a.shape[1:], dtype=np.int64))
     if g.size == 1:
@@ -274,15 +273,11 @@ def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto"):
     if is_device_array(x):
         return _device().staged(x, False, REDUCE_SCATTER,
                                  lambda host: reduce_scatter(host, op, algorithm))
-    g = runtime.group()
-    b = g.board
-    try:
-        return _reduce_scatter_on(g, b, x, op, algorithm)
-    finally:
-        b.done = b.seq
+    return _reduce_scatter(x, op, algorithm)
 
 
-def _reduce_scatter_on(g, b, x, op, algorithm):
+@_posted
+def _reduce_scatter(g, b, x, op, algorithm):
     try:
         a = as_host_array(x)
         if len(a.shape) == 0:
@@ -292,9 +287,7 @@ def _reduce_scatter_on(g, b, x, op, algorithm):
             raise ValueError(f"unknown reduce_scatter algorithm {algorithm!r}; accepted: "
                              "auto, ring, mpi")
     except (TypeError, ValueError) as exc:
-        if g.size > 1:
-            handshake.exchange(g, b.publish(handshake.error_header(REDUCE_SCATTER, exc)),
-                               "reduce_scatter", exc)
+        refuse(g, REDUCE_SCATTER, exc)
         raise
     algo = "ring" if algorithm == "auto" else algorithm
     row = int(np.prod(a.shape[1:], dtype=np.int64))

@@ -64,17 +64,6 @@ def transport(g) -> NCCLTransport:
     return g.transports[key]
 
 
-def _refuse(g, kind: int, exc: BaseException) -> None:
-    """Joins the header exchange of collective ``kind`` with this rank's local error, which
-    raises on every rank (posted on the watchdog's board like any collective)."""
-    b = g.board
-    try:
-        handshake.exchange(g, b.publish(handshake.error_header(kind, exc)),
-                           handshake.KIND_NAMES[kind], exc)
-    finally:
-        b.done = b.seq
-
-
 def allreduce(x: Any, op: str, algorithm: str, inplace: bool):
     """mpidp.allreduce / allreduce_ for a device array."""
     g = runtime.group()
@@ -83,8 +72,7 @@ def allreduce(x: Any, op: str, algorithm: str, inplace: bool):
         opc, avg = host._op_codes(op, a.dtype)
         algo = choose(g, algorithm)
     except (TypeError, ValueError, ImportError) as exc:  # ImportError: CuPy or NCCL missing
-        if g.size > 1:
-            _refuse(g, ALLREDUCE, exc)
+        host.refuse(g, ALLREDUCE, exc)
         raise
     if algo == "staged":  # the host all-reduce posts itself on the watchdog's board
         return staged(x, inplace, ALLREDUCE, lambda h: host.allreduce_(h, op))
@@ -142,8 +130,7 @@ def staged(x: Any, inplace: bool, kind: int, host_call):
     try:
         a = as_device_array(x)
     except (TypeError, ImportError) as exc:
-        if g.size > 1:
-            _refuse(g, kind, exc)
+        host.refuse(g, kind, exc)
         raise
     with device.cupy().cuda.Device(a.device):
         return _from_host(host_call(_to_host(a)), a, inplace)
