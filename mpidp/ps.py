@@ -115,9 +115,6 @@ class ParameterServer:
 
     def barrier(self, name: str) -> None:
         """A barrier over ``comm`` named ``name`` under the watchdog. Collective."""
-        if self.group is None:
-            self.comm.Barrier()
-            return
         with collective(self.group, name):
             self.comm.Barrier()
 
@@ -162,9 +159,6 @@ class ParameterServer:
 
     def free(self) -> None:
         """Collective over ``comm``."""
-        if self.group is None:
-            self.window.free()
-            return
         with collective(self.group, "ps: freeing the window"):
             self.window.free()
 

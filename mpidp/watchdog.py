@@ -118,7 +118,10 @@ def collective(g, name: str, check: bool = True):
     """Runs its body — an object collective or a barrier on the group's communicator, which
     every rank of ``g`` enters in the same order — as the group's next collective under the
     watchdog, named ``name``; in debug mode with ``check`` a header naming it is exchanged
-    first."""
+    first. ``g`` None: runs the body unwatched (communication outside any mpidp group)."""
+    if g is None:
+        yield
+        return
     b = g.board
     hdr = b.publish(handshake.other_header(name))
     try:

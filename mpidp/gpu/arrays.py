@@ -6,7 +6,8 @@ import sys
 from typing import Any, NamedTuple
 
 
-from ..dtypes import BF16, DTYPE_NAMES, F16, F32, F64, I32, I64, NUMPY_CODES, NUMPY_STORAGE
+from ..dtypes import (BF16, DTYPE_NAMES, F16, F32, F64, I32, I64, NUMPY_STORAGE,
+                      array_flat)
 from .device import cupy
 
 
@@ -40,12 +41,7 @@ def as_device_array(x: Any, what: str = "x") -> DeviceArray:
         return x
     cp = cupy()
     if isinstance(x, cp.ndarray):
-        code = NUMPY_CODES.get(x.dtype)
-        if code is None:
-            raise TypeError(f"{what} has dtype {x.dtype}; supported: {', '.join(DTYPE_NAMES)} "
-                            "(bfloat16 as a torch tensor)")
-        contiguous = x.flags.c_contiguous
-        flat = (x if contiguous else cp.ascontiguousarray(x)).reshape(-1)
+        code, flat, contiguous = array_flat(x, cp.ascontiguousarray, what)
         return DeviceArray(x, flat, code, tuple(x.shape), False, contiguous, x.device.id)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor) and x.is_cuda:

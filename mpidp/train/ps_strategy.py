@@ -142,11 +142,11 @@ class ParameterServerStrategy(Strategy):
     def optimizer_state(self) -> Optional[list]:
         """Collective: every server's optimizer state, gathered on rank 0 (by rank)."""
         mine = self.optimizer.state_dict() if self.optimizer is not None else None
-        with collective(runtime.group(), "checkpoint: gathering the servers' optimizer state"):
+        with collective(self.ps.group, "checkpoint: gathering the servers' optimizer state"):
             return self.ps.comm.gather(mine, root=0)
 
     def load_optimizer(self, state: Optional[list]) -> None:
-        with collective(runtime.group(), "resume: scattering the servers' optimizer state"):
+        with collective(self.ps.group, "resume: scattering the servers' optimizer state"):
             mine = self.ps.comm.scatter(state, root=0)
         if self.optimizer is not None and mine is not None:
             self.optimizer.load_state_dict(mine)
@@ -154,7 +154,7 @@ class ParameterServerStrategy(Strategy):
     def report(self, total_s: float) -> dict:
         """Collective: the staleness histogram and the servers' counts and rates, on every
         rank."""
-        with collective(runtime.group(), "summary: gathering the ps figures"):
+        with collective(self.ps.group, "summary: gathering the ps figures"):
             seen = self.ps.comm.allgather(None if self.is_server else
                                           self.worker.staleness_seen)
             served = self.ps.comm.allgather((self.server.applies, self.server.pushes,
