@@ -80,39 +80,43 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
 
 
 @timeline.traced("allreduce")
-@_posted
-def _allreduce(g, b, x, op, algorithm, inplace):
+def _allreduce(x, op, algorithm, inplace):
+    g = runtime.group()
+    b = g.board  # as _posted, inline: this is the hot path (one call less per all-reduce)
     try:
-        a = as_host_array(x)
-        opc, avg = _op_codes(op, a.dtype)
-        algo = algorithms.choose(g, algorithm, a.flat.nbytes)
-    except (TypeError, ValueError) as exc:
-        refuse(g, ALLREDUCE, exc)
-        raise
-    src = a.flat
-    out, dst = (a.original, src) if inplace else empty_like(a)
-    divisor = g.size if avg else 1
-    if g.size == 1:
-        if dst is not src:
-            dst[...] = src
-    else:
-        hdr = b.publish((ALLREDUCE, ALGORITHM_CODES[algo], opc + 4 * avg, a.dtype, len(src),
-                         hash(a.shape), 0, 0))
-        if algo == "shm":
-            status, info = algorithms.shm(g, src, dst, a.dtype, opc, divisor, hdr)
-            if status:
-                raise handshake.mismatch_error("allreduce", info, g.rank)
+        try:
+            a = as_host_array(x)
+            opc, avg = _op_codes(op, a.dtype)
+            algo = algorithms.choose(g, algorithm, a.flat.nbytes)
+        except (TypeError, ValueError) as exc:
+            refuse(g, ALLREDUCE, exc)
+            raise
+        src = a.flat
+        out, dst = (a.original, src) if inplace else empty_like(a)
+        divisor = g.size if avg else 1
+        if g.size == 1:
+            if dst is not src:
+                dst[...] = src
         else:
-            handshake.exchange(g, hdr, "allreduce")
-            if algo == "mpi":
-                algorithms.mpi_allreduce(g, src, dst, a.dtype, opc, divisor)
-            elif algo == "ring":
-                algorithms.ring(g, src, dst, a.dtype, opc, divisor)
+            hdr = b.publish((ALLREDUCE, ALGORITHM_CODES[algo], opc + 4 * avg, a.dtype, len(src),
+                             hash(a.shape), 0, 0))
+            if algo == "shm":
+                status, info = algorithms.shm(g, src, dst, a.dtype, opc, divisor, hdr)
+                if status:
+                    raise handshake.mismatch_error("allreduce", info, g.rank)
             else:
-                algorithms.hier(g, src, dst, a.dtype, opc, divisor, hdr)
-    if inplace:
-        write_back(a)
-    return out
+                handshake.exchange(g, hdr, "allreduce")
+                if algo == "mpi":
+                    algorithms.mpi_allreduce(g, src, dst, a.dtype, opc, divisor)
+                elif algo == "ring":
+                    algorithms.ring(g, src, dst, a.dtype, opc, divisor)
+                else:
+                    algorithms.hier(g, src, dst, a.dtype, opc, divisor, hdr)
+        if inplace:
+            write_back(a)
+        return out
+    finally:
+        b.done = b.seq
 
 
 def allreduce_segments_(flats: list, dtype: int, op: str = "sum",

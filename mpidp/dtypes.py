@@ -62,24 +62,22 @@ def _torch_module():
     return sys.modules.get("torch")
 
 
-def array_flat(x: Any, ascontiguousarray, what: str) -> tuple:
-    """(dtype code, flat contiguous view or copy, whether ``x`` was contiguous) of a numpy or
-    CuPy array ``x`` (``ascontiguousarray`` of its library); TypeError names an unsupported
-    dtype."""
-    code = NUMPY_CODES.get(x.dtype)
-    if code is None:
-        raise TypeError(f"{what} has dtype {x.dtype}; supported: {', '.join(DTYPE_NAMES)}"
-                        " (bfloat16 as a torch tensor)")
-    contiguous = x.flags.c_contiguous
-    return code, (x if contiguous else ascontiguousarray(x)).reshape(-1), contiguous
+def unsupported_dtype(what: str, dtype: Any) -> TypeError:
+    """The error for a numpy or CuPy array whose dtype mpidp does not reduce."""
+    return TypeError(f"{what} has dtype {dtype}; supported: {', '.join(DTYPE_NAMES)}"
+                     " (bfloat16 as a torch tensor)")
 
 
 def as_host_array(x: Any, what: str = "x") -> HostArray:
     """Views ``x`` as a HostArray (a HostArray is returned as it is: mpidp's own flat
     buffers, such as buckets); TypeError names an unsupported type or dtype."""
     global _torch_code_cache
-    if isinstance(x, np.ndarray):
-        code, flat, contiguous = array_flat(x, np.ascontiguousarray, what)
+    if isinstance(x, np.ndarray):  # inline, not shared with CuPy's: every collective passes here
+        code = NUMPY_CODES.get(x.dtype)
+        if code is None:
+            raise unsupported_dtype(what, x.dtype)
+        contiguous = x.flags.c_contiguous
+        flat = (x if contiguous else np.ascontiguousarray(x)).reshape(-1)
         return _new_host_array((x, flat, code, x.shape, False, contiguous))
     if type(x) is HostArray:
         return x

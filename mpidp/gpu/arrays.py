@@ -6,8 +6,8 @@ import sys
 from typing import Any, NamedTuple
 
 
-from ..dtypes import (BF16, DTYPE_NAMES, F16, F32, F64, I32, I64, NUMPY_STORAGE,
-                      array_flat)
+from ..dtypes import (BF16, DTYPE_NAMES, F16, F32, F64, I32, I64, NUMPY_CODES, NUMPY_STORAGE,
+                      unsupported_dtype)
 from .device import cupy
 
 
@@ -41,7 +41,11 @@ def as_device_array(x: Any, what: str = "x") -> DeviceArray:
         return x
     cp = cupy()
     if isinstance(x, cp.ndarray):
-        code, flat, contiguous = array_flat(x, cp.ascontiguousarray, what)
+        code = NUMPY_CODES.get(x.dtype)
+        if code is None:
+            raise unsupported_dtype(what, x.dtype)
+        contiguous = x.flags.c_contiguous
+        flat = (x if contiguous else cp.ascontiguousarray(x)).reshape(-1)
         return DeviceArray(x, flat, code, tuple(x.shape), False, contiguous, x.device.id)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor) and x.is_cuda:
