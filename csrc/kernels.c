@@ -1,6 +1,14 @@
 /* Reduction kernels (see kernels.h). float16 and bfloat16 are widened to float32, combined,
  * and rounded back to nearest-even: the same single rounding numpy (float16) and torch
- * (bfloat16) apply, so results match them bit for bit. Integer sums wrap like numpy's. */
+ * (bfloat16) apply, so results match them bit for bit. Integer sums wrap like numpy's.
+ *
+ * Note [NaN in min and max]: floating min and max propagate NaN as numpy's np.minimum and
+ * np.maximum (and torch's) do: the result is NaN wherever either operand is, whichever rank or
+ * slice holds it. Each returns one of its operands unchanged: a (dst) when a is NaN, else b
+ * when b is NaN, else the smaller (larger) one, a on a tie. float16 and bfloat16 compare
+ * their widened values but store the chosen operand's own 16 bits (exact: no rounding, and a
+ * NaN's payload kept as numpy keeps it). The same rule is mpidp/host_kernels_numpy.py's and
+ * mpidp/kernels/elementwise.cuh's. Integers keep the plain compare. */
 #include "kernels.h"
 #include <string.h>
 
@@ -67,8 +75,17 @@ static inline uint16_t f32_to_bf16(float x) {
 }
 
 #define SUM(a, b) ((a) + (b))
+/* Integer min/max. */
 #define MIN(a, b) ((b) < (a) ? (b) : (a))
 #define MAX(a, b) ((b) > (a) ? (b) : (a))
+/* Floating min/max (Note [NaN in min and max]): b is taken when a is not NaN and b is not
+ * >= a (<= a), i.e. b is smaller (larger) or NaN. Both compares always run (& not &&: GCC
+ * will not speculate a compare that may raise FE_INVALID, and a branch stops vectorising),
+ * then a select: vectorised as MIN and MAX are (cmpps, and, blend). */
+#define FMIN_TAKES_B(a, b) (((a) == (a)) & !((b) >= (a)))
+#define FMAX_TAKES_B(a, b) (((a) == (a)) & !((b) <= (a)))
+#define FMIN(a, b) (FMIN_TAKES_B(a, b) ? (b) : (a))
+#define FMAX(a, b) (FMAX_TAKES_B(a, b) ? (b) : (a))
 
 #define NATIVE_LOOP(T, OPM)                                                         \
     do {                                                                            \
@@ -95,11 +112,38 @@ static inline uint16_t f32_to_bf16(float x) {
         }                                                                           \
     } while (0)
 
+/* 16-bit float min/max: compared widened, the chosen operand's bits stored as they are. */
+#define WIDE_PICK_LOOP(TO_F, TAKES_B)                                               \
+    do {                                                                            \
+        uint16_t *d = (uint16_t *)dst;                                              \
+        const uint16_t *x = (const uint16_t *)a, *y = (const uint16_t *)b;          \
+        for (size_t i = 0; i < count; i++) {                                        \
+            float u = TO_F(x[i]), v = TO_F(y[i]);                                   \
+            d[i] = TAKES_B(u, v) ? y[i] : x[i];                                     \
+        }                                                                           \
+    } while (0)
+
 #define BY_OP(LOOP, ...)                                                            \
     switch (op) {                                                                   \
     case OP_SUM: LOOP(__VA_ARGS__, SUM); return 0;                                  \
     case OP_MIN: LOOP(__VA_ARGS__, MIN); return 0;                                  \
     case OP_MAX: LOOP(__VA_ARGS__, MAX); return 0;                                  \
+    default: return -1;                                                             \
+    }
+
+#define BY_FLOAT_OP(T)                                                              \
+    switch (op) {                                                                   \
+    case OP_SUM: NATIVE_LOOP(T, SUM); return 0;                                     \
+    case OP_MIN: NATIVE_LOOP(T, FMIN); return 0;                                    \
+    case OP_MAX: NATIVE_LOOP(T, FMAX); return 0;                                    \
+    default: return -1;                                                             \
+    }
+
+#define BY_WIDE_OP(TO_F, FROM_F)                                                    \
+    switch (op) {                                                                   \
+    case OP_SUM: WIDE_LOOP(TO_F, FROM_F, SUM); return 0;                            \
+    case OP_MIN: WIDE_PICK_LOOP(TO_F, FMIN_TAKES_B); return 0;                      \
+    case OP_MAX: WIDE_PICK_LOOP(TO_F, FMAX_TAKES_B); return 0;                      \
     default: return -1;                                                             \
     }
 
@@ -110,10 +154,10 @@ size_t mp_itemsize(int dtype) {
 
 int mp_reduce2(void *dst, const void *a, const void *b, size_t count, int dtype, int op) {
     switch (dtype) {
-    case DT_F16: BY_OP(WIDE_LOOP, f16_to_f32, f32_to_f16)
-    case DT_BF16: BY_OP(WIDE_LOOP, bf16_to_f32, f32_to_bf16)
-    case DT_F32: BY_OP(NATIVE_LOOP, float)
-    case DT_F64: BY_OP(NATIVE_LOOP, double)
+    case DT_F16: BY_WIDE_OP(f16_to_f32, f32_to_f16)
+    case DT_BF16: BY_WIDE_OP(bf16_to_f32, f32_to_bf16)
+    case DT_F32: BY_FLOAT_OP(float)
+    case DT_F64: BY_FLOAT_OP(double)
     case DT_I32:
         if (op == OP_SUM) { WRAP_SUM_LOOP(int32_t, uint32_t); return 0; }
         BY_OP(NATIVE_LOOP, int32_t)

@@ -2,7 +2,7 @@
  * Ranks on one node share a control block (an MPI-3 shared window) with one slot per rank:
  *
  *   slot r: arrive1 (own cache line) | arrive2 (own cache line) | record[0] | record[1]
- *   record: header words | pid, input address, output address, status | inline payload
+ *   record: header words | pid, input address, output address, status, seq | inline payload
  *
  * Call number `seq` (the same on every rank) writes record[seq & 1], then publishes
  * arrive1 = seq and waits for every rank's arrive1 >= seq. Every rank then reads every
@@ -10,6 +10,9 @@
  * once and all of them report it. Records are double-buffered: a rank can only overwrite
  * record[seq & 1] again at call seq + 2, after every rank has arrived at seq + 1 and so has
  * finished reading call seq. Inline calls need no second barrier for that reason.
+ * Every record is stamped with its call number, and a reader checks the stamp: a rank whose
+ * count of calls has drifted from the others' (it skipped or repeated a call) is reported as
+ * out of step, never paired with a stale record of an earlier call.
  *
  * Sliced calls (large buffers): rank r reduces slice r of every rank's input (in rank order,
  * Note [Summation order]), and writes the result into slice r of every
@@ -37,8 +40,8 @@
 
 typedef struct {
     int64_t header[SHM_HEADER_WORDS];
-    int64_t pid, in_addr, out_addr, status, nsegs;
-    char pad[128 - (SHM_HEADER_WORDS + 5) * 8];
+    int64_t pid, in_addr, out_addr, status, nsegs, seq;
+    char pad[128 - (SHM_HEADER_WORDS + 6) * 8];
     char payload[SHM_INLINE_BYTES];
 } record_t;
 
@@ -271,6 +274,7 @@ void shm_run(const shm_call *c, shm_result *r) {
     rec->out_addr = (int64_t)(uintptr_t)c->out;
     rec->status = 0;
     rec->nsegs = (int64_t)c->nsegs;
+    rec->seq = (int64_t)c->seq;
     seg_entry *table = (seg_entry *)rec->payload;
     for (size_t i = 0; i < c->nsegs; i++) {
         table[i].addr = (int64_t)(uintptr_t)c->segs[i].ptr;
@@ -285,7 +289,12 @@ void shm_run(const shm_call *c, shm_result *r) {
 
     r->status = SHM_OK;
     if (wait_all(c, 0, r)) { r->status = SHM_TIMEOUT; return; }
-    int agree = 1;
+    int agree = 1, in_step = 1;
+    for (int q = 0; q < c->nranks; q++) {
+        r->seqs[q] = __atomic_load_n(&slot_of(c, q)->record[c->seq & 1].seq, __ATOMIC_ACQUIRE);
+        if (r->seqs[q] != (int64_t)c->seq) in_step = 0;
+    }
+    if (!in_step) { r->status = SHM_OUT_OF_STEP; return; }
     for (int q = 0; q < c->nranks; q++) {
         const int64_t *h = slot_of(c, q)->record[c->seq & 1].header;
         memcpy(r->headers[q], h, sizeof(r->headers[q]));
@@ -324,8 +333,16 @@ int shm_cma_probe(pid_t pid, uint64_t addr, size_t nbytes) {
     return got == (ssize_t)nbytes ? 0 : EIO;
 }
 
-void shm_allow_peers(void) {
+int shm_set_ptracer(long pid) {
 #ifdef PR_SET_PTRACER
-    prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+    return prctl(PR_SET_PTRACER, (unsigned long)pid, 0, 0, 0) ? errno : 0;
+#else
+    return pid ? ENOSYS : 0;
 #endif
+}
+
+void shm_partition(size_t count, int nranks, int rank, size_t *lo, size_t *hi) {
+    size_t base = count / (size_t)nranks, extra = count % (size_t)nranks, r = (size_t)rank;
+    *lo = r * base + (r < extra ? r : extra);
+    *hi = *lo + base + (r < extra ? 1 : 0);
 }

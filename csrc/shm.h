@@ -13,7 +13,7 @@
 #define SHM_SLOT_BYTES (256 + 2 * (128 + SHM_INLINE_BYTES))
 #define SHM_MAX_SEGMENTS (SHM_INLINE_BYTES / 16) /* segment table in the inline payload */
 
-enum { SHM_OK = 0, SHM_MISMATCH = 1, SHM_TIMEOUT = 2, SHM_PEER_ERROR = 3 };
+enum { SHM_OK = 0, SHM_MISMATCH = 1, SHM_TIMEOUT = 2, SHM_PEER_ERROR = 3, SHM_OUT_OF_STEP = 4 };
 enum { SHM_PEERS_CMA = 0, SHM_PEERS_WINDOW = 1 };
 enum { SHM_DATA_NONE = 0, SHM_DATA_INLINE = 1, SHM_DATA_SLICED = 2 };
 
@@ -43,6 +43,7 @@ typedef struct {
     int status;                 /* SHM_* */
     int64_t headers[SHM_MAX_RANKS][SHM_HEADER_WORDS]; /* on mismatch, or for a handshake: every rank's */
     int missing[SHM_MAX_RANKS];            /* on timeout: 1 for each rank that had not arrived */
+    int64_t seqs[SHM_MAX_RANKS];           /* out of step: the call number of every rank's record */
     int peer_rank, peer_errno;  /* on a peer error */
 } shm_result;
 
@@ -50,7 +51,10 @@ typedef struct {
 void shm_run(const shm_call *c, shm_result *r);
 /* 0 if this process can read `nbytes` at `addr` in process `pid`, else errno. */
 int shm_cma_probe(pid_t pid, uint64_t addr, size_t nbytes);
-/* Lets any process of this user read this one with process_vm_readv (Yama ptrace_scope 1). */
-void shm_allow_peers(void);
+/* Declares `pid` (and its descendants) as allowed to attach to this process under Yama
+ * ptrace_scope 1 (0: nobody). Returns 0 or an errno. Note [Cross-memory attach] in shm.py. */
+int shm_set_ptracer(long pid);
+/* Elements of rank `rank`'s slice of `count` split over `nranks` (as mpidp.ring.partition). */
+void shm_partition(size_t count, int nranks, int rank, size_t *lo, size_t *hi);
 
 #endif

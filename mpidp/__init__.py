@@ -17,7 +17,7 @@ _EXPORTS = {
     "broadcast_": "collectives", "reduce_": "collectives", "allgather": "collectives",
     "reduce_scatter": "collectives",
     "grouped_allreduce": "fusion", "grouped_allreduce_": "fusion",
-    "broadcast_parameters": "fusion", "broadcast_optimizer_state": "fusion",
+    "broadcast_parameters": "state_broadcast", "broadcast_optimizer_state": "state_broadcast",
     "DistributedDataParallel": "mirrored", "CentralStorage": "central",
     "fit": "train", "Trainer": "train", "TrainSettings": "train",
     "MpidpError": "errors", "CommunicationError": "errors", "MismatchError": "errors",

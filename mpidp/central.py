@@ -11,7 +11,8 @@ import torch
 
 from . import collectives, runtime, timeline
 from .fingerprint import check_same_buckets, check_same_model
-from .fusion import broadcast_tensors_, plan
+from .fusion import plan
+from .state_broadcast import broadcast_tensors_
 
 DEFAULT_BUCKET_CAP_BYTES = 25 << 20
 
@@ -65,7 +66,7 @@ class CentralStorage:
         for bucket in self._buckets:
             params = [self._params[i] for i in bucket.indices]
             bucket.pack([p.grad for p in params])
-            collectives.reduce_(bucket.host, self.root, "sum")
+            collectives.reduce_(bucket.buffer, self.root, "sum")
             if self.is_root:
                 for p in params:
                     if p.grad is None:
@@ -80,7 +81,7 @@ class CentralStorage:
             params = [self._params[i].detach() for i in bucket.indices]
             if self.is_root:
                 bucket.pack(params)
-            collectives.broadcast_(bucket.host, self.root)
+            collectives.broadcast_(bucket.buffer, self.root)
             if not self.is_root:
                 bucket.unpack(params)
         if self._buffers:  # the root's running statistics are the model's

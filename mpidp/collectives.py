@@ -1,30 +1,37 @@
-"""Collectives on host arrays (numpy arrays and CPU torch tensors): ``allreduce``,
-``allreduce_``, ``broadcast``, ``broadcast_``, ``reduce_``, ``allgather``, ``reduce_scatter``.
-Device arrays (CuPy arrays, torch CUDA tensors) take the same calls and are handed to
-mpidp.gpu.collectives.
+"""The front door of every collective: ``allreduce``, ``allreduce_``, ``broadcast``,
+``broadcast_``, ``reduce_``, ``allgather``, ``reduce_scatter`` on numpy arrays, torch
+tensors (CPU or CUDA) and CuPy arrays.
+
+Every call passes through one frame: the input is viewed and checked here, at the public
+boundary, before the call counts as a collective; a rank whose input is bad — any exception,
+of any type — joins the header exchange with an error code instead (``refuse``), so every
+rank raises and none waits or pairs with the wrong call. A good input's header (one builder:
+mpidp.handshake) is published on the watchdog's board, the backend — mpidp.host_backend, or
+mpidp.gpu.backend for device arrays — exchanges it and moves the data, and the board is
+cleared whatever happens (Note [Watchdog] in mpidp/watchdog.py). Device arrays take the
+host path through ``staged`` where the device backend has no algorithm of its own.
 
 Every function here is a synchronisation point: every rank of the group must call it, in the
-same order. Inputs are checked across ranks first (mpidp.handshake); bad input on any rank
-raises on every rank, and the runtime stays usable afterwards. Each collective is posted on
-the group's watchdog board while it runs (Note [Watchdog] in mpidp/watchdog.py)."""
+same order, all with host arrays or all with device arrays."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
-from . import algorithms, handshake, runtime, timeline
-from .errors import MismatchError
-from .dtypes import FLOATING, ITEMSIZE, OP_CODES, OPS, as_host_array, empty_like, write_back
-from .handshake import (ALLGATHER, ALLREDUCE, ALGORITHM_CODES, BROADCAST, REDUCE,
-                        REDUCE_SCATTER)
+from . import handshake, host_backend, runtime, timeline
+from .algorithms import DEVICE, HOST, TABLE, check_name, choose
+from .dtypes import FLOATING, OP_CODES, OPS, as_host_array, empty_like, write_back
 from .gpu import is_device_array
+from .handshake import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, op_word
 from .ring import partition
+
+_HOST_CODES = {a.name: a.code for a in TABLE if a.where == HOST}
 
 
 def _device():
-    from .gpu import collectives as device_collectives  # imports CuPy: only for device arrays
-    return device_collectives
+    from .gpu import backend  # deferred for cost: imports CuPy, only for device arrays
+    return backend
 
 
 def _op_codes(op: Any, dtype: int) -> tuple:
@@ -37,12 +44,47 @@ def _op_codes(op: Any, dtype: int) -> tuple:
     return codes
 
 
+def check_root(root: Any, size: int) -> None:
+    """ValueError unless ``root`` is a rank of a group of ``size``."""
+    if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < size:
+        raise ValueError(f"root {root!r} is not a rank of this group (0..{size - 1})")
+
+
+def check_algorithm(algorithm: Any, on_device: bool) -> str:
+    """``algorithm`` if it names an all-reduce algorithm for host (or device) arrays, else
+    ValueError listing the accepted names."""
+    return check_name(algorithm, DEVICE if on_device else HOST)
+
+
+def facts(g, on_device: bool):
+    """What the algorithm choices read for group ``g`` (mpidp.algorithms.Facts), with the
+    device's facts for device arrays."""
+    return _device().facts(g) if on_device else g.resources.facts
+
+
+def _writable(a) -> None:
+    """ValueError for an in-place call on an array the result cannot be written into."""
+    original = a.original
+    if isinstance(original, np.ndarray) and not original.flags.writeable:
+        raise ValueError("x is read-only (numpy flag writeable=False); an in-place collective "
+                         "writes its result into x: pass a writable array or use the "
+                         "out-of-place call")
+
+
+def _bump_version(a) -> None:
+    """An in-place call on a torch tensor counts as torch's in-place ops do: autograd then
+    refuses a tensor it saved for backward instead of computing wrong gradients."""
+    if a.is_torch:
+        import torch  # deferred for cost: only reached with a torch tensor in hand
+        torch.autograd.graph.increment_version(a.original)
+
+
 def refuse(g, kind: int, exc: BaseException) -> None:
     """This rank's input to collective ``kind`` is bad (``exc``): joins the collective's
     header exchange with an error code, which raises on every rank (``exc`` here, a
     MismatchError elsewhere), so no rank waits for it. Alone, returns (the caller raises)."""
     if g.size > 1:
-        b = g.board  # Note [Watchdog] in mpidp/watchdog.py
+        b = g.board
         try:
             handshake.exchange(g, b.publish(handshake.error_header(kind, exc)),
                                handshake.KIND_NAMES[kind], exc)
@@ -50,223 +92,219 @@ def refuse(g, kind: int, exc: BaseException) -> None:
             b.done = b.seq
 
 
-def _posted(body):
-    """Runs ``body(g, board, ...)`` as one collective on the group's watchdog board, marked
-    done when it returns or raises (Note [Watchdog] in mpidp/watchdog.py)."""
-    def run(*args, **kwargs):
-        g = runtime.group()
-        b = g.board
-        try:
-            return body(g, b, *args, **kwargs)
-        finally:
-            b.done = b.seq
-    return run
-
-
 def allreduce(x: Any, op: str = "sum", algorithm: str = "auto"):
     """Reduces ``x`` over every rank and returns the result as a new array or tensor of the
-    same type, shape and dtype; ``x`` is unchanged. ``op``: sum, avg, min, max.
-    ``algorithm``: auto, shm, ring, hier, mpi (see README). Every rank must call it."""
-    if is_device_array(x):
-        return _device().allreduce(x, op, algorithm, inplace=False)
-    return _allreduce(x, op, algorithm, inplace=False)
+    same type, shape and dtype; ``x`` is unchanged. ``op``: sum, avg, min, max (min and max
+    propagate NaN). ``algorithm``: auto, shm, ring, hier, mpi for host arrays; auto, ring,
+    nccl, staged for device arrays (see README). Every rank must call it."""
+    return _allreduce(x, op, algorithm, False)
 
 
 def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
     """In-place ``allreduce``: ``x`` holds the result afterwards, and is returned."""
-    if is_device_array(x):
-        return _device().allreduce(x, op, algorithm, inplace=True)
-    return _allreduce(x, op, algorithm, inplace=True)
+    if type(x) is np.ndarray and algorithm == "auto":
+        g = runtime.group()
+        fast = g.resources.fast_allreduce  # Note [Small all-reduce in one call], csrc/context.c
+        if fast is not None:
+            done = fast(x, op)
+            if done is x:
+                return x
+            if done is not NotImplemented:  # the ranks disagreed: raise on every rank
+                ctx = g.resources.shm()
+                if not ctx.check(done[0], done[1], "allreduce"):
+                    raise handshake.mismatch_error("allreduce", done[1], g.rank)
+    return _allreduce(x, op, algorithm, True)
 
 
 @timeline.traced("allreduce")
 def _allreduce(x, op, algorithm, inplace):
     g = runtime.group()
-    b = g.board  # as _posted, inline: this is the hot path (one call less per all-reduce)
+    if is_device_array(x):
+        return _device_allreduce(g, x, op, algorithm, inplace)
+    b = g.board
     try:
         try:
             a = as_host_array(x)
             opc, avg = _op_codes(op, a.dtype)
-            algo = algorithms.choose(g, algorithm, a.flat.nbytes)
-        except (TypeError, ValueError) as exc:
+            name = choose(HOST, algorithm, g.resources.facts, a.flat.nbytes).name
+            if inplace:
+                _writable(a)
+        except Exception as exc:
             refuse(g, ALLREDUCE, exc)
             raise
         src = a.flat
         out, dst = (a.original, src) if inplace else empty_like(a)
-        divisor = g.size if avg else 1
         if g.size == 1:
             if dst is not src:
                 dst[...] = src
         else:
-            hdr = b.publish((ALLREDUCE, ALGORITHM_CODES[algo], opc + 4 * avg, a.dtype, len(src),
-                             hash(a.shape), 0, 0))
-            if algo == "shm":
-                status, info = algorithms.shm(g, src, dst, a.dtype, opc, divisor, hdr)
-                if status:
-                    raise handshake.mismatch_error("allreduce", info, g.rank)
-            else:
-                handshake.exchange(g, hdr, "allreduce")
-                if algo == "mpi":
-                    algorithms.mpi_allreduce(g, src, dst, a.dtype, opc, divisor)
-                elif algo == "ring":
-                    algorithms.ring(g, src, dst, a.dtype, opc, divisor)
-                else:
-                    algorithms.hier(g, src, dst, a.dtype, opc, divisor, hdr)
+            hdr = b.publish((ALLREDUCE, _HOST_CODES[name], op_word(opc, avg), a.dtype,
+                             len(src), hash(a.shape), 0, 0))
+            host_backend.allreduce(g, name, hdr, src, dst, a.dtype, opc, g.size if avg else 1)
         if inplace:
             write_back(a)
+            _bump_version(a)
         return out
     finally:
         b.done = b.seq
 
 
-def allreduce_segments_(flats: list, dtype: int, op: str = "sum",
-                        algorithm: str = "auto") -> bool:
-    """mpidp-internal: all-reduces the contiguous flat buffers ``flats`` (dtype code ``dtype``)
-    in place as one concatenated buffer without packing them, where the algorithm is shm and
-    the buffers qualify (Note [Zero-copy buckets] in mpidp/fusion.py). Returns False, having
-    exchanged nothing, where they do not: the caller then packs them. Ranks may decide
-    differently: the header is the one a packed buffer of the same count would send."""
+def allreduce_segments_(flats: list, dtype: int, op: str) -> None:
+    """mpidp-internal: all-reduces the contiguous, writable flat buffers ``flats`` (dtype code
+    ``dtype``) in place as one concatenated buffer without packing them, with the shared-memory
+    algorithm — where mpidp.planner.plan_bucket said so (Note [Zero-copy buckets] in
+    mpidp/buckets.py). Its header is the one a packed buffer of the same count sends."""
     g = runtime.group()
-    if g.size == 1 or not flats:
-        return False
     opc, avg = OP_CODES[op]
     count = sum(len(f) for f in flats)
-    nbytes = count * ITEMSIZE[dtype]
-    if algorithms.choose(g, algorithm, nbytes) != "shm":
-        return False
-    ctx = g.shm()
-    if nbytes <= ctx.inline_bytes or len(flats) > ctx.max_segments:
-        return False
-    b = g.board  # Note [Watchdog] in mpidp/watchdog.py
-    hdr = b.publish(handshake.header(ALLREDUCE, ALGORITHM_CODES["shm"], opc + 4 * avg, dtype,
-                                     count, (count,)))  # what a packed bucket of this count sends
+    b = g.board
+    hdr = b.publish(handshake.header(ALLREDUCE, _HOST_CODES["shm"], op_word(opc, avg), dtype,
+                                     count, (count,)))
     try:
         with timeline.span("allreduce"):
-            status, info = ctx.allreduce(hdr, None, None, dtype, opc, g.size if avg else 1,
-                                         segments=flats)
-        if status:
-            raise handshake.mismatch_error("allreduce", info, g.rank)
-        return True
+            host_backend.allreduce_segments(g, hdr, flats, dtype, opc, g.size if avg else 1)
     finally:
         b.done = b.seq
 
 
+def _device_allreduce(g, x, op, algorithm, inplace):
+    b = g.board
+    try:
+        dev = _device()
+        a = dev.view(x)
+        opc, avg = _op_codes(op, a.dtype)
+        row = choose(DEVICE, check_name(algorithm, DEVICE), dev.facts(g), a.flat.nbytes)
+    except Exception as exc:  # ImportError too: CuPy or NCCL missing on this rank
+        refuse(g, ALLREDUCE, exc)
+        raise
+    if row.name == "staged":  # the host all-reduce posts itself on the board
+        return _staged(g, x, inplace, ALLREDUCE, lambda h: allreduce_(h, op))
+    try:
+        hdr = b.publish(handshake.header(ALLREDUCE, row.code, op_word(opc, avg), a.dtype,
+                                         len(a.flat), a.shape))
+        return dev.allreduce(g, row.name, hdr, a, opc, avg, inplace)
+    finally:
+        b.done = b.seq
+
+
+def _staged(g, x, inplace: bool, kind: int, host_call):
+    """Runs ``host_call`` on a host copy of device array ``x`` and returns its result on x's
+    device (in place into ``x`` with ``inplace``): the path without NCCL, and the one of the
+    collectives the device backend does not have. ``kind``: the collective, for a refusal."""
+    try:
+        dev = _device()
+        a = dev.view(x)
+    except Exception as exc:
+        refuse(g, kind, exc)
+        raise
+    return dev.from_host(host_call(dev.to_host(a)), a, inplace)
+
+
+# ---- the other collectives -------------------------------------------------------------------
+
 def broadcast(x: Any, root: int = 0):
     """Returns a new array or tensor holding root's ``x`` on every rank; ``x`` is unchanged.
     Every rank passes an ``x`` of the same shape and dtype."""
-    if is_device_array(x):
-        return _device().staged(x, False, BROADCAST, lambda host: broadcast_(host, root))
-    return _broadcast(x, root, inplace=False)
+    return _broadcast(x, root, False)
 
 
 def broadcast_(x: Any, root: int = 0):
     """In-place ``broadcast``: every rank's ``x`` holds root's values afterwards."""
-    if is_device_array(x):
-        return _device().staged(x, True, BROADCAST, lambda host: broadcast_(host, root))
-    return _broadcast(x, root, inplace=True)
-
-
-def check_root(root: Any, size: int) -> None:
-    """ValueError unless ``root`` is a rank of a group of ``size``."""
-    if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < size:
-        raise ValueError(f"root {root!r} is not a rank of this group (0..{size - 1})")
+    return _broadcast(x, root, True)
 
 
 @timeline.traced("broadcast")
-@_posted
-def _broadcast(g, b, x, root, inplace):
+def _broadcast(x, root, inplace):
+    g = runtime.group()
+    if is_device_array(x):
+        return _staged(g, x, inplace, BROADCAST, lambda h: broadcast_(h, root))
+    b = g.board
     try:
-        a = as_host_array(x)
-        check_root(root, g.size)
-    except (TypeError, ValueError) as exc:
-        refuse(g, BROADCAST, exc)
-        raise
-    out, flat = (a.original, a.flat) if inplace else empty_like(a)
-    if not inplace:
-        flat[...] = a.flat
-    if g.size > 1:
-        handshake.exchange(g, b.publish(handshake.header(BROADCAST, 0, int(root), a.dtype,
-                                                         len(a.flat), a.shape)), "broadcast")
-        g.comm.Bcast(flat.view(np.uint8), root=int(root))
-    if inplace:
-        write_back(a)
-    return out
+        try:
+            a = as_host_array(x)
+            check_root(root, g.size)
+            if inplace:
+                _writable(a)
+        except Exception as exc:
+            refuse(g, BROADCAST, exc)
+            raise
+        out, flat = (a.original, a.flat) if inplace else empty_like(a)
+        if not inplace:
+            flat[...] = a.flat
+        if g.size > 1:
+            hdr = b.publish(handshake.header(BROADCAST, 0, int(root), a.dtype, len(a.flat),
+                                             a.shape))
+            host_backend.broadcast(g, hdr, flat, int(root))
+        if inplace:
+            write_back(a)
+            _bump_version(a)
+        return out
+    finally:
+        b.done = b.seq
 
 
 @timeline.traced("reduce")
 def reduce_(x: Any, root: int = 0, op: str = "sum"):
     """Reduces ``x`` over every rank into root's ``x`` (MPI_Reduce, in place at root); the
     other ranks' ``x`` is unchanged. ``op``: sum, avg, min, max. Every rank must call it."""
+    g = runtime.group()
     if is_device_array(x):
-        return _device().staged(x, True, REDUCE, lambda host: reduce_(host, root, op))
-    return _reduce(x, root, op)
-
-
-@_posted
-def _reduce(g, b, x, root, op):
+        return _staged(g, x, True, REDUCE, lambda h: reduce_(h, root, op))
+    b = g.board
     try:
-        a = as_host_array(x)
-        check_root(root, g.size)
-        opc, avg = _op_codes(op, a.dtype)
-    except (TypeError, ValueError) as exc:
-        refuse(g, REDUCE, exc)
-        raise
-    if g.size > 1:
-        roots = handshake.exchange(g, b.publish(handshake.header(
-            REDUCE, ALGORITHM_CODES["mpi"], opc + 4 * avg, a.dtype, len(a.flat), a.shape,
-            free=int(root))), "reduce")
-        if len(set(int(r) for r in roots)) > 1:
-            raise MismatchError(f"rank {g.rank}: reduce called with different roots: "
-                                + ", ".join(f"rank {i} root={int(r)}"
-                                            for i, r in enumerate(roots)))
-        from mpi4py import MPI
-        buf = algorithms.mpi_buffer(a.flat, a.dtype)
-        mpi_op = algorithms.mpi_op(a.dtype, opc)
+        try:
+            a = as_host_array(x)
+            check_root(root, g.size)
+            opc, avg = _op_codes(op, a.dtype)
+            if g.rank == root:
+                _writable(a)
+        except Exception as exc:
+            refuse(g, REDUCE, exc)
+            raise
+        root = int(root)
+        if g.size > 1:
+            hdr = b.publish(handshake.header(REDUCE, _HOST_CODES["mpi"], op_word(opc, avg),
+                                             a.dtype, len(a.flat), a.shape, free=root))
+            host_backend.reduce(g, hdr, a.flat, a.dtype, opc, g.size if avg else 1, root)
         if g.rank == root:
-            g.comm.Reduce(MPI.IN_PLACE, buf, op=mpi_op, root=int(root))
-        else:
-            g.comm.Reduce(buf, None, op=mpi_op, root=int(root))
-    if g.rank == root:
-        if avg and len(a.flat):
-            from . import host_kernels
-            host_kernels.divide(a.flat, a.dtype, g.size)
-        write_back(a)
-    return a.original
+            write_back(a)
+            _bump_version(a)
+        return a.original
+    finally:
+        b.done = b.seq
 
 
 @timeline.traced("allgather")
 def allgather(x: Any):
     """Concatenates every rank's ``x`` along dimension 0, in rank order, into a new array or
     tensor. The first dimension may differ between ranks; the others and the dtype may not."""
+    g = runtime.group()
     if is_device_array(x):
-        return _device().staged(x, False, ALLGATHER, allgather)
-    return _allgather(x)
-
-
-@_posted
-def _allgather(g, b, x):
+        return _staged(g, x, False, ALLGATHER, allgather)
+    b = g.board
     try:
-        a = as_host_array(x)
-        if len(a.shape) == 0:
-            raise ValueError("allgather needs at least one dimension (it concatenates along 0)")
-    except (TypeError, ValueError) as exc:
-        refuse(g, ALLGATHER, exc)
-        raise
-    row = int(np.prod(a.shape[1:], dtype=np.int64))
-    if g.size == 1:
+        try:
+            a = as_host_array(x)
+            if len(a.shape) == 0:
+                raise ValueError("allgather needs at least one dimension (it concatenates "
+                                 "along 0)")
+        except Exception as exc:
+            refuse(g, ALLGATHER, exc)
+            raise
+        row = int(np.prod(a.shape[1:], dtype=np.int64))
         rows = [a.shape[0]]
-    else:
-        hdr = handshake.header(ALLGATHER, 0, 0, a.dtype, row, a.shape[1:], free=a.shape[0])
-        rows = [int(r) for r in handshake.exchange(g, b.publish(hdr), "allgather")]
-    out, flat = empty_like(a, (sum(rows),) + tuple(a.shape[1:]))
-    itemsize = a.flat.itemsize
-    counts = [r * row * itemsize for r in rows]
-    displs = [sum(counts[:i]) for i in range(len(counts))]
-    if g.size == 1:
-        flat[...] = a.flat
-    else:
-        g.comm.Allgatherv(a.flat.view(np.uint8), [flat.view(np.uint8), (counts, displs)])
-    return out
+        if g.size > 1:
+            hdr = b.publish(handshake.header(ALLGATHER, 0, 0, a.dtype, row, a.shape[1:],
+                                             free=a.shape[0]))
+            rows = host_backend.allgather_rows(g, hdr)
+        out, flat = empty_like(a, (sum(rows),) + tuple(a.shape[1:]))
+        if g.size == 1:
+            flat[...] = a.flat
+        else:
+            host_backend.allgather(g, hdr, a.flat, flat, rows, row)
+        return out
+    finally:
+        b.done = b.seq
 
 
 @timeline.traced("reduce_scatter")
@@ -274,47 +312,37 @@ def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto"):
     """Reduces ``x`` over every rank and returns this rank's block along dimension 0, the
     blocks split as ``numpy.array_split`` splits. ``algorithm``: auto or ring (our ring's
     reduce-scatter phase) or mpi (MPI_Reduce_scatter). ``x`` is unchanged."""
+    g = runtime.group()
     if is_device_array(x):
-        return _device().staged(x, False, REDUCE_SCATTER,
-                                 lambda host: reduce_scatter(host, op, algorithm))
-    return _reduce_scatter(x, op, algorithm)
-
-
-@_posted
-def _reduce_scatter(g, b, x, op, algorithm):
+        return _staged(g, x, False, REDUCE_SCATTER,
+                       lambda h: reduce_scatter(h, op, algorithm))
+    b = g.board
     try:
-        a = as_host_array(x)
-        if len(a.shape) == 0:
-            raise ValueError("reduce_scatter needs at least one dimension (it splits along 0)")
-        opc, avg = _op_codes(op, a.dtype)
-        if algorithm not in ("auto", "ring", "mpi"):
-            raise ValueError(f"unknown reduce_scatter algorithm {algorithm!r}; accepted: "
-                             "auto, ring, mpi")
-    except (TypeError, ValueError) as exc:
-        refuse(g, REDUCE_SCATTER, exc)
-        raise
-    algo = "ring" if algorithm == "auto" else algorithm
-    row = int(np.prod(a.shape[1:], dtype=np.int64))
-    chunks = partition(len(a.flat), g.size, unit=max(row, 1)) if row else \
-        tuple((0, 0) for _ in range(g.size))
-    offset, count = chunks[g.rank]
-    rows = partition(a.shape[0], g.size)[g.rank][1]
-    out, flat = empty_like(a, (rows,) + tuple(a.shape[1:]))
-    if g.size == 1:
-        flat[...] = a.flat
+        try:
+            a = as_host_array(x)
+            if len(a.shape) == 0:
+                raise ValueError("reduce_scatter needs at least one dimension (it splits "
+                                 "along 0)")
+            opc, avg = _op_codes(op, a.dtype)
+            if algorithm not in ("auto", "ring", "mpi"):
+                raise ValueError(f"unknown reduce_scatter algorithm {algorithm!r}; accepted: "
+                                 "auto, ring, mpi")
+        except Exception as exc:
+            refuse(g, REDUCE_SCATTER, exc)
+            raise
+        name = "ring" if algorithm == "auto" else algorithm
+        row = int(np.prod(a.shape[1:], dtype=np.int64))
+        chunks = partition(len(a.flat), g.size, unit=max(row, 1)) if row else \
+            tuple((0, 0) for _ in range(g.size))
+        out, flat = empty_like(a, (partition(a.shape[0], g.size)[g.rank][1],) + a.shape[1:])
+        if g.size == 1:
+            flat[...] = a.flat
+            return out
+        hdr = b.publish(handshake.header(REDUCE_SCATTER, _HOST_CODES[name], op_word(opc, avg),
+                                         a.dtype, len(a.flat), a.shape))
+        host_backend.reduce_scatter(g, name, hdr, a.flat, flat, a.dtype, opc,
+                                    g.size if avg else 1, chunks)
         return out
-    hdr = handshake.header(REDUCE_SCATTER, ALGORITHM_CODES[algo], opc + 4 * avg, a.dtype,
-                           len(a.flat), a.shape)
-    handshake.exchange(g, b.publish(hdr), "reduce_scatter")
-    if algo == "ring":
-        work = a.flat.copy()
-        algorithms.ring_reduce_scatter(g, work, a.dtype, opc, chunks)
-        flat[...] = work[offset:offset + count]
-    else:
-        g.comm.Reduce_scatter(algorithms.mpi_buffer(a.flat, a.dtype),
-                              algorithms.mpi_buffer(flat, a.dtype),
-                              [c for _, c in chunks], op=algorithms.mpi_op(a.dtype, opc))
-    if avg and count:
-        from . import host_kernels
-        host_kernels.divide(flat, a.dtype, g.size)
-    return out
+    finally:
+        b.done = b.seq
+

@@ -5,7 +5,9 @@ import dataclasses
 import os
 from typing import Mapping
 
-ALGORITHMS = ("auto", "shm", "ring", "hier", "mpi")
+from .algorithms import HOST, NAMES
+
+ALGORITHMS = NAMES[HOST]
 SHM_PEER_MODES = ("auto", "cma", "window")
 
 
@@ -24,7 +26,24 @@ class Config:
     debug: bool = False                # MPIDP_DEBUG: fingerprint every collective (handshake.py)
     abort_on_exception: bool = True    # MPIDP_ABORT_ON_EXCEPTION: abort the job on any rank's error
     require_extension: bool = False    # MPIDP_REQUIRE_EXTENSION (default: on when CI is set)
+    extension: bool = True             # MPIDP_EXTENSION: 0 runs without the C extension (tests)
     timeline: str = ""                 # MPIDP_TIMELINE: a Chrome-trace JSON file ("": off)
+
+
+# settings of the algorithms that must be the same on every rank (compared by mpidp.init):
+# ranks that disagree would move data differently, pair the wrong calls or hang
+AGREED = ("algorithm", "ring_piece_bytes", "shm_chunk_bytes", "shm_inline_bytes", "shm_peers",
+          "hier_min_bytes", "emulate_node_size", "debug", "extension")
+
+
+def agreed(cfg: Config) -> tuple:
+    """The values of ``cfg``'s AGREED settings."""
+    return tuple(getattr(cfg, name) for name in AGREED)
+
+
+def env_name(field: str) -> str:
+    """The environment variable that sets Config field ``field``."""
+    return "MPIDP_" + field.upper()
 
 
 def _parse_bool(name: str, text: str) -> bool:
@@ -84,6 +103,8 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
         kw["abort_on_exception"] = _parse_bool("MPIDP_ABORT_ON_EXCEPTION", v)
     if (v := get("MPIDP_TIMELINE")) is not None:
         kw["timeline"] = v.strip()
+    if (v := get("MPIDP_EXTENSION")) is not None:
+        kw["extension"] = _parse_bool("MPIDP_EXTENSION", v)
     v = get("MPIDP_REQUIRE_EXTENSION")
     if v is not None:
         kw["require_extension"] = _parse_bool("MPIDP_REQUIRE_EXTENSION", v)

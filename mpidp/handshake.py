@@ -29,34 +29,48 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .algorithms import CODE_NAMES
 from .dtypes import DTYPE_NAMES
 from .errors import MismatchError
 
 ALLREDUCE, BROADCAST, ALLGATHER, REDUCE_SCATTER, REDUCE, OTHER = 1, 2, 3, 4, 5, 6
 KIND_NAMES = {ALLREDUCE: "allreduce", BROADCAST: "broadcast", ALLGATHER: "allgather",
               REDUCE_SCATTER: "reduce_scatter", REDUCE: "reduce"}
-_OP_WORDS = {0: "sum", 1: "min", 2: "max", 4: "avg"}  # op code + 4 * average
+_OP_WORDS = {0: "sum", 1: "min", 2: "max", 4: "avg"}  # op_word(op code, average)
 _OTHER_NAMES: dict = {}  # CRC-32 -> name of an object collective (the same table on every rank)
 _SITES: dict = {}        # 24-bit CRC -> call site this process has seen
 # frames skipped when looking for a collective's call site (Note [Debug fingerprints])
-_LAYER = frozenset(("mpidp.collectives", "mpidp.fusion", "mpidp.handshake", "mpidp.watchdog",
-                    "mpidp.timeline", "mpidp.gpu.collectives", "mpidp.gpu.buckets",
+_LAYER = frozenset(("mpidp.collectives", "mpidp.host_backend", "mpidp.fusion", "mpidp.buckets",
+                    "mpidp.state_broadcast", "mpidp.handshake", "mpidp.watchdog",
+                    "mpidp.timeline", "mpidp.gpu.backend", "mpidp.gpu.buckets",
                     "mpidp.fingerprint", "contextlib"))
-ALGORITHM_CODES = {"mpi": 1, "ring": 2, "shm": 3, "hier": 4, "ring on GPU": 5, "nccl": 6}
-_ALGORITHM_NAMES = {v: k for k, v in ALGORITHM_CODES.items()}
+# word 1: the algorithm's code (mpidp.algorithms) in bits 0-3; for the shared-memory protocol
+# its data mode (none, inline, sliced) in bits 4-5 and peer mode (cma, window) in bit 6, set
+# by the C call (csrc/binding.h), so ranks that would move data differently disagree there;
+# the call site's hash above bit 8 in debug mode
+MODE_SHIFT = 4
+_DATA_MODES = ("handshake", "inline", "sliced")
+_PEER_MODES = ("cma", "window")
 
 # local error codes carried in header word 6
 ERR_NONE, ERR_TYPE, ERR_VALUE = 0, 1, 2
 FREE_WORD = 7  # not compared: a value that may differ per rank (allgather's first dimension)
 
 
+def op_word(op: int, average: bool) -> int:
+    """The header's op word: the kernel op code, plus 4 for an average."""
+    return op + 4 * average
+
+
 def header(kind: int, algorithm: int, op: int, dtype: int, count: int, shape: tuple,
            error: int = ERR_NONE, free: int = 0) -> tuple:
-    """The 8 words a rank publishes; words 0-6 must agree on every rank."""
+    """The 8 words a rank publishes; words 0-6 must agree on every rank. ``op``: op_word, or
+    the root of a broadcast."""
     return (kind, algorithm, op, dtype, count, hash(shape), error, free)
 
 
 def error_header(kind: int, exc: BaseException) -> tuple:
+    """The header of a rank refusing its input to collective ``kind``."""
     return (kind, 0, 0, 0, 0, 0, ERR_TYPE if isinstance(exc, TypeError) else ERR_VALUE, 0)
 
 
@@ -86,7 +100,7 @@ def describe(h: Sequence[int]) -> str:
     """A header in words: "allreduce float32[650] op=avg algorithm=shm", with its call site
     where it carries one."""
     kind, algorithm, op, dtype, count, shape, error, _ = h
-    site, algorithm = algorithm >> 8, algorithm & 0xFF
+    site, mode, algorithm = algorithm >> 8, (algorithm >> MODE_SHIFT) & 0xF, algorithm & 0xF
     name = KIND_NAMES.get(kind, f"collective kind {kind}")
     if kind == OTHER:
         what = _OTHER_NAMES.get(shape, f"object collective {shape:#x}")
@@ -99,8 +113,10 @@ def describe(h: Sequence[int]) -> str:
             what += f" root={op}"
         elif op in _OP_WORDS and kind != ALLGATHER:
             what += f" op={_OP_WORDS[op]}"
-        if algorithm in _ALGORITHM_NAMES:
-            what += f" algorithm={_ALGORITHM_NAMES[algorithm]}"
+        if algorithm in CODE_NAMES:
+            what += f" algorithm={CODE_NAMES[algorithm]}"
+        if mode:
+            what += f" (shared memory: {_DATA_MODES[min(mode & 3, 2)]}, {_PEER_MODES[mode >> 2 & 1]})"
     if site:
         what += f" at {_SITES[site]}" if site in _SITES else f" at call site {site:#08x}"
     return what
@@ -116,6 +132,8 @@ def mismatch_error(operation: str, headers: Sequence[Sequence[int]], mine: int) 
             text += "  <- differs from rank 0"
             if h[4] == ref[4] and h[5] != ref[5] and h[3] == ref[3]:
                 text += " (same count, different shape)"
+            elif tuple(h[2:FREE_WORD]) == ref[2:] and (h[1] ^ ref[1]) >> MODE_SHIFT & 0xF:
+                text += " (ranks started with different MPIDP_SHM_* settings?)"
         lines.append(f"  rank {r}: {text}")
     return MismatchError(f"rank {mine}: {operation}: ranks called it with inputs that do not "
                          "agree; every rank raises this error:\n" + "\n".join(lines))
@@ -142,11 +160,11 @@ def exchange_mpi(comm, hdr: tuple, operation: str, local_error) -> np.ndarray:
 
 
 def exchange(g, hdr: tuple, operation: str, local_error=None):
-    """Exchanges headers on group ``g`` (shared memory on one node, else MPI); returns every
-    rank's free word or raises on every rank."""
-    if g.single_node:
-        from .shm import SHM_OK
-        status, info = g.shm().exchange(hdr, operation)
-        check(operation, status == SHM_OK, info, g.rank, local_error)
+    """Exchanges headers on group ``g`` (shared memory on one node where the C extension is
+    built, else MPI); returns every rank's free word or raises on every rank."""
+    ctx = g.resources.shm() if g.single_node else None
+    if ctx is not None:
+        ok, info = ctx.exchange(hdr, operation)
+        check(operation, ok, info, g.rank, local_error)
         return info
     return exchange_mpi(g.comm, hdr, operation, local_error)

@@ -3,7 +3,8 @@ results.
 
 float16 is widened to float32 and rounded back once, as numpy itself does; bfloat16 (carried
 as 16-bit integers, numpy has no such type) is widened to float32 and rounded to nearest even,
-as torch does."""
+as torch does. Floating min and max propagate NaN and keep the chosen operand's bits (Note [NaN
+in min and max] in csrc/kernels.c)."""
 from __future__ import annotations
 
 import numpy as np
@@ -24,6 +25,20 @@ def _f32_to_bf16(values: np.ndarray) -> np.ndarray:
 
 
 _UFUNCS = {OP_SUM: np.add, OP_MIN: np.minimum, OP_MAX: np.maximum}
+_KEEPS_DST = {OP_MIN: np.greater_equal, OP_MAX: np.less_equal}  # src >= dst: min keeps dst
+
+
+def _min_max_float(d: np.ndarray, s: np.ndarray, dtype: int, op: int) -> None:
+    """dst = min/max(dst, src) in place for a floating dtype, as csrc/kernels.c chooses (Note
+    [NaN in min and max]): src is taken where dst is not NaN and src is not >= dst (<= dst),
+    i.e. src is smaller (larger) or NaN; the chosen operand is copied bit for bit. Explicit
+    rather than np.minimum, whose choice on NaN payloads and signed-zero ties varies with the
+    dtype and the platform's SIMD."""
+    x, y = (_bf16_to_f32(d), _bf16_to_f32(s)) if dtype == BF16 else (d, s)
+    keep = _KEEPS_DST[op](y, x)
+    keep |= np.isnan(x)
+    take = np.invert(keep, out=keep)  # src wherever dst is not kept
+    np.copyto(d, s, where=take)
 
 
 def _typed(buf, dtype: int) -> np.ndarray:
@@ -37,7 +52,9 @@ def reduce_into(dst, src, dtype: int, op: int, divisor: int = 1) -> None:
     d, s = _typed(dst, dtype), _typed(src, dtype)
     if d.nbytes != s.nbytes:
         raise ValueError(f"dst has {d.nbytes} bytes, src {s.nbytes}; both must be equal")
-    if dtype == BF16:
+    if op in _KEEPS_DST and dtype in FLOATING:
+        _min_max_float(d, s, dtype, op)
+    elif dtype == BF16:
         d[...] = _f32_to_bf16(_UFUNCS[op](_bf16_to_f32(d), _bf16_to_f32(s)))
     elif op == OP_SUM and dtype != F16 and d.dtype.kind == "i":
         np.add(d, s, out=d, casting="unsafe")

@@ -12,10 +12,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from . import algorithms, collectives, runtime, timeline
+from . import collectives, runtime, timeline
 from .errors import MpidpError
 from .fingerprint import check_same_buckets, check_same_model
-from .fusion import Bucket, broadcast_tensors_, plan
+from .buckets import BucketBase
+from .fusion import plan
+from .state_broadcast import broadcast_tensors_
 
 FIRST_BUCKET_CAP_BYTES = 1 << 20  # PyTorch DDP's first bucket (Note [Bucket order])
 
@@ -111,6 +113,7 @@ class DistributedDataParallel(torch.nn.Module):
         check_same_model(g, module, "DistributedDataParallel")
         broadcast_tensors_([p.detach() for p in module.parameters()] + self._module_buffers, 0)
         self._size = g.size
+        self._on_gpu = any(p.is_cuda for p in self._params)
         self._build(tuple(reversed(range(len(self._params)))))  # Note [Bucket order]
         self._rebuilt = False
         self._in_backward = False
@@ -199,7 +202,7 @@ class DistributedDataParallel(torch.nn.Module):
             self._launch(self._buckets[self._next])
             self._next += 1
 
-    def _launch(self, bucket: Bucket) -> None:
+    def _launch(self, bucket: BucketBase) -> None:
         if timeline.ON:
             timeline.instant("bucket ready", {"bucket": self._next, "bytes": bucket.nbytes})
         if self._size == 1 and not self.gradient_as_bucket_view:
@@ -247,9 +250,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _settle_unused(self) -> None:
         used = np.array(self._ready, dtype=np.int32)
-        if self._size > 1:  # a host array: a device algorithm's name means "auto" here
-            collectives.allreduce_(used, "sum", self.algorithm
-                                   if self.algorithm in algorithms.ALGORITHMS else "auto")
+        if self._size > 1:  # a host array: the module's algorithm is for its device's arrays
+            collectives.allreduce_(used, "sum", "auto" if self._on_gpu else self.algorithm)
         elif used.all():
             return
         if not self.find_unused_parameters:
@@ -315,13 +317,7 @@ def _validate(module, device_ids, output_device, dim, process_group, bucket_cap_
                                       or isinstance(bucket_cap_mb, bool)
                                       or not bucket_cap_mb > 0):
         raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
-    on_gpu = any(p.is_cuda for p in module.parameters())
-    if on_gpu:
-        from .gpu.collectives import ALGORITHMS as DEVICE_ALGORITHMS
-    accepted = DEVICE_ALGORITHMS if on_gpu else algorithms.ALGORITHMS
-    if algorithm not in accepted:
-        raise ValueError(f"unknown algorithm {algorithm!r}; accepted"
-                         f"{' for a module on a GPU' if on_gpu else ''}: {', '.join(accepted)}")
+    collectives.check_algorithm(algorithm, any(p.is_cuda for p in module.parameters()))
 
 
 def _check_thread_level() -> None:

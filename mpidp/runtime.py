@@ -1,5 +1,6 @@
-"""The process group mpidp runs on: ``init``, rank and node topology, the abort of the
-whole job when any rank dies of an uncaught exception, and its watchdog (mpidp.watchdog)."""
+"""The process group mpidp runs on: ``init`` (its topology and resources, the settings that
+must agree across ranks), ``shutdown``, rank queries, and the abort of the whole job when any
+rank dies of an uncaught exception."""
 from __future__ import annotations
 
 import atexit
@@ -11,72 +12,48 @@ import warnings
 from typing import Any, Optional
 
 from . import config, launcher, timeline
-from .errors import LaunchError, NotInitializedError
 from .abort import abort_job
-from .watchdog import Board, Watchdog, collective
+from .errors import LaunchError, MismatchError, NotInitializedError
+from .gpu.device import bind_if_visible
+from .resources import Resources
+from .topology import Topology
+from .watchdog import collective
 
 
-class Group:
-    """A communicator with its node topology and the per-communicator state collectives need.
+class Group(Topology):
+    """mpidp's process group: its topology (mpidp.topology, fixed after init) and the
+    ``resources`` its collectives use (mpidp.resources), among them the watchdog's ``board``."""
 
-    ``node_comm`` holds the ranks of this node (or of an emulated node), ``leader_comm`` the
-    local rank 0 of every node (None on other ranks)."""
+    __slots__ = ("resources", "board")
 
-    def __init__(self, comm: Any, emulate_node_size: int = 0):
-        from mpi4py import MPI
-        self.comm = comm
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        if emulate_node_size > 0:
-            self.node_comm = comm.Split(self.rank // emulate_node_size, self.rank)
-        else:
-            self.node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, self.rank)
-        self.local_rank, self.local_size = self.node_comm.Get_rank(), self.node_comm.Get_size()
-        is_leader = self.local_rank == 0
-        leaders = comm.Split(0 if is_leader else MPI.UNDEFINED, self.rank)
-        self.leader_comm = leaders if is_leader else None
-        self.node_count = comm.allreduce(1 if is_leader else 0)
-        self.node_index = leaders.Get_rank() if is_leader else -1
-        self.node_index = self.node_comm.bcast(self.node_index, root=0)
-        # Note [Auto choice] in mpidp/algorithms.py: one node means shm at every size
-        self.auto_is_shm = self.node_count == 1 and config.get().algorithm == "auto"
-        self._shm = None   # mpidp.shm.ShmContext of node_comm, made on first use
-        self.transports = {}  # id(communicator) -> the ring's MPITransport on it
-        self.board = Board(config.get().debug)  # Note [Watchdog] in mpidp/watchdog.py
-        self.watchdog: Optional[Watchdog] = None
-
-    @property
-    def single_node(self) -> bool:
-        return self.node_count == 1
-
-    def shm(self):
-        """The shared-memory context of this node's ranks (collective on first use, watched
-        as a collective of its own when no collective is under way)."""
-        if self._shm is None:
-            from .shm import ShmContext
-            if self.board.seq == self.board.done:
-                with collective(self, "shared-memory set-up", check=False):
-                    self._shm = ShmContext(self.node_comm)
-            else:
-                self._shm = ShmContext(self.node_comm)
-        return self._shm
+    def __init__(self, user_comm: Any, cfg: config.Config):
+        super().__init__(user_comm, cfg.emulate_node_size)
+        self.resources = Resources(self, cfg)
+        self.board = self.resources.board
 
     def free(self) -> None:
-        """Collective: frees the node's windows (under the watchdog), then stops it."""
-        for transport in self.transports.values():  # NCCL communicators before MPI goes
-            if hasattr(transport, "free"):
-                transport.free()
-        self.transports.clear()
-        if self._shm is not None:
-            with collective(self, "shutdown: freeing the shared-memory windows", check=False):
-                self._shm.free()
-            self._shm = None
-        if self.watchdog is not None:
-            self.watchdog.stop()
-            self.watchdog = None
-        for c in (self.node_comm, self.leader_comm):
-            if c is not None:
-                c.Free()
-        self.node_comm = self.leader_comm = None
+        """Collective: frees the resources (under the watchdog, which stops last), then the
+        communicators."""
+        self.resources.free()
+        super().free()
+
+
+def _check_agreed_settings(g: Group, cfg: config.Config) -> None:
+    """MismatchError on every rank where ranks started with different settings of the
+    algorithms (MPIDP_* variables that must agree: config.AGREED)."""
+    if g.size == 1:
+        return
+    mine = config.agreed(cfg)
+    with collective(g, "init: comparing the MPIDP_* settings", check=False):
+        everyone = g.comm.allgather(mine)
+    differ = [name for k, name in enumerate(config.AGREED)
+              if len({e[k] for e in everyone}) > 1]
+    if differ:
+        raise MismatchError(
+            f"rank {g.rank}: ranks were started with different settings, which must agree: "
+            + "; ".join(f"{config.env_name(name)}: " + ", ".join(
+                f"rank {r}={e[config.AGREED.index(name)]!r}" for r, e in enumerate(everyone))
+                for name in differ) + " (every rank raises this error)")
 
 
 _group: Optional[Group] = None
@@ -98,7 +75,7 @@ def init(comm: Any = None) -> Group:
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise TypeError(f"comm must be an mpi4py Intracomm, got {comm!r}")
         if _group is not None:
-            if MPI.Comm.Compare(_group._user_comm, comm) not in (MPI.IDENT, MPI.CONGRUENT):
+            if MPI.Comm.Compare(_group.user_comm, comm) not in (MPI.IDENT, MPI.CONGRUENT):
                 raise ValueError("mpidp.init() was already called with another communicator")
             return _group
         if comm == MPI.COMM_WORLD:
@@ -107,26 +84,23 @@ def init(comm: Any = None) -> Group:
             if reason is not None:
                 raise LaunchError(f"mpidp: {reason}")
         cfg = config.get()
-        group = Group(comm.Dup(), cfg.emulate_node_size)
-        group._user_comm = comm
+        group = Group(comm, cfg)
         if cfg.abort_on_exception:
             _install_abort_hooks(group)
-        if group.size > 1:
-            group.watchdog = Watchdog(group, cfg.timeout_s)
+        group.resources.start_watchdog(cfg.timeout_s)
         if comm == MPI.COMM_WORLD and cfg.emulate_node_size == 0:
             for problem in launcher.disagreements(launcher.launcher_view(), group.rank,
                                                   group.size, group.local_rank, group.local_size):
                 warnings.warn(f"mpidp: rank {group.rank}: {problem}", RuntimeWarning, stacklevel=2)
-        if timeline.ON:
-            try:
+        try:
+            _check_agreed_settings(group, cfg)
+            if timeline.ON:
                 with collective(group, "init: starting the timeline", check=False):
                     timeline.start(group.comm)
-            except BaseException:  # raised on every rank: nothing of this group survives
-                group.free()
-                group.comm.Free()
-                raise
+        except BaseException:  # raised on every rank: nothing of this group survives
+            group.free()
+            raise
         _group = group
-        from .gpu.device import bind_if_visible
         bind_if_visible(group.local_rank)  # before any CUDA work of the user's (imports nothing)
         atexit.register(shutdown)
         return group
@@ -144,7 +118,6 @@ def shutdown() -> None:
                     with collective(_group, "shutdown: gathering the timeline", check=False):
                         records = timeline.gather()
                 _group.free()  # stops the watchdog
-                _group.comm.Free()
                 timeline.write(records)
             _group = None
 

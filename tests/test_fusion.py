@@ -6,7 +6,8 @@ import torch
 
 from mpidp import config, host_kernels, host_kernels_numpy as twin
 from mpidp.dtypes import BF16, F16, F32, F64, I32, I64, NUMPY_STORAGE
-from mpidp.fusion import Bucket, assign_buckets, plan
+from mpidp.buckets import Bucket
+from mpidp.fusion import assign_buckets, plan
 
 ext = pytest.importorskip("mpidp._ext") if not config.get().require_extension else \
     host_kernels.extension()

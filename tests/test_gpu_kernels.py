@@ -175,6 +175,48 @@ def test_reduce_equals_the_c_extension(harness, dtype, op):
         assert np.array_equal(ours.view(np.uint8), host.view(np.uint8)), (dtype, op, divisor)
 
 
+NAN_BITS = {F16: (0x7E00, 0xFE00, 0x7E2B, 0x7C01), BF16: (0x7FC0, 0xFFC0, 0x7FC5, 0x7F81),
+            F32: (0x7FC00000, 0xFFC00000, 0x7FC12345, 0x7F800001),
+            F64: (0x7FF8000000000000, 0xFFF8000000000000, 0x7FF8000000012345,
+                  0x7FF0000000000001)}  # quiet, negative, payload, signalling
+BITS = {F16: np.uint16, BF16: np.uint16, F32: np.uint32, F64: np.uint64}
+
+
+def with_nans(dtype, n, rng, mask):
+    """Small integers in the dtype (and infinities, and +-0), NaN of varied bits where mask."""
+    v = rng.integers(-50, 50, size=n).astype(np.float32)
+    v[rng.random(n) < 0.05] = np.inf
+    v[rng.random(n) < 0.05] = -0.0
+    a = (v.view(np.uint32) >> 16).astype(np.uint16) if dtype == BF16 else \
+        v.astype(NUMPY_STORAGE[dtype])
+    a.view(BITS[dtype])[mask] = rng.choice(np.array(NAN_BITS[dtype], BITS[dtype]),
+                                           size=int(mask.sum()))
+    return a
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64], ids=["f16", "bf16", "f32", "f64"])
+@pytest.mark.parametrize("op", [1, 2], ids=["min", "max"])
+@pytest.mark.parametrize("where", ["dst", "src", "both", "mixed"])
+def test_min_max_nan_equals_the_c_extension(harness, dtype, op, where):
+    """NaN in dst only, src only, both, or each at its own places: the kernels' element math
+    propagates it as the C extension does (Note [NaN in min and max]), bit for bit."""
+    rng = np.random.default_rng(dtype * 8 + op * 4 + len(where))
+    for n in (1, 7, 33, 1000, 300001):
+        fixed = np.zeros(n, bool)
+        fixed[[0, n - 1, n // 2]] = True
+        ma = (rng.random(n) < 0.03) | fixed if where != "src" else np.zeros(n, bool)
+        mb = ma if where == "both" else np.zeros(n, bool) if where == "dst" else \
+            (rng.random(n) < 0.03) | fixed
+        a, b = with_nans(dtype, n, rng, ma), with_nans(dtype, n, rng, mb)
+        ours, host = a.copy(), a.copy()
+        assert harness.mpidp_host_reduce(dtype, op, ptr(ours), ptr(b), ctypes.c_longlong(n),
+                                         ctypes.c_longlong(1)) == 0
+        _ext.reduce_into(host, b, dtype, op)
+        assert np.array_equal(ours.view(BITS[dtype]), host.view(BITS[dtype])), (n, where)
+        got = (ours.astype(np.uint32) << 16).view(np.float32) if dtype == BF16 else ours
+        assert np.array_equal(np.isnan(got), ma | mb), (n, where)
+
+
 @pytest.mark.parametrize("dtype", [F16, BF16, F32, F64])
 @pytest.mark.parametrize("divisor", [1, 2, 3, 7, 16])
 def test_divide_equals_the_c_extension(harness, dtype, divisor):

@@ -94,3 +94,125 @@ def test_bad_arguments_are_clear_errors(impl):
                             np.frombuffer(bytes(12), np.float32), np.ones(3, np.float32), F32, 0)
         with pytest.raises(ValueError, match="dtype code"):
             ext.reduce_into(np.ones(3, np.float32), np.ones(3, np.float32), 9, 0)
+
+
+# ---- NaN in min and max (Note [NaN in min and max] in csrc/kernels.c) ------------------------
+
+FLOATS = [F16, BF16, F32, F64]
+NAN_LENGTHS = (1, 7, 33, 1000, 300001)  # scalar only, vector tails, vector bodies
+# quiet, negative quiet, quiet with a payload, signalling (every one a NaN in its dtype)
+NAN_BITS = {F16: (0x7E00, 0xFE00, 0x7E2B, 0x7C01), BF16: (0x7FC0, 0xFFC0, 0x7FC5, 0x7F81),
+            F32: (0x7FC00000, 0xFFC00000, 0x7FC12345, 0x7F800001),
+            F64: (0x7FF8000000000000, 0xFFF8000000000000, 0x7FF8000000012345,
+                  0x7FF0000000000001)}
+BITS = {F16: np.uint16, BF16: np.uint16, F32: np.uint32, F64: np.uint64}
+
+
+def small_ints(dtype, n, rng):
+    """Small integers stored in the dtype (exact in all four), infinities now and then."""
+    v = rng.integers(-50, 50, size=n).astype(np.float32)
+    v[rng.random(n) < 0.02] = np.inf
+    v[rng.random(n) < 0.02] = -np.inf
+    if dtype == BF16:
+        return (v.view(np.uint32) >> 16).astype(np.uint16)
+    return v.astype(NUMPY_STORAGE[dtype])
+
+
+def nan_positions(n, rng):
+    """First, last, middle, around 16- and 32-byte lane boundaries, and ~3% at random."""
+    fixed = [0, n - 1, n // 2] + [i for i in (3, 4, 7, 8, 15, 16, 31, 32) if i < n]
+    mask = rng.random(n) < 0.03
+    mask[fixed] = True
+    return mask
+
+
+def with_nans(values, dtype, mask, rng):
+    out = values.copy()
+    bits = out.view(BITS[dtype])
+    bits[mask] = rng.choice(np.array(NAN_BITS[dtype], BITS[dtype]), size=int(mask.sum()))
+    return out
+
+
+def nan_cases(dtype, n, rng, where):
+    """(dst, src) of small integers with NaN in dst only, src only, both at the same places,
+    or each at its own (overlapping) places."""
+    a, b = small_ints(dtype, n, rng), small_ints(dtype, n, rng)
+    ma = nan_positions(n, rng) if where != "src" else np.zeros(n, bool)
+    mb = ma if where == "both" else nan_positions(n, rng) if where != "dst" else np.zeros(n, bool)
+    return with_nans(a, dtype, ma, rng), with_nans(b, dtype, mb, rng)
+
+
+def as_float(x, dtype):
+    return (x.astype(np.uint32) << 16).view(np.float32) if dtype == BF16 else x
+
+
+def torch_tensor(x, dtype):
+    if dtype == BF16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=["f16", "bf16", "f32", "f64"])
+@pytest.mark.parametrize("op", [OP_MIN, OP_MAX], ids=["min", "max"])
+@pytest.mark.parametrize("where", ["dst", "src", "both", "mixed"])
+def test_min_max_propagate_nan(dtype, op, where):
+    """NaN wherever either operand is NaN, the exact min/max elsewhere, whichever side holds
+    the NaN; the C extension and the twin bit for bit alike; the result is one operand's own
+    bits: dst's NaN, else src's NaN, else the min/max."""
+    rng = np.random.default_rng(100 * dtype + 10 * op + len(where))
+    np_op, torch_op = (np.minimum, torch.minimum) if op == OP_MIN else (np.maximum, torch.maximum)
+    for n in NAN_LENGTHS:
+        a, b = nan_cases(dtype, n, rng, where)
+        fa, fb = as_float(a, dtype), as_float(b, dtype)
+        nan = np.isnan(fa) | np.isnan(fb)
+        assert nan.any()
+        results = []
+        for impl in (ext, twin):
+            got = a.copy()
+            impl.reduce_into(got, b, dtype, op)
+            g = as_float(got, dtype)
+            assert np.array_equal(np.isnan(g), nan), (impl.__name__, n)
+            assert np.array_equal(g[~nan], np_op(fa, fb)[~nan]), (impl.__name__, n)
+            want = np.where(np.isnan(fa), a, np.where(np.isnan(fb), b, got))
+            assert np.array_equal(got.view(BITS[dtype]), want.view(BITS[dtype])), \
+                (impl.__name__, n)
+            results.append(got.view(BITS[dtype]))
+        assert np.array_equal(*results), n  # C == twin, bit for bit
+        ref = torch_op(torch_tensor(a, dtype), torch_tensor(b, dtype))  # torch agrees
+        assert np.array_equal(ref.isnan().numpy(), nan)
+        assert np.array_equal(ref.float().numpy()[~nan], g[~nan].astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=["f16", "bf16", "f32", "f64"])
+@pytest.mark.parametrize("op", [OP_MIN, OP_MAX], ids=["min", "max"])
+def test_min_max_nan_whichever_order_and_slices(dtype, op):
+    """Reducing a, b, c in any order, or in slices of any alignment, leaves NaN in the same
+    places (the old min kept a NaN in dst and dropped one in src)."""
+    rng = np.random.default_rng(7 * dtype + op)
+    n = 1000
+    x = [nan_cases(dtype, n, rng, "mixed")[i] for i in (0, 1)] + [small_ints(dtype, n, rng)]
+    nan = np.zeros(n, bool)
+    for v in x:
+        nan |= np.isnan(as_float(v, dtype))
+    for order in ((0, 1, 2), (2, 1, 0), (1, 2, 0)):
+        for impl in (ext, twin):
+            acc = x[order[0]].copy()
+            for k in order[1:]:
+                for lo, hi in ((0, 1), (1, 20), (20, 517), (517, n)):
+                    impl.reduce_into(acc[lo:hi], x[k][lo:hi], dtype, op)
+            assert np.array_equal(np.isnan(as_float(acc, dtype)), nan), (order, impl.__name__)
+
+
+def test_signed_zero_ties_keep_dst_in_c_and_twin():
+    """min/max of +0 and -0 keep dst in both implementations (numpy's own float32 loops keep
+    src, its float16 loops dst: the twin does not lean on them)."""
+    for dtype in FLOATS:
+        a, b = np.zeros(4, NUMPY_STORAGE[dtype]), np.zeros(4, NUMPY_STORAGE[dtype])  # +0
+        b.view(BITS[dtype])[:] |= np.array(1, BITS[dtype]) << (8 * b.itemsize - 1)  # -0
+        for op in (OP_MIN, OP_MAX):
+            for impl in (ext, twin):
+                for dst, src in ((a, b), (b, a)):
+                    got = dst.copy()
+                    impl.reduce_into(got, src, dtype, op)
+                    assert np.array_equal(got.view(BITS[dtype]), dst.view(BITS[dtype])), \
+                        (dtype, op, impl.__name__)

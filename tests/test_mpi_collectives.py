@@ -25,3 +25,14 @@ def test_four_ranks_two_emulated_nodes_smoke():
     env = {"MPIDP_EMULATE_NODE_SIZE": "2", "BODY_BIG_COUNT": "100000",
            "BODY_ALGORITHMS": "auto,shm,hier,ring"}
     assert_ok(body(4, "body_collectives.py", env=env, timeout_s=400), 4)
+
+
+@pytest.mark.parametrize("name", ["body_collectives.py", "body_bad_inputs.py"])
+def test_core_collectives_without_the_c_extension(name):
+    """MPIDP_EXTENSION=0: the numpy twin reduces, auto runs over MPI (no shared memory), and
+    the start-up warning says so."""
+    env = {"MPIDP_EXTENSION": "0", "BODY_ALGORITHMS": "auto,ring,mpi", "BODY_TRIALS": "15",
+           "BODY_BIG_COUNT": "300000"}
+    proc = body(2, name, env=env)
+    assert_ok(proc, 2)
+    assert "one-node collectives run over MPI instead of shared memory" in proc.stderr

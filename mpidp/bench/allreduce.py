@@ -66,7 +66,7 @@ def _to_device(x):
 def _mpi_spec(x):
     """What a user of mpi4py passes for ``x``: the array itself, or for 16-bit floats (no
     portable MPI type) a uint16 view, reduced by mpidp's kernel as an MPI user op."""
-    from mpidp.algorithms import mpi_buffer
+    from mpidp.host_backend import mpi_buffer
     from mpidp.dtypes import F16, BF16, as_host_array
     a = as_host_array(x)
     return mpi_buffer(a.flat, a.dtype) if a.dtype in (F16, BF16) else a.flat
@@ -81,7 +81,7 @@ def _runner(algo: str, comm, op: str, dtype: str, gloo):
                 lambda b, bm: mpidp.allreduce_(b, op=op, algorithm=algo))
     if algo == "mpi":
         from mpi4py import MPI
-        from mpidp.algorithms import mpi_op
+        from mpidp.host_backend import mpi_op
         from mpidp.dtypes import DTYPE_NAMES, OP_CODES
         code = DTYPE_NAMES.index(dtype)
         mop = mpi_op(code, OP_CODES[op][0])
@@ -274,7 +274,7 @@ def main(args) -> int:
     if rank == 0:
         print(f"# mpidp allreduce benchmark: {n} ranks, {g.node_count} node(s), {args.device}, "
               f"shm peers: "
-              f"{g.shm().mode_name if g.single_node else 'n/a'}, dtype {args.dtype}, op {args.op}, "
+              f"{g.resources.shm().mode_name if g.single_node and g.resources.shm() else 'n/a'}, dtype {args.dtype}, op {args.op}, "
               f"iters {args.iters}, warmup {args.warmup_iters}, repeats {args.repeats}")
         print(table(rows, ceiling, n))
         if args.json:

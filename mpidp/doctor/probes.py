@@ -183,8 +183,13 @@ def shared_memory(ctx) -> dict:
         free = None
     return {"host": socket.gethostname(), "local_rank": g.local_rank,
             "local_size": g.local_size, "got": got,
-            "expected": g.local_size * (g.local_size + 1) // 2, "mode": g.shm().mode_name,
+            "expected": g.local_size * (g.local_size + 1) // 2, "mode": _shm_mode(g),
             "forced": config.get().shm_peers != "auto", "dev_shm_free": free}
+
+
+def _shm_mode(g) -> str:
+    ctx = g.resources.shm()
+    return ctx.mode_name if ctx is not None else "none (C extension missing)"
 
 
 def one_sided(ctx) -> dict:
@@ -217,7 +222,7 @@ def allreduce(ctx) -> list:
     from .findings import FAIL, OK, SKIP
     n = g.size
     rows = []
-    for name in algorithms.ALGORITHMS:
+    for name in algorithms.NAMES[algorithms.HOST]:
         if name == "shm" and not g.single_node:
             rows.append((name, SKIP, f"needs one node; the group spans {g.node_count}", []))
             continue
@@ -236,7 +241,8 @@ def allreduce(ctx) -> list:
                     wrong.append(f"{int(np.count_nonzero(y != expected))} of {count} "
                                  f"elements wrong at {count * 4} B")
                 timings.append((count * 4, best))
-            detail = f"; auto picks {algorithms.choose(g, 'auto', count * 4)}" \
+            auto = algorithms.choose(algorithms.HOST, "auto", g.resources.facts, count * 4)
+            detail = f"; auto picks {auto.name}" \
                 if name == "auto" else ""
             rows.append((name, FAIL, "; ".join(wrong), timings) if wrong else
                         (name, OK, detail, timings))

@@ -1,49 +1,42 @@
-"""DeviceBucket: the GPU twin of mpidp.fusion.Bucket — one flat device buffer holding tensors
-of one dtype back to back, packed and unpacked by one multi-tensor kernel launch each
-(mpidp/kernels/pack.cu), all-reduced on the device. Same interface as Bucket, so
+"""DeviceBucket: the GPU twin of mpidp.buckets.Bucket, on the same base — one flat device
+buffer holding tensors of one dtype back to back, packed and unpacked by one multi-tensor
+kernel launch each (mpidp/kernels/pack.cu), all-reduced on the device, so
 DistributedDataParallel and grouped_allreduce keep their buckets on the device."""
 from __future__ import annotations
 
 import sys
 from typing import Any, Optional, Sequence
 
-import numpy as np
 
-from .. import collectives, runtime
+from .. import collectives
+from ..planner import DEVICE
+from ..buckets import BucketBase
 from ..dtypes import NUMPY_STORAGE
 from .arrays import DeviceArray, as_device_array, external_stream, producer_stream, write_back
 from .device import cupy
 from .kernels import DeviceOps
 
 
-class DeviceBucket:
-    """``indices`` name the tensors (caller's numbering), ``counts`` their elements;
-    ``buffer`` is the bucket as the collectives take it. Everything runs on the bucket's GPU
+class DeviceBucket(BucketBase):
+    """One flat device buffer; ``buffer`` is it as a DeviceArray. Everything runs on the bucket's GPU
     (whichever device the calling thread has current) and on one stream: the one captured by
     ``capture_stream`` (DDP: the stream backward ran on), else the first tensor's producer
     (torch's current stream), so gradients, packing, the all-reduce, the unpack and the
     optimizer step stay in stream order."""
 
-    __slots__ = ("indices", "counts", "offsets", "dtype", "flat", "divisor", "device",
-                 "buffer", "stream")
+    __slots__ = ("device", "stream")
+    where = DEVICE
 
     def __init__(self, indices: Sequence[int], counts: Sequence[int], dtype: int, device: int):
+        super().__init__(indices, counts, dtype)
         cp = cupy()
-        self.indices = tuple(indices)
-        self.counts = tuple(int(c) for c in counts)
-        self.offsets = tuple(int(o) for o in np.cumsum((0,) + self.counts[:-1]))
-        self.dtype, self.device = dtype, device
+        self.device = device
         with cp.cuda.Device(device):
             self.flat = cp.empty(sum(self.counts), NUMPY_STORAGE[dtype])
         # the bucket as the collectives see it: a DeviceArray keeps bfloat16's dtype code
         self.buffer = DeviceArray(self.flat, self.flat, dtype, self.flat.shape, False, True,
                                   device)
-        self.divisor = 1
         self.stream = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.flat.nbytes
 
     def capture_stream(self) -> None:
         """Remembers the calling thread's current torch stream on the bucket's GPU (DDP calls
@@ -91,16 +84,6 @@ class DeviceBucket:
                     ops.pack(self.flat[o:o + len(v)], [v])
             return
         ops.pack(self.flat, views)
-
-    def reduce_(self, sources: Sequence[Any], destinations: Sequence[Any], op: str,
-                algorithm: str) -> None:
-        """Packs, all-reduces on the device and unpacks, the average's division fused into
-        the unpack. Collective: every rank calls it for the same bucket."""
-        fused = op == "avg"
-        self.divisor = runtime.group().size if fused else 1
-        self.pack(sources)
-        self.allreduce_("sum" if fused else op, algorithm)
-        self.unpack(destinations, self.divisor)
 
     def torch_view(self, position: int, like: Any) -> Any:
         """A torch tensor shaped and typed as ``like`` that is the slot at ``position``."""

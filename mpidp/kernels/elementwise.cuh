@@ -7,11 +7,18 @@
 // rounded to nearest even, once per operation, exactly as csrc/kernels.c does; the average
 // divides the rounded sum (x * (1/n) when n is a power of two, where the two are the same
 // real number, x / n otherwise). On a device the conversions are the hardware's (cvt, the
-// same IEEE rounding); on the host the bit-exact software ones below. Only NaN payloads may
-// differ between the two. CuPy compiles every kernel with -ftz=true (flush denormals to zero),
-// which would make float arithmetic on denormals — every bfloat16 subnormal is one — differ
-// from the host: float add, multiply, divide and compare are therefore written as PTX
-// instructions without .ftz (tests/test_gpu_kernels.py checks the PTX under -ftz=true).
+// same IEEE rounding); on the host the bit-exact software ones below. Only the NaN payloads
+// of sums and averages may differ between the two. CuPy compiles every kernel with -ftz=true
+// (flush denormals to zero), which would make float arithmetic on denormals — every bfloat16
+// subnormal is one — differ from the host: float add, multiply, divide, compare and the NaN
+// test are therefore written as PTX instructions without .ftz (tests/test_gpu_kernels.py
+// checks the PTX under -ftz=true).
+//
+// Note [NaN in min and max]: as csrc/kernels.c (and numpy's np.minimum/np.maximum), floating
+// min and max propagate NaN and return one of their operands unchanged: dst when dst is NaN,
+// else src when src is NaN, else the smaller (larger), dst on a tie. float16 and bfloat16
+// compare their widened values but keep the chosen operand's 16 bits (no rounding, payload
+// kept), so min and max equal the host bit for bit on a device too, NaN payloads included.
 #ifndef MPIDP_ELEMENTWISE_CUH
 #define MPIDP_ELEMENTWISE_CUH
 
@@ -98,6 +105,11 @@ __device__ __forceinline__ bool fless(float a, float b) {
         : "=r"(r) : "f"(a), "f"(b));
     return r != 0;
 }
+__device__ __forceinline__ bool fnan(float a) {  // a != a would compile to setp.*.ftz
+    unsigned r;
+    asm("{ .reg .pred p; setp.nan.f32 p, %1, %1; selp.u32 %0, 1, 0, p; }" : "=r"(r) : "f"(a));
+    return r != 0;
+}
 __device__ __forceinline__ float f16_to_float(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -122,6 +134,7 @@ inline float fadd(float a, float b) { return a + b; }
 inline float fmul(float a, float b) { return a * b; }
 inline float fdiv(float a, float b) { return a / b; }
 inline bool fless(float a, float b) { return a < b; }
+inline bool fnan(float a) { return a != a; }
 inline float f16_to_float(u16 h) { return f16_to_float_soft(h); }
 inline u16 float_to_f16(float x) { return float_to_f16_soft(x); }
 inline u16 float_to_bf16(float x) { return float_to_bf16_soft(x); }
@@ -156,10 +169,20 @@ MPIDP_HD bool less(double a, double b) { return a < b; }
 MPIDP_HD bool less(int a, int b) { return a < b; }
 MPIDP_HD bool less(long long a, long long b) { return a < b; }
 
+MPIDP_HD bool is_nan(float a) { return fnan(a); }
+MPIDP_HD bool is_nan(double a) { return a != a; }  // no .ftz for double
+MPIDP_HD bool is_nan(int) { return false; }
+MPIDP_HD bool is_nan(long long) { return false; }
+
+// Whether min (max) of a and b is b (Note [NaN in min and max]): a is not NaN, and b is
+// smaller (larger) or NaN. Integers: the plain compare (is_nan folds away).
+template <int OP, typename A> MPIDP_HD bool takes_b(A a, A b) {
+    return !is_nan(a) && ((OP == OP_MIN ? less(b, a) : less(a, b)) || is_nan(b));
+}
+
 template <int OP, typename A> MPIDP_HD A combine(A a, A b) {
     if (OP == OP_SUM) return add(a, b);
-    if (OP == OP_MIN) return less(b, a) ? b : a;
-    return less(a, b) ? b : a;  // b > a
+    return takes_b<OP>(a, b) ? b : a;
 }
 
 MPIDP_HD float product(float a, float b) { return fmul(a, b); }
@@ -177,10 +200,12 @@ template <typename A> MPIDP_HD A divide(A x, long long divisor) {
     return (divisor & (divisor - 1)) == 0 ? product(x, quotient((A)1, d)) : quotient(x, d);
 }
 
-// dst op src, then (divisor > 1) divided: the reduce-then-scale of one pass.
+// dst op src, then (divisor > 1) divided: the reduce-then-scale of one pass. min and max
+// store the chosen operand as it is (Note [NaN in min and max]).
 template <int OP, typename T> MPIDP_HD T reduce_one(T dst, T src, long long divisor) {
     typedef Arith<T> M;
-    T r = M::store(combine<OP>(M::load(dst), M::load(src)));
+    T r = OP == OP_SUM ? M::store(combine<OP>(M::load(dst), M::load(src)))
+                       : (takes_b<OP>(M::load(dst), M::load(src)) ? src : dst);
     return divisor > 1 ? M::store(divide(M::load(r), divisor)) : r;
 }
 

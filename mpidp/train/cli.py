@@ -7,9 +7,15 @@ import dataclasses
 import sys
 from typing import Optional, Sequence
 
+import torch
+
 from .. import algorithms, data, launcher, models
+from .. import runtime
+from ..errors import LaunchError
+from .loop import Trainer
 from .report import emit
 from .settings import LR_SCALINGS, OPTIMIZERS, STRATEGIES, TrainSettings
+from .setup import SetupError, agree
 
 USAGE_ERROR = 2
 PROG = "mpidp.train"
@@ -69,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
     a("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
       help="sgd, momentum (SGD with momentum 0.9) or adam")
     a("--bucket-mb", type=float, default=d.bucket_mb, help="gradient bucket size in MiB")
-    a("--algorithm", choices=algorithms.ALGORITHMS, default=d.algorithm,
+    a("--algorithm", choices=algorithms.NAMES[algorithms.HOST], default=d.algorithm,
       help="all-reduce algorithm of the mirrored strategy")
     a("--seed", type=int, default=d.seed,
       help="seeds model initialisation, data order and per-rank random streams")
@@ -112,7 +118,6 @@ def settings_from(argv: Optional[Sequence[str]]) -> TrainSettings:
 
 def build(settings: TrainSettings) -> tuple:
     """(model, data sets) named by the settings; ValueError naming what is wrong."""
-    import torch
     sets = data.load(settings.dataset, settings.synthetic_samples)
     torch.manual_seed(settings.seed)
     if ":" in settings.model:
@@ -131,12 +136,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         settings.check()
     except ValueError as exc:
         fail(str(exc))
-    import mpidp
-    from .loop import Trainer
-    from .setup import SetupError, agree
     try:
-        g = mpidp.init()
-    except mpidp.LaunchError as exc:
+        g = runtime.init()
+    except LaunchError as exc:
         fail(str(exc).removeprefix("mpidp: "))
     try:
         model, sets = agree(g, lambda: build(settings))

@@ -19,6 +19,7 @@ from . import checkpoint, setup
 from .report import Report, emit
 from .settings import MOMENTUM, TrainSettings, check_world, scaled_lr, straggler_of
 from .strategies import make_strategy
+from .strategy_base import Strategy
 
 EVAL_BATCH = 512
 
@@ -97,136 +98,236 @@ class Trainer:
 
     def _train(self, g, model, train_data, test_data, loss_fn, sampler, resumed, report,
                names):
+        """The run after set-up: resume, the epochs, the summary. Every rank calls it; each
+        step below is collective and comes in this order on every rank."""
         s = self.settings
-        loss_fn = loss_fn or torch.nn.functional.cross_entropy
-        checkpoint.seed_rng(s.seed, g.rank)
-        if g.rank == 0 and resumed:
-            model.load_state_dict(resumed[1]["model"])
-        strategy = make_strategy(s, model, make_optimizer(s))  # rank 0's parameters win
-        steps = strategy.steps_per_epoch(sampler, len(train_data), s.batch_size)
-        lr_ranks = strategy.lr_ranks or g.size
-        straggler, slowdown = straggler_of(s.straggler) if s.straggler else (-1, 1.0)
-        start_epoch, start_step, global_step, saved_path = 0, 0, 0, None
-        if s.resume:
-            path, state = resumed if g.rank == 0 else (None, None)
-            strategy.load_optimizer(state["optimizer"] if state else None)
-            rngs = state["rng"] if state else None
-            where = (str(path), state["epoch"], state["step_in_epoch"], state["global_step"]) \
-                if state else None
-            with collective(g, "resume: scattering the checkpoint's RNG states"):
-                checkpoint.set_rng_state(g.comm.scatter(rngs, root=0) if g.size > 1
-                                         else rngs[0])
-                saved_path, start_epoch, start_step, global_step = \
-                    g.comm.bcast(where, root=0) if g.size > 1 else where
-            report.line(f"resuming from {saved_path}: epoch {start_epoch + 1}, step "
-                        f"{start_step}" if start_epoch < s.epochs else
-                        f"{saved_path} is the end of the run: nothing left to train")
-        resumed_from = saved_path
-        if g.size > 1:  # start the clocks together: set-up (optimizer creation) is not waiting
+        strategy = _start_strategy(s, g, model, resumed)
+        run = _Run(s, g, model, strategy, train_data, test_data,
+                   loss_fn or torch.nn.functional.cross_entropy, sampler, report)
+        first_epoch, first_step = run.resume(resumed) if s.resume else (0, 0)
+        t_run = run.start_clocks()
+        for epoch in range(first_epoch, s.epochs):
+            run.train_epoch(epoch, first_step if epoch == first_epoch else 0)
+        return run.summarize(time.perf_counter() - t_run, names)
+
+
+def _start_strategy(s: TrainSettings, g, model: torch.nn.Module,
+                    resumed: Optional[tuple]) -> Strategy:
+    """Seeds this rank's RNGs and wraps ``model`` in the training mode of ``s``; rank 0's
+    parameters (the checkpoint's when resuming) win. Every rank calls it."""
+    checkpoint.seed_rng(s.seed, g.rank)
+    if g.rank == 0 and resumed:
+        model.load_state_dict(resumed[1]["model"])
+    return make_strategy(s, model, make_optimizer(s))
+
+
+@dataclasses.dataclass
+class _EpochFigures:
+    """One rank's figures for one epoch: seconds computing (a server's: serving) and waiting
+    for communication, samples trained, their summed loss, the epoch's seconds, the last
+    learning rate."""
+    lr: float
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    samples: int = 0
+    loss_sum: float = 0.0
+    time_s: float = 0.0
+
+    def row(self) -> np.ndarray:
+        """The 1x5 row every rank contributes to the epoch's allgather."""
+        return np.array([[self.compute_s, self.wait_s, self.samples, self.loss_sum,
+                          self.time_s]])
+
+
+class _Run:
+    """One ``fit`` after set-up: the model in its strategy, the data, and where the run stands
+    (the global step, the last checkpoint written, the last epoch's event and held-out score,
+    the totals the summary averages). Its public methods are collective."""
+
+    def __init__(self, settings: TrainSettings, g, model: torch.nn.Module, strategy: Strategy,
+                 train_data, test_data, loss_fn: Callable, sampler: ShardSampler,
+                 report: Report):
+        s = self.settings = settings
+        self.g, self.model, self.strategy, self.report = g, model, strategy, report
+        self.train_data, self.test_data, self.loss_fn = train_data, test_data, loss_fn
+        self.sampler = sampler
+        self.steps = strategy.steps_per_epoch(sampler, len(train_data), s.batch_size)
+        self.lr_ranks = strategy.lr_ranks or g.size
+        self.straggler, self.slowdown = straggler_of(s.straggler) if s.straggler else (-1, 1.0)
+        self.global_step = 0
+        self.checkpoint = None  # the last checkpoint: its path on rank 0, None elsewhere
+        self.resumed_from: Optional[str] = None
+        self.accuracy: Optional[float] = None  # the last held-out score
+        self.event: dict = {}  # the last epoch's
+        self.samples_total, self.wait_total, self.time_total = 0, 0.0, 0.0
+
+    # ---- before the first epoch ---------------------------------------------------------
+
+    def resume(self, resumed: Optional[tuple]) -> tuple:
+        """Every rank takes up the checkpoint rank 0 found (``resumed``: (path, state) on
+        rank 0): the optimizer state, each rank's RNG state, the position. Returns (epoch,
+        batches done in it)."""
+        g = self.g
+        path, state = resumed if g.rank == 0 else (None, None)
+        self.strategy.load_optimizer(state["optimizer"] if state else None)
+        rngs = state["rng"] if state else None
+        where = (str(path), state["epoch"], state["step_in_epoch"], state["global_step"]) \
+            if state else None
+        with collective(g, "resume: scattering the checkpoint's RNG states"):
+            checkpoint.set_rng_state(g.comm.scatter(rngs, root=0) if g.size > 1 else rngs[0])
+            self.checkpoint, epoch, step, self.global_step = \
+                g.comm.bcast(where, root=0) if g.size > 1 else where
+        self.resumed_from = self.checkpoint
+        self.report.line(f"resuming from {self.checkpoint}: epoch {epoch + 1}, step {step}"
+                         if epoch < self.settings.epochs else
+                         f"{self.checkpoint} is the end of the run: nothing left to train")
+        return epoch, step
+
+    def start_clocks(self) -> float:
+        """Returns the run's start time, taken on every rank together (set-up, such as the
+        optimizer's creation, is not waiting)."""
+        if self.g.size > 1:
             collectives.allreduce_(np.zeros(1))
-        t_run = time.perf_counter()
-        samples_total, wait_total, time_total = 0, 0.0, 0.0
-        accuracy, event = None, {}
-        for epoch in range(start_epoch, s.epochs):
-            first = start_step if epoch == start_epoch else 0
-            report.start_epoch(epoch, s.epochs, steps, first)
-            t_epoch = time.perf_counter()
-            compute_s = wait_s = loss_sum = 0.0
-            samples, lr = 0, s.lr
-            compute_s += strategy.serve_epoch(epoch, steps)
-            for b, (x, y) in strategy.epoch_batches(train_data, sampler, epoch, first,
-                                                    s.batch_size):
-                lr = scaled_lr(s, lr_ranks, epoch + b / steps)
-                strategy.set_lr(lr)
-                t0 = time.perf_counter()
-                waited = strategy.stats["wait_s"]
-                strategy.zero_grad()
-                with timeline.span("forward"):
-                    loss = loss_fn(strategy.forward(x), y)
-                strategy.step(loss)
-                dt = time.perf_counter() - t0
-                dw = strategy.stats["wait_s"] - waited
-                if straggler == g.rank:  # --straggler: a testing aid, compute FACTOR× slower
-                    time.sleep((slowdown - 1) * (dt - dw))
-                    dt = time.perf_counter() - t0
-                compute_s += dt - dw
-                wait_s += dw
-                loss_value = float(loss.detach())
-                loss_sum += loss_value * len(y)
-                samples += len(y)
-                global_step += 1
-                report.step(loss_value, len(y) * g.size / dt if dt > 0 else 0.0)
-                if s.checkpoint_dir and s.checkpoint_every and b + 1 < steps and \
-                        global_step % s.checkpoint_every == 0:
-                    saved_path = self._save(g, strategy, model, (epoch, b + 1), global_step,
-                                            len(train_data))
-            t_end = time.perf_counter()
-            strategy.end_epoch()
-            wait_s += time.perf_counter() - t_end
-            global_step = (epoch + 1) * steps  # the same on every rank (ps workers differ)
-            time_s = time.perf_counter() - t_epoch
-            accuracy = None
-            if test_data is not None and ((s.eval_every and (epoch + 1) % s.eval_every == 0)
-                                          or epoch + 1 == s.epochs):
-                accuracy = evaluate(model, test_data, g)
-            per_rank = collectives.allgather(
-                np.array([[compute_s, wait_s, samples, loss_sum, time_s]]))
-            compute, waits, counts, losses, times = per_rank.T
-            n_samples = int(counts.sum())
-            wall_s = float(times.max())  # the epoch ends with its slowest rank
-            samples_total += n_samples
-            wait_total += float(waits.mean())
-            time_total += float(times.mean())
-            event = {"event": "epoch", "epoch": epoch + 1, "epochs": s.epochs,
-                     "steps": steps - first, "global_step": global_step,
-                     "train_loss": float(losses.sum() / max(n_samples, 1)),
-                     "test_accuracy": accuracy,
-                     "samples_per_s": n_samples / wall_s if wall_s > 0 else 0.0,
-                     "time_s": wall_s, "wait_fraction": float((waits / times).mean())
-                     if times.min() > 0 else 0.0, "lr": lr,
-                     "ranks": [{"rank": r, "compute_s": float(c), "wait_s": float(w),
-                                "samples": int(n), "time_s": float(t)}
-                               for r, (c, w, n, _, t) in enumerate(per_rank)]}
-            report.end_epoch(event)
-            if s.checkpoint_dir:
-                saved_path = self._save(g, strategy, model, (epoch + 1, 0), global_step,
-                                        len(train_data))
-        total_s = time.perf_counter() - t_run
-        if accuracy is None and test_data is not None:
-            accuracy = evaluate(model, test_data, g)
-        extra = strategy.report(total_s)
-        strategy.free()
-        summary = {"event": "summary", "strategy": s.strategy, "ranks": g.size,
-                   "model": names[0], "dataset": names[1], "epochs": s.epochs,
-                   "global_step": global_step, "final_accuracy": accuracy,
-                   "final_train_loss": event.get("train_loss"), "total_s": total_s,
-                   "samples_per_s": samples_total / total_s if total_s > 0 else 0.0,
-                   "wait_fraction": wait_total / time_total if time_total > 0 else 0.0,
-                   "parameters_sha256": parameters_sha256(model),
-                   "checkpoint": str(saved_path) if saved_path else None,
-                   "resumed_from": resumed_from, **extra}
-        report.summary(summary)
-        return summary
+        return time.perf_counter()
+
+    # ---- one epoch ----------------------------------------------------------------------
+
+    def train_epoch(self, epoch: int, first: int) -> None:
+        """Epoch ``epoch`` from batch ``first``: its steps, the held-out score when due, the
+        epoch's event from every rank's figures, the end-of-epoch checkpoint."""
+        self.report.start_epoch(epoch, self.settings.epochs, self.steps, first)
+        figures = self._train_steps(epoch, first)
+        self.accuracy = self._evaluate_if_due(epoch)
+        self.event = self._epoch_event(epoch, first, figures)
+        self.report.end_epoch(self.event)
+        if self.settings.checkpoint_dir:
+            self._save((epoch + 1, 0))
+
+    def _train_steps(self, epoch: int, first: int) -> _EpochFigures:
+        """A server's serving, a worker's (every mirrored or central rank's) steps, then the
+        strategy's epoch end; returns this rank's figures."""
+        figures = _EpochFigures(lr=self.settings.lr)
+        t_epoch = time.perf_counter()
+        figures.compute_s += self.strategy.serve_epoch(epoch, self.steps)
+        for b, (x, y) in self.strategy.epoch_batches(self.train_data, self.sampler, epoch,
+                                                     first, self.settings.batch_size):
+            self._step(epoch, b, x, y, figures)
+        t_end = time.perf_counter()
+        self.strategy.end_epoch()
+        figures.wait_s += time.perf_counter() - t_end
+        self.global_step = (epoch + 1) * self.steps  # the same on every rank (ps workers differ)
+        figures.time_s = time.perf_counter() - t_epoch
+        return figures
+
+    def _step(self, epoch: int, b: int, x, y, figures: _EpochFigures) -> None:
+        """Batch ``b``: learning rate, forward, the strategy's step, the figures, a
+        checkpoint when one is due inside the epoch."""
+        s, strategy = self.settings, self.strategy
+        figures.lr = scaled_lr(s, self.lr_ranks, epoch + b / self.steps)
+        strategy.set_lr(figures.lr)
+        t0 = time.perf_counter()
+        waited = strategy.stats["wait_s"]
+        strategy.zero_grad()
+        with timeline.span("forward"):
+            loss = self.loss_fn(strategy.forward(x), y)
+        strategy.step(loss)
+        dt = time.perf_counter() - t0
+        dw = strategy.stats["wait_s"] - waited
+        if self.straggler == self.g.rank:
+            dt = self._straggle(t0, dt - dw)
+        figures.compute_s += dt - dw
+        figures.wait_s += dw
+        loss_value = float(loss.detach())
+        figures.loss_sum += loss_value * len(y)
+        figures.samples += len(y)
+        self.global_step += 1
+        self.report.step(loss_value, len(y) * self.g.size / dt if dt > 0 else 0.0)
+        if s.checkpoint_dir and s.checkpoint_every and b + 1 < self.steps and \
+                self.global_step % s.checkpoint_every == 0:
+            self._save((epoch, b + 1))
+
+    def _straggle(self, t0: float, compute_s: float) -> float:
+        """--straggler, a testing aid: this rank computes FACTOR× slower, sleeping (FACTOR-1)×
+        the ``compute_s`` of its step. Returns the step's seconds since ``t0``, the sleep
+        included."""
+        time.sleep((self.slowdown - 1) * compute_s)
+        return time.perf_counter() - t0
+
+    def _evaluate_if_due(self, epoch: int) -> Optional[float]:
+        """Held-out accuracy every ``eval_every`` epochs and after the last; None when not
+        due or without held-out data."""
+        s = self.settings
+        if self.test_data is not None and ((s.eval_every and (epoch + 1) % s.eval_every == 0)
+                                           or epoch + 1 == s.epochs):
+            return evaluate(self.model, self.test_data, self.g)
+        return None
+
+    def _epoch_event(self, epoch: int, first: int, figures: _EpochFigures) -> dict:
+        """The epoch's event (the JSON line and the log line) from every rank's ``figures``,
+        gathered; adds them to the run's totals."""
+        per_rank = collectives.allgather(figures.row())
+        compute, waits, counts, losses, times = per_rank.T
+        n_samples = int(counts.sum())
+        wall_s = float(times.max())  # the epoch ends with its slowest rank
+        self.samples_total += n_samples
+        self.wait_total += float(waits.mean())
+        self.time_total += float(times.mean())
+        return {"event": "epoch", "epoch": epoch + 1, "epochs": self.settings.epochs,
+                "steps": self.steps - first, "global_step": self.global_step,
+                "train_loss": float(losses.sum() / max(n_samples, 1)),
+                "test_accuracy": self.accuracy,
+                "samples_per_s": n_samples / wall_s if wall_s > 0 else 0.0,
+                "time_s": wall_s, "wait_fraction": float((waits / times).mean())
+                if times.min() > 0 else 0.0, "lr": figures.lr,
+                "ranks": [{"rank": r, "compute_s": float(c), "wait_s": float(w),
+                           "samples": int(n), "time_s": float(t)}
+                          for r, (c, w, n, _, t) in enumerate(per_rank)]}
 
     @timeline.traced("checkpoint")
-    def _save(self, g, strategy, model, position: tuple, global_step: int, train_samples: int):
+    def _save(self, position: tuple) -> None:
         """Checkpoint at ``position`` = (epoch, batches done in it): every rank sends its RNG
-        state, rank 0 writes. Every rank calls it."""
-        s = self.settings
+        state, rank 0 writes (and keeps its path in ``checkpoint``; others keep None)."""
+        s, g = self.settings, self.g
         with collective(g, "checkpoint: gathering every rank's RNG state"):
             rng = g.comm.gather(checkpoint.rng_state(), root=0) if g.size > 1 \
                 else [checkpoint.rng_state()]
-        optimizer = strategy.optimizer_state()  # collective for ps (servers hold it)
+        optimizer = self.strategy.optimizer_state()  # collective for ps (servers hold it)
         if g.rank != 0:
-            return None
-        state = {"model": model.state_dict(), "optimizer": optimizer,
+            self.checkpoint = None
+            return
+        state = {"model": self.model.state_dict(), "optimizer": optimizer,
                  "epoch": position[0], "step_in_epoch": position[1],
-                 "global_step": global_step, "world_size": g.size,
-                 "train_samples": train_samples,
+                 "global_step": self.global_step, "world_size": g.size,
+                 "train_samples": len(self.train_data),
                  "data_order": {"seed": s.seed, "epoch": position[0],
                                 "position": position[1]},
                  "rng": rng, "settings": dataclasses.asdict(s)}
-        return checkpoint.save(s.checkpoint_dir, state, global_step, s.keep_checkpoints)
+        self.checkpoint = checkpoint.save(s.checkpoint_dir, state, self.global_step,
+                                          s.keep_checkpoints)
+
+    # ---- after the last epoch -----------------------------------------------------------
+
+    def summarize(self, total_s: float, names: tuple) -> dict:
+        """The run's summary (a run of ``total_s``; ``names``: model, data set): the final
+        held-out score if the last epoch took none, the strategy's figures; frees the
+        strategy. Rank 0 prints it."""
+        s, g = self.settings, self.g
+        if self.accuracy is None and self.test_data is not None:
+            self.accuracy = evaluate(self.model, self.test_data, g)
+        extra = self.strategy.report(total_s)
+        self.strategy.free()
+        summary = {"event": "summary", "strategy": s.strategy, "ranks": g.size,
+                   "model": names[0], "dataset": names[1], "epochs": s.epochs,
+                   "global_step": self.global_step, "final_accuracy": self.accuracy,
+                   "final_train_loss": self.event.get("train_loss"), "total_s": total_s,
+                   "samples_per_s": self.samples_total / total_s if total_s > 0 else 0.0,
+                   "wait_fraction": self.wait_total / self.time_total
+                   if self.time_total > 0 else 0.0,
+                   "parameters_sha256": parameters_sha256(self.model),
+                   "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+                   "resumed_from": self.resumed_from, **extra}
+        self.report.summary(summary)
+        return summary
 
 
 def _warn(text: str) -> None:

@@ -12,12 +12,12 @@ import torch
 from .. import runtime, timeline
 from ..data import ShardSampler, batches
 from ..fingerprint import check_same_model
-from ..fusion import broadcast_tensors_
+from ..state_broadcast import broadcast_tensors_
 from ..ps import ParameterServer, Server, Worker
 from ..watchdog import collective
 from .settings import scaled_lr
 from .setup import SetupError
-from .strategies import Strategy
+from .strategy_base import Strategy
 
 
 class ParameterServerStrategy(Strategy):

@@ -66,7 +66,7 @@ class TrainSettings:
             straggler_of(self.straggler)
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
         _choice("--lr-scaling", self.lr_scaling, LR_SCALINGS)
-        _choice("--algorithm", self.algorithm, algorithms.ALGORITHMS)
+        _choice("--algorithm", self.algorithm, algorithms.NAMES[algorithms.HOST])
         _at_least("--epochs", self.epochs, 1)
         _at_least("--batch-size", self.batch_size, 1)
         _at_least("--synthetic-samples", self.synthetic_samples, 1)

@@ -98,7 +98,9 @@ close(list(model.module.parameters()), list(ref.parameters()), "equivalence, lar
 same_everywhere(list(model.module.parameters()), "equivalence, large buckets")
 
 # ---- zero-copy bucket all-reduce: exact, odd segment sizes, mixed with packing ranks ----------
-from mpidp import collectives, fusion  # noqa: E402
+from mpidp import collectives  # noqa: E402
+from mpidp.buckets import Bucket  # noqa: E402
+from mpidp.planner import plan_bucket  # noqa: E402
 from mpidp.dtypes import F32, as_host_array  # noqa: E402
 
 for trial, sizes in enumerate(([5000], [1, 7, 3001, 2], [1024] * 10 + [3], [2] * 300,
@@ -111,17 +113,20 @@ for trial, sizes in enumerate(([5000], [1, 7, 3001, 2], [1024] * 10 + [3], [2] *
                 for st in stacks]
         # every rank's tensors where they lie
         got = [t.clone() for t in every[rank]]
-        took = collectives.allreduce_segments_([as_host_array(t).flat for t in got], F32, op)
+        took = plan_bucket("host", "auto", collectives.facts(g, False), 4 * sum(sizes),
+                           len(sizes), True, op).zero_copy
         expect(took == (n > 1 and len(sizes) <= 256), f"zero-copy {sizes[:3]}: took={took}")
-        if not took:
-            fusion.Bucket(range(len(sizes)), sizes, F32).reduce_(got, got, op, "auto")
+        if took:
+            collectives.allreduce_segments_([as_host_array(t).flat for t in got], F32, op)
+        else:
+            Bucket(range(len(sizes)), sizes, F32).reduce_(got, got, op, "auto")
         expect(all(torch.equal(a, w) for a, w in zip(got, want)), f"zero-copy {sizes[:3]} {op}")
         # odd ranks hold non-contiguous tensors and must pack while their neighbours do not
         if rank % 2:
             got = [torch.zeros(len(t), 2)[:, 1].copy_(t) for t in every[rank]]
         else:
             got = [t.clone() for t in every[rank]]
-        fusion.Bucket(range(len(sizes)), sizes, F32).reduce_(got, got, op, "auto")
+        Bucket(range(len(sizes)), sizes, F32).reduce_(got, got, op, "auto")
         expect(all(torch.equal(a, w) for a, w in zip(got, want)), f"mixed {sizes[:3]} {op}")
 
 # ---- no_sync: accumulation over micro-batches == one big batch ------------------------------

@@ -1,0 +1,21 @@
+/* Helpers shared by the extension's binding files (module.c, context.c). */
+#ifndef MPIDP_BINDING_H
+#define MPIDP_BINDING_H
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include "fusion.h"
+
+/* Header word 1 carries the shared-memory call's data and peer mode above the algorithm code
+ * (mpidp.handshake.MODE_SHIFT): ranks that would move data differently disagree there. */
+#define SHM_MODE_SHIFT 4
+
+int mp_get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what);
+int mp_check_codes(int dtype, int op);
+/* Buffers of every item of `seq`, as segments; on failure releases what it took. */
+Py_ssize_t mp_get_segments(PyObject *seq, int writable, size_t isz, Py_buffer **views,
+                           mp_segment **segs, size_t *total);
+void mp_release_segments(Py_buffer *views, mp_segment *segs, Py_ssize_t n);
+/* Adds the ShmContext type (context.c) to module `m`; -1 on error. */
+int mp_add_shm_context_type(PyObject *m);
+
+#endif

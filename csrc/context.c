@@ -1,0 +1,440 @@
+/* mpidp._ext.ShmContext: one node's shared-memory context as a Python type. It holds what
+ * every call of the protocol shares (control block, ranks, peer mode, sizes, staging
+ * segments, the call counter), so a call passes only its own header and data.
+ * The call counter advances only when a call really enters the protocol: a call refused for
+ * its arguments (a read-only buffer, a size that does not fit) has taken no part in it, so
+ * its rank stays in step with the others (Note [Shared-memory protocol] in shm.c). */
+#include "binding.h"
+#include "kernels.h"
+#include "shm.h"
+#include <structmember.h>
+
+typedef struct {
+    PyObject_HEAD
+    char *ctrl;
+    int nranks, rank, peers;
+    unsigned long long seq;
+    Py_ssize_t inline_bytes, chunk_bytes, capacity;
+    double timeout_s;
+    char *segments[SHM_MAX_RANKS];
+    PyObject *board; /* the watchdog's board (mpidp.watchdog.Board) the fast path posts on */
+} ShmContext;
+
+static void ctx_dealloc(ShmContext *self) {
+    Py_XDECREF(self->board);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int ctx_init(ShmContext *self, PyObject *args, PyObject *kwds) {
+    static char *kw[] = {"ctrl_addr", "nranks", "rank", "peers", "inline_bytes", "chunk_bytes",
+                         "timeout_s", NULL};
+    unsigned long long ctrl;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Kiiinnd", kw, &ctrl, &self->nranks,
+                                     &self->rank, &self->peers, &self->inline_bytes,
+                                     &self->chunk_bytes, &self->timeout_s))
+        return -1;
+    if (self->nranks < 1 || self->nranks > SHM_MAX_RANKS || self->rank < 0 ||
+        self->rank >= self->nranks) {
+        PyErr_Format(PyExc_ValueError, "rank %d of %d outside 1..%d ranks", self->rank,
+                     self->nranks, SHM_MAX_RANKS);
+        return -1;
+    }
+    if (self->peers != SHM_PEERS_CMA && self->peers != SHM_PEERS_WINDOW) {
+        PyErr_Format(PyExc_ValueError, "unknown peer mode %d", self->peers);
+        return -1;
+    }
+    if (self->inline_bytes < 0 || self->inline_bytes > SHM_INLINE_BYTES || self->chunk_bytes < 1) {
+        PyErr_Format(PyExc_ValueError, "inline_bytes must be 0..%d and chunk_bytes positive",
+                     SHM_INLINE_BYTES);
+        return -1;
+    }
+    self->ctrl = (char *)(uintptr_t)ctrl;
+    self->seq = 0;
+    self->capacity = 0;
+    return 0;
+}
+
+static PyObject *ctx_set_segments(ShmContext *self, PyObject *args) {
+    PyObject *addrs;
+    Py_ssize_t capacity;
+    if (!PyArg_ParseTuple(args, "O!n", &PyTuple_Type, &addrs, &capacity)) return NULL;
+    if (PyTuple_GET_SIZE(addrs) != self->nranks) {
+        PyErr_SetString(PyExc_ValueError, "one staging segment address per rank");
+        return NULL;
+    }
+    for (int q = 0; q < self->nranks; q++) {
+        self->segments[q] = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(addrs, q));
+        if (PyErr_Occurred()) return NULL;
+    }
+    self->capacity = capacity;
+    Py_RETURN_NONE;
+}
+
+static int read_header(PyObject *obj, int64_t *header) {
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != SHM_HEADER_WORDS) {
+        PyErr_Format(PyExc_TypeError, "header must be a tuple of %d ints", SHM_HEADER_WORDS);
+        return -1;
+    }
+    for (int i = 0; i < SHM_HEADER_WORDS; i++) {
+        header[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(obj, i));
+        if (header[i] == -1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+/* (status, info) of a finished call: OK -> every rank's free header word (handshake) or None;
+ * MISMATCH -> every rank's header; TIMEOUT -> the ranks that had not arrived; PEER_ERROR ->
+ * (rank, peer, errno); OUT_OF_STEP -> the call number of every rank's record. */
+static PyObject *result_tuple(const shm_result *r, int nranks, int data) {
+    PyObject *info = NULL;
+    switch (r->status) {
+    case SHM_OK:
+        if (data != SHM_DATA_NONE) return Py_BuildValue("(iO)", SHM_OK, Py_None);
+        info = PyTuple_New(nranks);
+        for (int q = 0; info && q < nranks; q++)
+            PyTuple_SET_ITEM(info, q, PyLong_FromLongLong(r->headers[q][SHM_HEADER_WORDS - 1]));
+        break;
+    case SHM_MISMATCH:
+        info = PyTuple_New(nranks);
+        for (int q = 0; info && q < nranks; q++) {
+            PyObject *h = PyTuple_New(SHM_HEADER_WORDS);
+            for (int i = 0; h && i < SHM_HEADER_WORDS; i++)
+                PyTuple_SET_ITEM(h, i, PyLong_FromLongLong(r->headers[q][i]));
+            PyTuple_SET_ITEM(info, q, h);
+        }
+        break;
+    case SHM_TIMEOUT:
+        info = PyList_New(0);
+        for (int q = 0; info && q < nranks; q++)
+            if (r->missing[q]) {
+                PyObject *v = PyLong_FromLong(q);
+                PyList_Append(info, v);
+                Py_XDECREF(v);
+            }
+        break;
+    case SHM_OUT_OF_STEP:
+        info = PyTuple_New(nranks);
+        for (int q = 0; info && q < nranks; q++)
+            PyTuple_SET_ITEM(info, q, PyLong_FromLongLong(r->seqs[q]));
+        break;
+    default:
+        info = Py_BuildValue("(iii)", r->peer_rank, r->missing[0], r->peer_errno);
+    }
+    if (!info) return NULL;
+    return Py_BuildValue("(iN)", r->status, info);
+}
+
+/* Runs call `c` (its arguments already checked) as the context's next call. */
+static PyObject *enter(ShmContext *self, shm_call *c, int64_t *header) {
+    header[1] |= (int64_t)(c->data | c->peers << 2) << SHM_MODE_SHIFT;
+    c->ctrl = self->ctrl;
+    c->nranks = self->nranks;
+    c->rank = self->rank;
+    c->seq = ++self->seq;
+    c->header = header;
+    c->chunk_bytes = (size_t)self->chunk_bytes;
+    c->peers = self->peers;
+    c->segments = self->segments;
+    c->timeout_s = self->timeout_s;
+    shm_result result; /* large but cheap: only the fields a status uses are read */
+    result.status = SHM_OK;
+    result.peer_rank = result.peer_errno = 0;
+    result.missing[0] = 0;
+    Py_BEGIN_ALLOW_THREADS
+    shm_run(c, &result);
+    Py_END_ALLOW_THREADS
+    if (result.status == SHM_OK && c->data != SHM_DATA_NONE) return NULL; /* the fast answer */
+    return result_tuple(&result, self->nranks, c->data);
+}
+
+/* A call refused for its arguments after its header was read still takes its turn: it joins
+ * the handshake with an error header (mpidp.handshake.error_header), so every other rank
+ * raises a MismatchError instead of waiting for it; then the error set here is raised. */
+static PyObject *refuse(ShmContext *self, int64_t kind) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    int64_t header[SHM_HEADER_WORDS] = {0};
+    header[0] = kind;
+    header[SHM_HEADER_WORDS - 2] = PyErr_GivenExceptionMatches(type, PyExc_TypeError) ? 1 : 2;
+    shm_call c;
+    memset(&c, 0, sizeof(c));
+    c.data = SHM_DATA_NONE;
+    c.dtype = DT_F32;
+    c.divisor = 1;
+    PyObject *answer = enter(self, &c, header);
+    Py_XDECREF(answer);
+    PyErr_Restore(type, value, tb); /* this rank's own error, whatever the others said */
+    return NULL;
+}
+
+PyDoc_STRVAR(exchange_doc,
+"exchange(header) -> (status, info)\n\n"
+"The protocol's handshake alone: OK with every rank's free header word, or MISMATCH with\n"
+"every rank's header (also TIMEOUT, OUT_OF_STEP). Every local rank calls it.");
+
+static PyObject *ctx_exchange(ShmContext *self, PyObject *header_obj) {
+    int64_t header[SHM_HEADER_WORDS];
+    if (read_header(header_obj, header) < 0) return NULL;
+    shm_call c;
+    memset(&c, 0, sizeof(c));
+    c.data = SHM_DATA_NONE;
+    c.dtype = DT_F32;
+    c.divisor = 1;
+    return enter(self, &c, header);
+}
+
+PyDoc_STRVAR(allreduce_doc,
+"allreduce(header, src, dst, dtype, op, divisor) -> None or (status, info)\n\n"
+"Reduces every local rank's `src` into its `dst` (may be `src`) in one call that also\n"
+"checks the headers: inline in the control block up to inline_bytes, else sliced (each rank\n"
+"reduces its share for all). `src` may be a list of writable buffers (dst None): reduced in\n"
+"place where they lie. Returns None when done, else (status, info) as exchange. Bad\n"
+"arguments join the handshake with an error header, then raise. Every local rank calls it.");
+
+static PyObject *ctx_allreduce(ShmContext *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "allreduce takes 6 arguments");
+        return NULL;
+    }
+    int64_t header[SHM_HEADER_WORDS];
+    if (read_header(args[0], header) < 0) return NULL;
+    PyObject *src_obj = args[1], *dst_obj = args[2];
+    int dtype = PyLong_AsLong(args[3]), op = PyLong_AsLong(args[4]);
+    long divisor = PyLong_AsLong(args[5]);
+    if (PyErr_Occurred() || mp_check_codes(dtype, op) < 0) return refuse(self, header[0]);
+    if (divisor < 1) {
+        PyErr_Format(PyExc_ValueError, "divisor must be positive, got %ld", divisor);
+        return refuse(self, header[0]);
+    }
+    size_t isz = mp_itemsize(dtype);
+    shm_call c;
+    memset(&c, 0, sizeof(c));
+    c.dtype = dtype;
+    c.op = op;
+    c.divisor = divisor;
+    Py_buffer src = {0}, dst = {0};
+    Py_buffer *seg_views = NULL;
+    mp_segment *segs = NULL;
+    Py_ssize_t nsegs = 0;
+    int have_src = 0, have_dst = 0;
+    size_t nbytes;
+    const char *bad = NULL;
+    if (PyList_Check(src_obj) || PyTuple_Check(src_obj)) { /* segmented, in place */
+        if (dst_obj != Py_None) {
+            PyErr_SetString(PyExc_ValueError, "segmented calls reduce in place: dst must be None");
+            return refuse(self, header[0]);
+        }
+        nsegs = mp_get_segments(src_obj, 1, isz, &seg_views, &segs, &nbytes);
+        if (nsegs < 0) return refuse(self, header[0]);
+        if (nsegs == 0 || nsegs > SHM_MAX_SEGMENTS) bad = "segmented calls take 1 to SHM_MAX_SEGMENTS buffers";
+    } else if (src_obj == dst_obj) { /* in place: one writable buffer */
+        if (mp_get_buffer(src_obj, &dst, 1, "x") < 0) return refuse(self, header[0]);
+        have_dst = 1;
+        src = dst;
+        nbytes = (size_t)dst.len;
+    } else {
+        if (mp_get_buffer(src_obj, &src, 0, "src") < 0) return refuse(self, header[0]);
+        have_src = 1;
+        if (mp_get_buffer(dst_obj, &dst, 1, "dst") < 0) {
+            PyBuffer_Release(&src);
+            return refuse(self, header[0]);
+        }
+        have_dst = 1;
+        nbytes = (size_t)src.len;
+        if (src.len != dst.len) bad = "src and dst must hold the same number of bytes";
+    }
+    if (!bad && nbytes % isz) bad = "the buffer's size is not a multiple of its item size";
+    c.count = nbytes / isz;
+    c.data = (!nsegs && nbytes <= (size_t)self->inline_bytes) ? SHM_DATA_INLINE : SHM_DATA_SLICED;
+    if (!bad && c.data == SHM_DATA_SLICED && self->peers == SHM_PEERS_WINDOW &&
+        (Py_ssize_t)nbytes > self->capacity)
+        bad = "the staging segments are smaller than the buffer (ensure_segments first)";
+    PyObject *out = NULL;
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, bad);
+        refuse(self, header[0]);
+    } else {
+        c.in = src.buf;
+        c.out = dst.buf;
+        c.segs = segs;
+        c.nsegs = (size_t)nsegs;
+        if (c.data == SHM_DATA_SLICED) shm_partition(c.count, self->nranks, self->rank, &c.slice_lo, &c.slice_hi);
+        out = enter(self, &c, header);
+        if (!out && !PyErr_Occurred()) out = Py_NewRef(Py_None);
+    }
+    if (have_src) PyBuffer_Release(&src);
+    if (have_dst) PyBuffer_Release(&dst);
+    if (segs) mp_release_segments(seg_views, segs, nsegs);
+    return out;
+}
+
+/* Note [Small all-reduce in one call]
+ * An in-place all-reduce of a small numpy array on one node, the call whose cost is all
+ * overhead, is one C call: the array's buffer (writable, C-contiguous: its format gives the
+ * dtype), the header built here as mpidp.handshake.header builds it (the shape's hash is
+ * Python's hash of the shape tuple, so it equals what any other path of another rank
+ * publishes), posted on the watchdog's board as every collective is, and the protocol's
+ * inline call that carries header and data together. Whatever it cannot take (another
+ * dtype, a read-only or strided array, more than inline_bytes, avg on integers) it declines
+ * before touching anything, returning NotImplemented: the front then takes the general path,
+ * which checks, refuses or runs it. */
+static PyObject *s_seq, *s_done, *s_what, *s_sum, *s_avg, *s_min, *s_max;
+
+static int format_dtype(const Py_buffer *v) {
+    const char *f = v->format ? v->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (f[1]) return -1;
+    switch (*f) {
+    case 'e': return v->itemsize == 2 ? DT_F16 : -1;
+    case 'f': return v->itemsize == 4 ? DT_F32 : -1;
+    case 'd': return v->itemsize == 8 ? DT_F64 : -1;
+    case 'i': case 'l': case 'q':
+        return v->itemsize == 4 ? DT_I32 : v->itemsize == 8 ? DT_I64 : -1;
+    default: return -1;
+    }
+}
+
+static int op_of(PyObject *op, int *code, int *average) {
+    *average = 0;
+    if (op == s_sum || PyUnicode_Compare(op, s_sum) == 0) *code = OP_SUM;
+    else if (op == s_avg || PyUnicode_Compare(op, s_avg) == 0) { *code = OP_SUM; *average = 1; }
+    else if (op == s_min || PyUnicode_Compare(op, s_min) == 0) *code = OP_MIN;
+    else if (op == s_max || PyUnicode_Compare(op, s_max) == 0) *code = OP_MAX;
+    else { PyErr_Clear(); return -1; }
+    return 0;
+}
+
+/* board.seq += 1; board.what = header; returns the new seq or -1 with an exception set */
+static long long post(PyObject *board, const int64_t *header) {
+    PyObject *seq = PyObject_GetAttr(board, s_seq);
+    if (!seq) return -1;
+    long long next = PyLong_AsLongLong(seq) + 1;
+    Py_DECREF(seq);
+    PyObject *what = PyTuple_New(SHM_HEADER_WORDS), *n = PyLong_FromLongLong(next);
+    for (int i = 0; what && i < SHM_HEADER_WORDS; i++)
+        PyTuple_SET_ITEM(what, i, PyLong_FromLongLong(header[i]));
+    int bad = !what || !n || PyObject_SetAttr(board, s_seq, n) < 0 ||
+              PyObject_SetAttr(board, s_what, what) < 0;
+    Py_XDECREF(what);
+    Py_XDECREF(n);
+    return bad ? -1 : next;
+}
+
+PyDoc_STRVAR(allreduce_array_doc,
+"allreduce_array(x, op) -> x, (status, info) or NotImplemented\n\n"
+"The whole in-place all-reduce of a small numpy array, posted on the board given to\n"
+"set_board (Note [Small all-reduce in one call]): x when done, (status, info) as exchange\n"
+"when the ranks disagree, NotImplemented when it declines (nothing done, nothing posted).");
+
+static PyObject *ctx_allreduce_array(ShmContext *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !self->board) {
+        PyErr_SetString(PyExc_TypeError, "allreduce_array(x, op) needs set_board first");
+        return NULL;
+    }
+    int opc, average;
+    if (op_of(args[1], &opc, &average) < 0) Py_RETURN_NOTIMPLEMENTED;
+    Py_buffer v;
+    if (PyObject_GetBuffer(args[0], &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    int dtype = format_dtype(&v);
+    if (dtype < 0 || v.len > self->inline_bytes || (average && dtype >= DT_I32)) {
+        PyBuffer_Release(&v);
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    PyObject *shape = PyTuple_New(v.ndim);
+    for (int i = 0; shape && i < v.ndim; i++)
+        PyTuple_SET_ITEM(shape, i, PyLong_FromSsize_t(v.shape[i]));
+    Py_hash_t shape_hash = shape ? PyObject_Hash(shape) : -1;
+    Py_XDECREF(shape);
+    int64_t header[SHM_HEADER_WORDS] = {1 /* ALLREDUCE */, 3 /* shm */, opc + 4 * average,
+                                        dtype, (int64_t)(v.len / v.itemsize), shape_hash, 0, 0};
+    long long seq = shape_hash == -1 ? -1 : post(self->board, header);
+    if (seq < 0) {
+        PyBuffer_Release(&v);
+        return NULL;
+    }
+    shm_call c;
+    memset(&c, 0, sizeof(c));
+    c.dtype = dtype;
+    c.op = opc;
+    c.divisor = average ? self->nranks : 1;
+    c.data = SHM_DATA_INLINE;
+    c.in = v.buf;
+    c.out = v.buf;
+    c.count = (size_t)(v.len / v.itemsize);
+    PyObject *out = enter(self, &c, header);
+    PyBuffer_Release(&v);
+    PyObject *done = PyLong_FromLongLong(seq);
+    if (!done || PyObject_SetAttr(self->board, s_done, done) < 0) {
+        Py_XDECREF(done);
+        Py_XDECREF(out);
+        return NULL;
+    }
+    Py_DECREF(done);
+    if (!out && !PyErr_Occurred()) return Py_NewRef(args[0]);
+    return out;
+}
+
+static PyObject *ctx_set_board(ShmContext *self, PyObject *board) {
+    Py_XSETREF(self->board, Py_NewRef(board));
+    Py_RETURN_NONE;
+}
+
+static PyObject *ctx_get_seq(ShmContext *self, void *closure) {
+    return PyLong_FromUnsignedLongLong(self->seq);
+}
+
+static PyMethodDef ctx_methods[] = {
+    {"exchange", (PyCFunction)ctx_exchange, METH_O, exchange_doc},
+    {"allreduce", (PyCFunction)(void (*)(void))ctx_allreduce, METH_FASTCALL, allreduce_doc},
+    {"allreduce_array", (PyCFunction)(void (*)(void))ctx_allreduce_array, METH_FASTCALL,
+     allreduce_array_doc},
+    {"set_board", (PyCFunction)ctx_set_board, METH_O,
+     "set_board(board): the watchdog's board allreduce_array posts on"},
+    {"set_segments", (PyCFunction)ctx_set_segments, METH_VARARGS,
+     "set_segments(addresses, capacity): every rank's staging segment (window mode)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef ctx_members[] = {
+    {"nranks", T_INT, offsetof(ShmContext, nranks), READONLY, "local ranks"},
+    {"rank", T_INT, offsetof(ShmContext, rank), READONLY, "this process's local rank"},
+    {"peers", T_INT, offsetof(ShmContext, peers), READONLY, "SHM_PEERS_CMA or SHM_PEERS_WINDOW"},
+    {"inline_bytes", T_PYSSIZET, offsetof(ShmContext, inline_bytes), READONLY,
+     "largest buffer carried in the control block"},
+    {"capacity", T_PYSSIZET, offsetof(ShmContext, capacity), READONLY,
+     "bytes of each staging segment (window mode)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef ctx_getset[] = {
+    {"seq", (getter)ctx_get_seq, NULL, "calls that entered the protocol", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ShmContextType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mpidp._ext.ShmContext",
+    .tp_doc = "ShmContext(ctrl_addr, nranks, rank, peers, inline_bytes, chunk_bytes, timeout_s)\n\n"
+              "The shared-memory protocol of one node's ranks (Note [Shared-memory protocol]).",
+    .tp_basicsize = sizeof(ShmContext),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)ctx_dealloc,
+    .tp_init = (initproc)ctx_init,
+    .tp_methods = ctx_methods,
+    .tp_members = ctx_members,
+    .tp_getset = ctx_getset,
+};
+
+int mp_add_shm_context_type(PyObject *m) {
+    if (!(s_seq = PyUnicode_InternFromString("seq")) || !(s_done = PyUnicode_InternFromString("done")) ||
+        !(s_what = PyUnicode_InternFromString("what")) || !(s_sum = PyUnicode_InternFromString("sum")) ||
+        !(s_avg = PyUnicode_InternFromString("avg")) || !(s_min = PyUnicode_InternFromString("min")) ||
+        !(s_max = PyUnicode_InternFromString("max")))
+        return -1;
+    if (PyType_Ready(&ShmContextType) < 0) return -1;
+    return PyModule_AddObjectRef(m, "ShmContext", (PyObject *)&ShmContextType);
+}

@@ -1,0 +1,150 @@
+"""Buckets: one flat buffer holding tensors of one dtype back to back, packed, all-reduced
+and unpacked — ``Bucket`` on the host (the C extension's pack and unpack) and, in
+mpidp.gpu.buckets, ``DeviceBucket`` on a GPU — both on one base that
+asks mpidp.planner.plan_bucket once per reduction how to go: zero-copy or packed, which
+algorithm, where the average divides. DistributedDataParallel, CentralStorage and
+grouped_allreduce hold them."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from . import collectives, host_kernels, runtime, timeline
+from .planner import DEVICE, HOST, plan_bucket
+from .dtypes import NUMPY_STORAGE, as_host_array, flat_host_array, write_back
+
+
+class BucketBase:
+    """What every bucket has: ``indices`` name its tensors (in the caller's numbering),
+    ``counts`` their elements and ``offsets`` where each starts, ``dtype`` their dtype code,
+    ``flat`` the buffer, ``buffer`` the buffer as the collectives take it, and ``divisor``
+    what the last ``reduce_`` left for unpacking to divide by. Subclasses give ``pack``,
+    ``unpack``, ``unpack_one``, ``torch_view``, ``allreduce_`` and the stream hooks."""
+
+    __slots__ = ("indices", "counts", "offsets", "dtype", "flat", "buffer", "divisor")
+    where = HOST
+
+    def __init__(self, indices: Sequence[int], counts: Sequence[int], dtype: int):
+        self.indices = tuple(indices)
+        self.counts = tuple(int(c) for c in counts)
+        self.offsets = tuple(int(o) for o in np.cumsum((0,) + self.counts[:-1]))
+        self.dtype = dtype
+        self.divisor = 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
+
+    def _zero_copy_views(self, sources: Sequence[Any], destinations: Sequence[Any]):
+        """The flat views to reduce where they lie, or None where they cannot be."""
+        return None
+
+    def reduce_(self, sources: Sequence[Any], destinations: Sequence[Any], op: str,
+                algorithm: str) -> None:
+        """All-reduces this bucket's tensors: ``sources`` in (None packs zeros), results into
+        ``destinations`` (None skips; the same tensors as ``sources`` for in place). ``op``:
+        sum, avg, min, max. Planned once (mpidp.planner.plan_bucket): in place on one node
+        the tensors are reduced where they lie (Note [Zero-copy buckets]); otherwise packed,
+        reduced and unpacked, the average's division fused into the unpack where the
+        algorithm does not divide itself. Collective: every rank calls it for the same
+        bucket, and every rank sends the same op whichever path it takes."""
+        g = runtime.group()
+        views = self._zero_copy_views(sources, destinations)
+        p = plan_bucket(self.where, algorithm, collectives.facts(g, self.where == DEVICE),
+                        self.nbytes, len(self.indices), views is not None, op)
+        if p.zero_copy:
+            collectives.allreduce_segments_(views, self.dtype, op)
+            return
+        self.divisor = g.size if p.divide_in_unpack else 1
+        self.pack(sources)
+        self.allreduce_("sum" if p.divide_in_unpack else op, p.algorithm.name)
+        self.unpack(destinations, self.divisor)
+
+
+# Note [Zero-copy buckets]
+# On one node (algorithm shm) with cross-memory attach, a bucket need not be packed at all:
+# each rank publishes its tensors' addresses as a segment table in its shared-memory record,
+# and the rank that reduces a slice reads that slice from every rank's tensors and writes the
+# result (with the average's division) straight back into them. Packing and unpacking — two
+# full copies of every gradient — disappear, and each byte is read once and written once on
+# the node. Up to SHM_MAX_SEGMENTS (256) tensors per bucket, above the inline size; otherwise,
+# across nodes, or in staging-window mode the bucket is packed, reduced and unpacked. Ranks
+# may take different paths for the same bucket (csrc/shm.c maps each rank's own layout).
+
+
+class Bucket(BucketBase):
+    """One flat host buffer; ``buffer`` is it as a HostArray of the bucket's dtype."""
+
+    __slots__ = ()
+
+    def __init__(self, indices: Sequence[int], counts: Sequence[int], dtype: int):
+        super().__init__(indices, counts, dtype)
+        self.flat = np.empty(sum(self.counts), NUMPY_STORAGE[dtype])
+        self.buffer = flat_host_array(self.flat, dtype)
+
+    def allreduce_(self, op: str, algorithm: str) -> None:
+        """All-reduces the bucket's buffer in place (collective)."""
+        collectives.allreduce_(self.buffer, op, algorithm)
+
+    def capture_stream(self) -> None:
+        """Host buffers have no stream to order by (DeviceBucket's capture one)."""
+
+    def join_stream(self) -> None:
+        """See capture_stream."""
+
+    @timeline.traced("pack")
+    def pack(self, sources: Sequence[Any], skip_own_slots: bool = False) -> None:
+        """Copies ``sources`` (one per index; None packs zeros) into the buffer, in one C call.
+        With ``skip_own_slots``, a source that already is its own slot of this bucket (a
+        gradient held as a bucket view) stays where it is."""
+        views = [np.zeros(c, self.flat.dtype) if s is None else as_host_array(s).flat
+                 for s, c in zip(sources, self.counts)]
+        if skip_own_slots:
+            base, itemsize = self.flat.ctypes.data, self.flat.itemsize
+            own = [v.ctypes.data == base + o * itemsize for v, o in zip(views, self.offsets)]
+            if any(own):
+                for v, is_own, count, o in zip(views, own, self.counts, self.offsets):
+                    if not is_own:
+                        host_kernels.pack(self.flat[o:o + count], [v])
+                return
+        host_kernels.pack(self.flat, views)
+
+    def _zero_copy_views(self, sources: Sequence[Any], destinations: Sequence[Any]):
+        if not all(s is not None and s is d for s, d in zip(sources, destinations)):
+            return None
+        arrays = [as_host_array(t) for t in sources]
+        if all(a.contiguous and a.flat.flags.writeable for a in arrays):
+            return [a.flat for a in arrays]
+        return None
+
+    def torch_view(self, position: int, like: Any) -> Any:
+        """A torch tensor shaped and typed as ``like`` that is the slot at ``position``."""
+        import torch
+        lo = self.offsets[position]
+        t = torch.from_numpy(self.flat[lo:lo + self.counts[position]])
+        if t.dtype != like.dtype:
+            t = t.view(like.dtype)  # bfloat16 is stored as 16-bit integers
+        return t.view(like.shape)
+
+    @timeline.traced("unpack")
+    def unpack(self, destinations: Sequence[Any], divisor: int = 1) -> None:
+        """Copies the buffer into ``destinations`` (one per index; None skips that tensor),
+        divided by ``divisor`` in the same pass, in one C call."""
+        arrays = [None if d is None else as_host_array(d) for d in destinations]
+        views = [np.empty(c, self.flat.dtype) if a is None else a.flat
+                 for a, c in zip(arrays, self.counts)]
+        host_kernels.unpack(self.flat, views, self.dtype, divisor)
+        for a in arrays:
+            if a is not None:
+                write_back(a)  # non-contiguous destinations were unpacked into a copy
+
+    def unpack_one(self, position: int, destination: Any, divisor: Optional[int] = None) -> None:
+        """Unpacks only the tensor at ``position`` of this bucket (divided by ``divisor``,
+        default: what the last ``reduce_`` left to divide)."""
+        divisor = self.divisor if divisor is None else divisor
+        lo = self.offsets[position]
+        a = as_host_array(destination)
+        host_kernels.unpack(self.flat[lo:lo + self.counts[position]], [a.flat], self.dtype,
+                            divisor)
+        write_back(a)

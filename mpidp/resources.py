@@ -1,0 +1,79 @@
+"""What collectives use on top of a group's topology: the watchdog's board (and thread), the
+node's shared-memory context, the transports of the ring, and the facts the algorithm choices
+read. Made by ``mpidp.init`` for its group and handed down to every collective."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from . import config, host_kernels, timeline
+from .algorithms import Facts
+from .shm import ShmContext
+from .topology import Topology
+from .watchdog import Board, Watchdog, collective
+
+
+class Resources:
+    """Owned by one group (``topo``); every method that communicates is collective over it."""
+
+    def __init__(self, topo: Topology, cfg: config.Config):
+        self.topo = topo  # the group itself (mpidp.runtime.Group), as collectives see it
+        self.board = Board(cfg.debug)  # Note [Watchdog] in mpidp/watchdog.py
+        ext = host_kernels.EXTENSION
+        self.facts = Facts(
+            size=topo.size, single_node=topo.single_node, shm=ext is not None,
+            hier_min_bytes=cfg.hier_min_bytes, default=cfg.algorithm,
+            inline_bytes=min(cfg.shm_inline_bytes, ext.SHM_INLINE_BYTES) if ext else 0,
+            max_segments=ext.SHM_MAX_SEGMENTS if ext else 0)
+        self._shm: Optional[ShmContext] = None
+        self._transports: dict = {}
+        self.watchdog: Optional[Watchdog] = None
+        # Note [Small all-reduce in one call] in csrc/context.c: the C call that is the whole
+        # in-place all-reduce of a small numpy array, once the node's context exists, where
+        # auto means shm and nothing else must see every call (debug headers, the timeline)
+        self.fast_allreduce: Optional[Callable] = None
+        self._fast_ok = (topo.size > 1 and topo.single_node and cfg.algorithm in ("auto", "shm")
+                         and not cfg.debug and not timeline.ON)
+
+    def start_watchdog(self, timeout_s: float) -> None:
+        """Starts the watching thread (collective; only where there is more than one rank)."""
+        if self.topo.size > 1:
+            self.watchdog = Watchdog(self.topo, timeout_s)
+
+    def shm(self) -> Optional[ShmContext]:
+        """The node's shared-memory context (None without the C extension): collective on
+        first use, watched as a collective of its own when none is under way."""
+        if self._shm is None and self.facts.shm:
+            if self.board.seq == self.board.done:
+                with collective(self.topo, "shared-memory set-up", check=False):
+                    self._shm = ShmContext(self.topo.node_comm)
+            else:
+                self._shm = ShmContext(self.topo.node_comm)
+            if self._fast_ok:
+                self._shm.c.set_board(self.board)
+                self.fast_allreduce = self._shm.c.allreduce_array
+        return self._shm
+
+    def transport(self, key: Any, make: Callable[[], Any]) -> Any:
+        """The transport under ``key`` (a communicator's or a device's), made by ``make`` on
+        first use (collective then)."""
+        t = self._transports.get(key)
+        if t is None:
+            t = self._transports[key] = make()
+        return t
+
+    def free(self) -> None:
+        """Collective: frees transports and the node's windows (under the watchdog), then
+        stops the watchdog."""
+        for t in self._transports.values():  # NCCL communicators before MPI goes
+            if hasattr(t, "free"):
+                t.free()
+        self._transports.clear()
+        if self._shm is not None:
+            self.fast_allreduce = None
+            with collective(self.topo, "shutdown: freeing the shared-memory windows",
+                            check=False):
+                self._shm.free()
+            self._shm = None
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
