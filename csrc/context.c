@@ -29,25 +29,36 @@ static int ctx_init(ShmContext *self, PyObject *args, PyObject *kwds) {
     static char *kw[] = {"ctrl_addr", "nranks", "rank", "peers", "inline_bytes", "chunk_bytes",
                          "timeout_s", NULL};
     unsigned long long ctrl;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Kiiinnd", kw, &ctrl, &self->nranks,
-                                     &self->rank, &self->peers, &self->inline_bytes,
-                                     &self->chunk_bytes, &self->timeout_s))
-        return -1;
-    if (self->nranks < 1 || self->nranks > SHM_MAX_RANKS || self->rank < 0 ||
-        self->rank >= self->nranks) {
-        PyErr_Format(PyExc_ValueError, "rank %d of %d outside 1..%d ranks", self->rank,
-                     self->nranks, SHM_MAX_RANKS);
+    int nranks, rank, peers;
+    Py_ssize_t inline_bytes, chunk_bytes;
+    double timeout_s;
+    if (self->ctrl) {
+        PyErr_SetString(PyExc_TypeError, "a ShmContext is initialised once");
         return -1;
     }
-    if (self->peers != SHM_PEERS_CMA && self->peers != SHM_PEERS_WINDOW) {
-        PyErr_Format(PyExc_ValueError, "unknown peer mode %d", self->peers);
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Kiiinnd", kw, &ctrl, &nranks, &rank, &peers,
+                                     &inline_bytes, &chunk_bytes, &timeout_s))
+        return -1;
+    if (!ctrl || nranks < 1 || nranks > SHM_MAX_RANKS || rank < 0 || rank >= nranks) {
+        PyErr_Format(PyExc_ValueError, "rank %d of %d outside 1..%d ranks (or no control block)",
+                     rank, nranks, SHM_MAX_RANKS);
         return -1;
     }
-    if (self->inline_bytes < 0 || self->inline_bytes > SHM_INLINE_BYTES || self->chunk_bytes < 1) {
+    if (peers != SHM_PEERS_CMA && peers != SHM_PEERS_WINDOW) {
+        PyErr_Format(PyExc_ValueError, "unknown peer mode %d", peers);
+        return -1;
+    }
+    if (inline_bytes < 0 || inline_bytes > SHM_INLINE_BYTES || chunk_bytes < 1) {
         PyErr_Format(PyExc_ValueError, "inline_bytes must be 0..%d and chunk_bytes positive",
                      SHM_INLINE_BYTES);
         return -1;
     }
+    self->nranks = nranks;
+    self->rank = rank;
+    self->peers = peers;
+    self->inline_bytes = inline_bytes;
+    self->chunk_bytes = chunk_bytes;
+    self->timeout_s = timeout_s;
     self->ctrl = (char *)(uintptr_t)ctrl;
     self->seq = 0;
     self->capacity = 0;
@@ -82,6 +93,13 @@ static int read_header(PyObject *obj, int64_t *header) {
     return 0;
 }
 
+/* Puts `item` (a new reference, or NULL after a failure) into tuple `t`; 0 on NULL. */
+static int set_item(PyObject *t, Py_ssize_t i, PyObject *item) {
+    if (!item) return 0;
+    PyTuple_SET_ITEM(t, i, item);
+    return 1;
+}
+
 /* (status, info) of a finished call: OK -> every rank's free header word (handshake) or None;
  * MISMATCH -> every rank's header; TIMEOUT -> the ranks that had not arrived; PEER_ERROR ->
  * (rank, peer, errno); OUT_OF_STEP -> the call number of every rank's record. */
@@ -92,15 +110,16 @@ static PyObject *result_tuple(const shm_result *r, int nranks, int data) {
         if (data != SHM_DATA_NONE) return Py_BuildValue("(iO)", SHM_OK, Py_None);
         info = PyTuple_New(nranks);
         for (int q = 0; info && q < nranks; q++)
-            PyTuple_SET_ITEM(info, q, PyLong_FromLongLong(r->headers[q][SHM_HEADER_WORDS - 1]));
+            if (!set_item(info, q, PyLong_FromLongLong(r->headers[q][SHM_HEADER_WORDS - 1])))
+                Py_CLEAR(info);
         break;
     case SHM_MISMATCH:
         info = PyTuple_New(nranks);
         for (int q = 0; info && q < nranks; q++) {
             PyObject *h = PyTuple_New(SHM_HEADER_WORDS);
             for (int i = 0; h && i < SHM_HEADER_WORDS; i++)
-                PyTuple_SET_ITEM(h, i, PyLong_FromLongLong(r->headers[q][i]));
-            PyTuple_SET_ITEM(info, q, h);
+                if (!set_item(h, i, PyLong_FromLongLong(r->headers[q][i]))) Py_CLEAR(h);
+            if (!set_item(info, q, h)) Py_CLEAR(info);
         }
         break;
     case SHM_TIMEOUT:
@@ -115,7 +134,7 @@ static PyObject *result_tuple(const shm_result *r, int nranks, int data) {
     case SHM_OUT_OF_STEP:
         info = PyTuple_New(nranks);
         for (int q = 0; info && q < nranks; q++)
-            PyTuple_SET_ITEM(info, q, PyLong_FromLongLong(r->seqs[q]));
+            if (!set_item(info, q, PyLong_FromLongLong(r->seqs[q]))) Py_CLEAR(info);
         break;
     default:
         info = Py_BuildValue("(iii)", r->peer_rank, r->missing[0], r->peer_errno);
@@ -126,7 +145,7 @@ static PyObject *result_tuple(const shm_result *r, int nranks, int data) {
 
 /* Runs call `c` (its arguments already checked) as the context's next call. */
 static PyObject *enter(ShmContext *self, shm_call *c, int64_t *header) {
-    header[1] |= (int64_t)(c->data | c->peers << 2) << SHM_MODE_SHIFT;
+    header[1] |= (int64_t)(c->data | self->peers << 2) << SHM_MODE_SHIFT;
     c->ctrl = self->ctrl;
     c->nranks = self->nranks;
     c->rank = self->rank;
@@ -172,7 +191,14 @@ PyDoc_STRVAR(exchange_doc,
 "The protocol's handshake alone: OK with every rank's free header word, or MISMATCH with\n"
 "every rank's header (also TIMEOUT, OUT_OF_STEP). Every local rank calls it.");
 
+static int ready(ShmContext *self) {
+    if (self->ctrl) return 1;
+    PyErr_SetString(PyExc_TypeError, "ShmContext used before __init__");
+    return 0;
+}
+
 static PyObject *ctx_exchange(ShmContext *self, PyObject *header_obj) {
+    if (!ready(self)) return NULL;
     int64_t header[SHM_HEADER_WORDS];
     if (read_header(header_obj, header) < 0) return NULL;
     shm_call c;
@@ -192,6 +218,7 @@ PyDoc_STRVAR(allreduce_doc,
 "arguments join the handshake with an error header, then raise. Every local rank calls it.");
 
 static PyObject *ctx_allreduce(ShmContext *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!ready(self)) return NULL;
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "allreduce takes 6 arguments");
         return NULL;
@@ -296,6 +323,7 @@ static int format_dtype(const Py_buffer *v) {
 
 static int op_of(PyObject *op, int *code, int *average) {
     *average = 0;
+    if (!PyUnicode_Check(op)) return -1;
     if (op == s_sum || PyUnicode_Compare(op, s_sum) == 0) *code = OP_SUM;
     else if (op == s_avg || PyUnicode_Compare(op, s_avg) == 0) { *code = OP_SUM; *average = 1; }
     else if (op == s_min || PyUnicode_Compare(op, s_min) == 0) *code = OP_MIN;
@@ -308,13 +336,19 @@ static int op_of(PyObject *op, int *code, int *average) {
 static long long post(PyObject *board, const int64_t *header) {
     PyObject *seq = PyObject_GetAttr(board, s_seq);
     if (!seq) return -1;
-    long long next = PyLong_AsLongLong(seq) + 1;
+    long long next = PyLong_AsLongLong(seq);
     Py_DECREF(seq);
+    if (next == -1 && PyErr_Occurred()) return -1;
+    next++;
     PyObject *what = PyTuple_New(SHM_HEADER_WORDS), *n = PyLong_FromLongLong(next);
-    for (int i = 0; what && i < SHM_HEADER_WORDS; i++)
-        PyTuple_SET_ITEM(what, i, PyLong_FromLongLong(header[i]));
-    int bad = !what || !n || PyObject_SetAttr(board, s_seq, n) < 0 ||
-              PyObject_SetAttr(board, s_what, what) < 0;
+    int bad = !what || !n;
+    for (int i = 0; !bad && i < SHM_HEADER_WORDS; i++) {
+        PyObject *word = PyLong_FromLongLong(header[i]);
+        if (!word) bad = 1;
+        else PyTuple_SET_ITEM(what, i, word);
+    }
+    /* what first: a board whose seq moved always names what it waits in */
+    bad = bad || PyObject_SetAttr(board, s_what, what) < 0 || PyObject_SetAttr(board, s_seq, n) < 0;
     Py_XDECREF(what);
     Py_XDECREF(n);
     return bad ? -1 : next;
@@ -327,6 +361,7 @@ PyDoc_STRVAR(allreduce_array_doc,
 "when the ranks disagree, NotImplemented when it declines (nothing done, nothing posted).");
 
 static PyObject *ctx_allreduce_array(ShmContext *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!ready(self)) return NULL;
     if (nargs != 2 || !self->board) {
         PyErr_SetString(PyExc_TypeError, "allreduce_array(x, op) needs set_board first");
         return NULL;
@@ -344,16 +379,21 @@ static PyObject *ctx_allreduce_array(ShmContext *self, PyObject *const *args, Py
         Py_RETURN_NOTIMPLEMENTED;
     }
     PyObject *shape = PyTuple_New(v.ndim);
-    for (int i = 0; shape && i < v.ndim; i++)
-        PyTuple_SET_ITEM(shape, i, PyLong_FromSsize_t(v.shape[i]));
-    Py_hash_t shape_hash = shape ? PyObject_Hash(shape) : -1;
+    int whole = shape != NULL;
+    for (int i = 0; whole && i < v.ndim; i++) {
+        PyObject *extent = PyLong_FromSsize_t(v.shape[i]);
+        if (!extent) whole = 0;
+        else PyTuple_SET_ITEM(shape, i, extent);
+    }
+    Py_hash_t shape_hash = whole ? PyObject_Hash(shape) : -1;
     Py_XDECREF(shape);
     int64_t header[SHM_HEADER_WORDS] = {1 /* ALLREDUCE */, 3 /* shm */, opc + 4 * average,
                                         dtype, (int64_t)(v.len / v.itemsize), shape_hash, 0, 0};
     long long seq = shape_hash == -1 ? -1 : post(self->board, header);
-    if (seq < 0) {
+    if (seq < 0) { /* nothing entered: the general path takes the call (out of memory) */
+        PyErr_Clear();
         PyBuffer_Release(&v);
-        return NULL;
+        Py_RETURN_NOTIMPLEMENTED;
     }
     shm_call c;
     memset(&c, 0, sizeof(c));
@@ -366,14 +406,21 @@ static PyObject *ctx_allreduce_array(ShmContext *self, PyObject *const *args, Py
     c.count = (size_t)(v.len / v.itemsize);
     PyObject *out = enter(self, &c, header);
     PyBuffer_Release(&v);
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb); /* the board is marked done whatever enter said */
     PyObject *done = PyLong_FromLongLong(seq);
-    if (!done || PyObject_SetAttr(self->board, s_done, done) < 0) {
-        Py_XDECREF(done);
+    int marked = done && PyObject_SetAttr(self->board, s_done, done) == 0;
+    Py_XDECREF(done);
+    if (type) {
+        PyErr_Restore(type, value, tb);
         Py_XDECREF(out);
         return NULL;
     }
-    Py_DECREF(done);
-    if (!out && !PyErr_Occurred()) return Py_NewRef(args[0]);
+    if (!marked) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    if (!out) return Py_NewRef(args[0]);
     return out;
 }
 

@@ -11,8 +11,10 @@
  * record[seq & 1] again at call seq + 2, after every rank has arrived at seq + 1 and so has
  * finished reading call seq. Inline calls need no second barrier for that reason.
  * Every record is stamped with its call number, and a reader checks the stamp: a rank whose
- * count of calls has drifted from the others' (it skipped or repeated a call) is reported as
- * out of step, never paired with a stale record of an earlier call.
+ * protocol counter drifted from the others' is reported as out of step, never paired with a
+ * stale record of an earlier call. (The counter advances only when a call enters, csrc/
+ * context.c, so this is a backstop; a rank that skipped or repeated a whole collective is
+ * caught by the header comparison where the headers differ, else by the watchdog.)
  *
  * Sliced calls (large buffers): rank r reduces slice r of every rank's input (in rank order,
  * Note [Summation order]), and writes the result into slice r of every

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import handshake, host_backend, runtime, timeline
+from .gpu import backend as device_backend  # imports no CuPy until a device array arrives
 from .algorithms import DEVICE, HOST, TABLE, check_name, choose
 from .dtypes import FLOATING, OP_CODES, OPS, as_host_array, empty_like, write_back
 from .gpu import is_device_array
@@ -27,11 +28,6 @@ from .handshake import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, 
 from .ring import partition
 
 _HOST_CODES = {a.name: a.code for a in TABLE if a.where == HOST}
-
-
-def _device():
-    from .gpu import backend  # deferred for cost: imports CuPy, only for device arrays
-    return backend
 
 
 def _op_codes(op: Any, dtype: int) -> tuple:
@@ -59,10 +55,10 @@ def check_algorithm(algorithm: Any, on_device: bool) -> str:
 def facts(g, on_device: bool):
     """What the algorithm choices read for group ``g`` (mpidp.algorithms.Facts), with the
     device's facts for device arrays."""
-    return _device().facts(g) if on_device else g.resources.facts
+    return device_backend.facts(g) if on_device else g.resources.facts
 
 
-def _writable(a) -> None:
+def check_writable(a) -> None:
     """ValueError for an in-place call on an array the result cannot be written into."""
     original = a.original
     if isinstance(original, np.ndarray) and not original.flags.writeable:
@@ -71,9 +67,17 @@ def _writable(a) -> None:
                          "out-of-place call")
 
 
-def _bump_version(a) -> None:
-    """An in-place call on a torch tensor counts as torch's in-place ops do: autograd then
-    refuses a tensor it saved for backward instead of computing wrong gradients."""
+def _wrote(a) -> None:
+    """The result is in host array ``a``'s flat view: copied back into a non-contiguous
+    original, and counted (``bump_version``)."""
+    write_back(a)
+    bump_version(a)
+
+
+def bump_version(a) -> None:
+    """An in-place call on a torch tensor (host or device) counts as torch's in-place ops
+    count: autograd then refuses a tensor it saved for backward instead of computing wrong
+    gradients."""
     if a.is_torch:
         import torch  # deferred for cost: only reached with a torch tensor in hand
         torch.autograd.graph.increment_version(a.original)
@@ -128,12 +132,12 @@ def _allreduce(x, op, algorithm, inplace):
             opc, avg = _op_codes(op, a.dtype)
             name = choose(HOST, algorithm, g.resources.facts, a.flat.nbytes).name
             if inplace:
-                _writable(a)
+                check_writable(a)
+            src = a.flat
+            out, dst = (a.original, src) if inplace else empty_like(a)
         except Exception as exc:
             refuse(g, ALLREDUCE, exc)
             raise
-        src = a.flat
-        out, dst = (a.original, src) if inplace else empty_like(a)
         if g.size == 1:
             if dst is not src:
                 dst[...] = src
@@ -142,8 +146,7 @@ def _allreduce(x, op, algorithm, inplace):
                              len(src), hash(a.shape), 0, 0))
             host_backend.allreduce(g, name, hdr, src, dst, a.dtype, opc, g.size if avg else 1)
         if inplace:
-            write_back(a)
-            _bump_version(a)
+            _wrote(a)
         return out
     finally:
         b.done = b.seq
@@ -169,20 +172,24 @@ def allreduce_segments_(flats: list, dtype: int, op: str) -> None:
 
 def _device_allreduce(g, x, op, algorithm, inplace):
     b = g.board
+    dev = device_backend
     try:
-        dev = _device()
         a = dev.view(x)
         opc, avg = _op_codes(op, a.dtype)
         row = choose(DEVICE, check_name(algorithm, DEVICE), dev.facts(g), a.flat.nbytes)
+        prepared = None if row.name == "staged" else dev.prepare(a, inplace)
     except Exception as exc:  # ImportError too: CuPy or NCCL missing on this rank
         refuse(g, ALLREDUCE, exc)
         raise
-    if row.name == "staged":  # the host all-reduce posts itself on the board
+    if prepared is None:  # staged: the host all-reduce posts itself on the board
         return _staged(g, x, inplace, ALLREDUCE, lambda h: allreduce_(h, op))
     try:
         hdr = b.publish(handshake.header(ALLREDUCE, row.code, op_word(opc, avg), a.dtype,
                                          len(a.flat), a.shape))
-        return dev.allreduce(g, row.name, hdr, a, opc, avg, inplace)
+        dev.allreduce(g, row.name, hdr, a, prepared, opc, avg)
+        if inplace:
+            bump_version(a)
+        return prepared[0]
     finally:
         b.done = b.seq
 
@@ -192,12 +199,15 @@ def _staged(g, x, inplace: bool, kind: int, host_call):
     device (in place into ``x`` with ``inplace``): the path without NCCL, and the one of the
     collectives the device backend does not have. ``kind``: the collective, for a refusal."""
     try:
-        dev = _device()
-        a = dev.view(x)
+        a = device_backend.view(x)
+        host = device_backend.to_host(a)
     except Exception as exc:
         refuse(g, kind, exc)
         raise
-    return dev.from_host(host_call(dev.to_host(a)), a, inplace)
+    out = device_backend.from_host(host_call(host), a, inplace)
+    if inplace:
+        bump_version(a)
+    return out
 
 
 # ---- the other collectives -------------------------------------------------------------------
@@ -224,11 +234,11 @@ def _broadcast(x, root, inplace):
             a = as_host_array(x)
             check_root(root, g.size)
             if inplace:
-                _writable(a)
+                check_writable(a)
+            out, flat = (a.original, a.flat) if inplace else empty_like(a)
         except Exception as exc:
             refuse(g, BROADCAST, exc)
             raise
-        out, flat = (a.original, a.flat) if inplace else empty_like(a)
         if not inplace:
             flat[...] = a.flat
         if g.size > 1:
@@ -236,8 +246,7 @@ def _broadcast(x, root, inplace):
                                              a.shape))
             host_backend.broadcast(g, hdr, flat, int(root))
         if inplace:
-            write_back(a)
-            _bump_version(a)
+            _wrote(a)
         return out
     finally:
         b.done = b.seq
@@ -257,7 +266,7 @@ def reduce_(x: Any, root: int = 0, op: str = "sum"):
             check_root(root, g.size)
             opc, avg = _op_codes(op, a.dtype)
             if g.rank == root:
-                _writable(a)
+                check_writable(a)
         except Exception as exc:
             refuse(g, REDUCE, exc)
             raise
@@ -267,8 +276,7 @@ def reduce_(x: Any, root: int = 0, op: str = "sum"):
                                              a.dtype, len(a.flat), a.shape, free=root))
             host_backend.reduce(g, hdr, a.flat, a.dtype, opc, g.size if avg else 1, root)
         if g.rank == root:
-            write_back(a)
-            _bump_version(a)
+            _wrote(a)
         return a.original
     finally:
         b.done = b.seq
@@ -327,14 +335,14 @@ def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto"):
             if algorithm not in ("auto", "ring", "mpi"):
                 raise ValueError(f"unknown reduce_scatter algorithm {algorithm!r}; accepted: "
                                  "auto, ring, mpi")
+            row = int(np.prod(a.shape[1:], dtype=np.int64))
+            out, flat = empty_like(a, (partition(a.shape[0], g.size)[g.rank][1],) + a.shape[1:])
         except Exception as exc:
             refuse(g, REDUCE_SCATTER, exc)
             raise
         name = "ring" if algorithm == "auto" else algorithm
-        row = int(np.prod(a.shape[1:], dtype=np.int64))
         chunks = partition(len(a.flat), g.size, unit=max(row, 1)) if row else \
             tuple((0, 0) for _ in range(g.size))
-        out, flat = empty_like(a, (partition(a.shape[0], g.size)[g.rank][1],) + a.shape[1:])
         if g.size == 1:
             flat[...] = a.flat
             return out

@@ -33,12 +33,14 @@ class Config:
 # settings of the algorithms that must be the same on every rank (compared by mpidp.init):
 # ranks that disagree would move data differently, pair the wrong calls or hang
 AGREED = ("algorithm", "ring_piece_bytes", "shm_chunk_bytes", "shm_inline_bytes", "shm_peers",
-          "hier_min_bytes", "emulate_node_size", "debug", "extension")
+          "hier_min_bytes", "emulate_node_size", "debug", "extension", "timeline")
 
 
 def agreed(cfg: Config) -> tuple:
-    """The values of ``cfg``'s AGREED settings."""
-    return tuple(getattr(cfg, name) for name in AGREED)
+    """The values of ``cfg``'s AGREED settings (of the timeline: whether it is on; each rank
+    may name its own file)."""
+    return tuple(bool(cfg.timeline) if name == "timeline" else getattr(cfg, name)
+                 for name in AGREED)
 
 
 def env_name(field: str) -> str:

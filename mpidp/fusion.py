@@ -15,6 +15,10 @@ from . import collectives, runtime
 from .buckets import Bucket
 from .dtypes import FLOATING, as_host_array
 from .gpu import is_device_array
+from .gpu.arrays import as_device_array
+from .gpu.arrays import empty_like as device_empty_like
+from .gpu.buckets import DeviceBucket  # these import no CuPy until a device array arrives
+from .handshake import ALLREDUCE
 from .planner import DEVICE, HOST, max_tensors
 
 
@@ -84,7 +88,6 @@ def plan(tensors: Sequence[Any], cap_bytes: int, first_cap_bytes: Optional[int] 
     groups = assign_buckets(sizes, [a.dtype for a in arrays], cap_bytes, first_cap_bytes,
                             order, max_count)
     if arrays and is_device_array(arrays[0]):
-        from .gpu.buckets import DeviceBucket  # deferred for cost: imports CuPy
         return [DeviceBucket(b, [len(arrays[i].flat) for i in b], arrays[b[0]].dtype,
                              arrays[0].device) for b in groups]
     return [Bucket(b, [len(arrays[i].flat) for i in b], arrays[b[0]].dtype) for b in groups]
@@ -95,7 +98,6 @@ def _views(tensors: Sequence[Any]) -> list:
     on_device = [is_device_array(t) for t in tensors]
     if not any(on_device):
         return [as_host_array(t, "each tensor") for t in tensors]
-    from .gpu.arrays import as_device_array  # deferred for cost: imports CuPy
     if not all(on_device):
         raise TypeError("tensors must be all on the host or all on the GPU; got a mix")
     views = [as_device_array(t, "each tensor") for t in tensors]
@@ -128,44 +130,58 @@ def grouped_allreduce_(tensors: Sequence[Any], op: str = "avg", algorithm: str =
     """All-reduces every tensor in place through a few fused buckets (one per dtype and
     ``bucket_cap_mb`` MiB); ``op``: sum, avg, min, max. Returns the tensors. Every rank calls
     it with the same shapes and dtypes in the same order."""
-    items = tensor_list(tensors, "tensors")
-    return _grouped(items, items, op, algorithm, bucket_cap_mb)
+    return _grouped(tensors, True, op, algorithm, bucket_cap_mb)
 
 
 def grouped_allreduce(tensors: Sequence[Any], op: str = "avg", algorithm: str = "auto",
                       bucket_cap_mb: float = 64) -> list:
     """Like ``grouped_allreduce_`` but returns new tensors; the inputs are unchanged."""
-    items = tensor_list(tensors, "tensors")
-    outs = []
-    for t, a in zip(items, _views(items)):
-        if is_device_array(a):
-            from .gpu.arrays import empty_like  # deferred for cost: imports CuPy
-            outs.append(empty_like(a)[0])
-        else:
-            outs.append(t.new_empty(t.shape) if a.is_torch else np.empty_like(t, order="C"))
-    return _grouped(items, outs, op, algorithm, bucket_cap_mb)
+    return _grouped(tensors, False, op, algorithm, bucket_cap_mb)
 
 
-def _grouped(items, outs, op, algorithm, bucket_cap_mb):
-    if not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
-    if op not in ("sum", "avg", "min", "max"):
-        raise ValueError(f"unknown op {op!r}; accepted: sum, avg, min, max")
-    arrays = _views([writable_view(t) for t in items])
-    results = arrays if outs is items else _views(outs)
-    on_device = bool(arrays) and is_device_array(arrays[0])
-    avg = op == "avg"
-    if avg and any(a.dtype not in FLOATING for a in arrays):
-        raise ValueError("op 'avg' needs floating tensors; use 'sum' for integers")
-    cap = int(bucket_cap_mb * (1 << 20))
+def _new_like(t: Any, a: Any) -> Any:
+    if is_device_array(a):
+        return device_empty_like(a)[0]
+    return t.new_empty(t.shape) if a.is_torch else np.empty_like(t, order="C")
+
+
+def _grouped(tensors, in_place: bool, op, algorithm, bucket_cap_mb):
+    """The fused all-reduce behind both calls. Every check is made before the first bucket
+    goes out; a rank whose input fails one refuses the first all-reduce instead, so every
+    rank raises (the front door's rule, mpidp.collectives)."""
     g = runtime.group()
-    # in place on one node: buckets small enough in tensor count to go zero-copy
-    where = DEVICE if on_device else HOST
-    count = max_tensors(where, collectives.check_algorithm(algorithm, on_device),
-                        collectives.facts(g, on_device), cap, outs is items)
-    for bucket in _cached_plan(arrays, cap, count):
+    try:
+        items = tensor_list(tensors, "tensors")
+        if not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+        if op not in ("sum", "avg", "min", "max"):
+            raise ValueError(f"unknown op {op!r}; accepted: sum, avg, min, max")
+        arrays = _views([writable_view(t) for t in items])
+        if op == "avg" and any(a.dtype not in FLOATING for a in arrays):
+            raise ValueError("op 'avg' needs floating tensors; use 'sum' for integers")
+        on_device = bool(arrays) and is_device_array(arrays[0])
+        if in_place:
+            outs, results = items, arrays
+            for a in arrays:
+                collectives.check_writable(a)
+        else:
+            outs = [_new_like(t, a) for t, a in zip(items, arrays)]
+            results = _views(outs)
+        cap = int(bucket_cap_mb * (1 << 20))
+        # in place on one node: buckets small enough in tensor count to go zero-copy
+        count = max_tensors(DEVICE if on_device else HOST,
+                            collectives.check_algorithm(algorithm, on_device),
+                            collectives.facts(g, on_device), cap, in_place)
+        buckets = _cached_plan(arrays, cap, count)
+    except Exception as exc:
+        collectives.refuse(g, ALLREDUCE, exc)
+        raise
+    for bucket in buckets:
         bucket.reduce_([arrays[i] for i in bucket.indices], [results[i] for i in bucket.indices],
                        op, algorithm)
+    if in_place:
+        for a in arrays:
+            collectives.bump_version(a)
     return outs
 
 

@@ -96,9 +96,9 @@ def with_site(hdr: tuple, site: str) -> tuple:
     return (hdr[0], hdr[1] | crc << 8) + tuple(hdr[2:])
 
 
-def describe(h: Sequence[int]) -> str:
+def describe(h: Sequence[int], modes: bool = False) -> str:
     """A header in words: "allreduce float32[650] op=avg algorithm=shm", with its call site
-    where it carries one."""
+    where it carries one, and with ``modes`` its shared-memory data and peer mode."""
     kind, algorithm, op, dtype, count, shape, error, _ = h
     site, mode, algorithm = algorithm >> 8, (algorithm >> MODE_SHIFT) & 0xF, algorithm & 0xF
     name = KIND_NAMES.get(kind, f"collective kind {kind}")
@@ -115,7 +115,7 @@ def describe(h: Sequence[int]) -> str:
             what += f" op={_OP_WORDS[op]}"
         if algorithm in CODE_NAMES:
             what += f" algorithm={CODE_NAMES[algorithm]}"
-        if mode:
+        if mode and modes:
             what += f" (shared memory: {_DATA_MODES[min(mode & 3, 2)]}, {_PEER_MODES[mode >> 2 & 1]})"
     if site:
         what += f" at {_SITES[site]}" if site in _SITES else f" at call site {site:#08x}"
@@ -125,9 +125,13 @@ def describe(h: Sequence[int]) -> str:
 def mismatch_error(operation: str, headers: Sequence[Sequence[int]], mine: int) -> MismatchError:
     """A MismatchError listing what every rank called, marking those that differ from rank 0."""
     ref = tuple(headers[0][:FREE_WORD])
+    # the shared-memory modes are named where they are all that differs
+    strip = ~(0xF << MODE_SHIFT)
+    modes = len({h[1] >> MODE_SHIFT & 0xF for h in headers}) > 1 and len(
+        {(h[0], h[1] & strip) + tuple(h[2:FREE_WORD]) for h in headers}) == 1
     lines = []
     for r, h in enumerate(headers):
-        text = describe(h)
+        text = describe(h, modes)
         if tuple(h[:FREE_WORD]) != ref:
             text += "  <- differs from rank 0"
             if h[4] == ref[4] and h[5] != ref[5] and h[3] == ref[3]:

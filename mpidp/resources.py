@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from . import config, host_kernels, timeline
-from .algorithms import Facts
+from .algorithms import HOST, Facts, choose
 from .shm import ShmContext
 from .topology import Topology
 from .watchdog import Board, Watchdog, collective
@@ -31,7 +31,7 @@ class Resources:
         # in-place all-reduce of a small numpy array, once the node's context exists, where
         # auto means shm and nothing else must see every call (debug headers, the timeline)
         self.fast_allreduce: Optional[Callable] = None
-        self._fast_ok = (topo.size > 1 and topo.single_node and cfg.algorithm in ("auto", "shm")
+        self._fast_ok = (topo.size > 1 and choose(HOST, "auto", self.facts, 8).name == "shm"
                          and not cfg.debug and not timeline.ON)
 
     def start_watchdog(self, timeout_s: float) -> None:

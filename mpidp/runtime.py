@@ -38,19 +38,19 @@ class Group(Topology):
         super().free()
 
 
-def _check_agreed_settings(g: Group, cfg: config.Config) -> None:
-    """MismatchError on every rank where ranks started with different settings of the
-    algorithms (MPIDP_* variables that must agree: config.AGREED)."""
-    if g.size == 1:
+def _check_agreed_settings(comm: Any, cfg: config.Config) -> None:
+    """MismatchError on every rank of ``comm`` where ranks started with different settings
+    of the algorithms (MPIDP_* variables that must agree: config.AGREED). Runs first in init,
+    before any collective those settings shape (the node split among them)."""
+    if comm.Get_size() == 1:
         return
-    mine = config.agreed(cfg)
-    with collective(g, "init: comparing the MPIDP_* settings", check=False):
-        everyone = g.comm.allgather(mine)
+    everyone = comm.allgather(config.agreed(cfg))
     differ = [name for k, name in enumerate(config.AGREED)
               if len({e[k] for e in everyone}) > 1]
     if differ:
         raise MismatchError(
-            f"rank {g.rank}: ranks were started with different settings, which must agree: "
+            f"rank {comm.Get_rank()}: ranks were started with different settings, which must "
+            "agree: "
             + "; ".join(f"{config.env_name(name)}: " + ", ".join(
                 f"rank {r}={e[config.AGREED.index(name)]!r}" for r, e in enumerate(everyone))
                 for name in differ) + " (every rank raises this error)")
@@ -84,6 +84,7 @@ def init(comm: Any = None) -> Group:
             if reason is not None:
                 raise LaunchError(f"mpidp: {reason}")
         cfg = config.get()
+        _check_agreed_settings(comm, cfg)
         group = Group(comm, cfg)
         if cfg.abort_on_exception:
             _install_abort_hooks(group)
@@ -92,14 +93,13 @@ def init(comm: Any = None) -> Group:
             for problem in launcher.disagreements(launcher.launcher_view(), group.rank,
                                                   group.size, group.local_rank, group.local_size):
                 warnings.warn(f"mpidp: rank {group.rank}: {problem}", RuntimeWarning, stacklevel=2)
-        try:
-            _check_agreed_settings(group, cfg)
-            if timeline.ON:
+        if timeline.ON:
+            try:
                 with collective(group, "init: starting the timeline", check=False):
                     timeline.start(group.comm)
-        except BaseException:  # raised on every rank: nothing of this group survives
-            group.free()
-            raise
+            except BaseException:  # raised on every rank: nothing of this group survives
+                group.free()
+                raise
         _group = group
         bind_if_visible(group.local_rank)  # before any CUDA work of the user's (imports nothing)
         atexit.register(shutdown)

@@ -87,6 +87,8 @@ class ShmContext:
     def _choose_peers(self, ext, wanted: str, ctrl_addr: int) -> tuple:
         """(PEERS_CMA or PEERS_WINDOW, why) — Note [Cross-memory attach]."""
         mode, detail = plan_peers(wanted, yama_scope(), self.comm.allgather(os.getppid()))
+        if mode == "window" and wanted == "cma":
+            raise CommunicationError(self.rank, "shm set-up", f"MPIDP_SHM_PEERS=cma but {detail}")
         if mode == "window" or self.size == 1:
             return (PEERS_WINDOW, detail) if mode == "window" else (PEERS_CMA, "one rank")
         err = ext.set_ptracer(detail) if detail else 0
@@ -135,9 +137,9 @@ class ShmContext:
                 "job); they never reached this collective")
         if status == SHM_OUT_OF_STEP:
             raise CommunicationError(
-                self.rank, operation, "local ranks are out of step: their records are of calls "
-                + ", ".join(f"rank {q}: #{s}" for q, s in enumerate(info))
-                + f" (this is call #{self.c.seq}); a rank skipped or repeated a collective")
+                self.rank, operation, "local ranks' protocol counters are out of step: their "
+                "records are of calls " + ", ".join(f"rank {q}: #{s}" for q, s in enumerate(info))
+                + f" (this is call #{self.c.seq}); mpidp's shared-memory state is inconsistent")
         failed, peer, errno = info
         raise CommunicationError(self.rank, operation, f"local rank {failed} could not reach "
                                  f"local rank {peer}: {os.strerror(errno)}")

@@ -95,7 +95,8 @@ def test_header_words_name_the_shared_memory_modes():
     inline_cma = (hdr[0], hdr[1] | 1 << handshake.MODE_SHIFT) + hdr[2:]
     sliced_window = (hdr[0], hdr[1] | (2 | 1 << 2) << handshake.MODE_SHIFT) + hdr[2:]
     assert handshake.describe(hdr) == "allreduce float32[10] op=avg algorithm=shm"
-    assert handshake.describe(inline_cma).endswith("(shared memory: inline, cma)")
+    assert handshake.describe(inline_cma) == "allreduce float32[10] op=avg algorithm=shm"
+    assert handshake.describe(inline_cma, modes=True).endswith("(shared memory: inline, cma)")
     text = str(handshake.mismatch_error("allreduce", [inline_cma, sliced_window], 0))
     assert "sliced, window" in text and "different MPIDP_SHM_* settings" in text
     assert extension().SHM_MODE_SHIFT == handshake.MODE_SHIFT
@@ -109,10 +110,21 @@ def test_settings_that_must_agree_are_named_with_their_variables():
     assert config.from_env({"MPIDP_EXTENSION": "0"}).extension is False
 
 
-def _context(inline_bytes=4096):
+def _context(inline_bytes=4096, peers=shm.PEERS_CMA):
     ext = extension()
     ctrl = np.zeros(ext.SHM_SLOT_BYTES, np.uint8)
-    return ctrl, ext.ShmContext(ctrl.ctypes.data, 1, 0, shm.PEERS_CMA, inline_bytes, 1 << 16, 5.0)
+    return ctrl, ext.ShmContext(ctrl.ctypes.data, 1, 0, peers, inline_bytes, 1 << 16, 5.0)
+
+
+def test_the_context_puts_its_data_and_peer_mode_in_the_header():
+    hdr = handshake.header(handshake.ALLREDUCE, 3, 0, F32, 4, (4,))
+    for peers in (shm.PEERS_CMA, shm.PEERS_WINDOW):
+        ctrl, c = _context(peers=peers)
+        status, free = c.exchange(hdr)
+        assert status == shm.SHM_OK
+        # slot 0: two counters on their own 128-byte lines, then record[call & 1] of 4224 bytes
+        word = int(ctrl[256 + (128 + 4096):].view(np.int64)[1])  # call 1's header word 1
+        assert word >> handshake.MODE_SHIFT == peers << 2, (peers, word)  # data mode 0
 
 
 def test_the_context_counts_only_calls_that_entered_the_protocol():

@@ -271,10 +271,12 @@ def main(args) -> int:
     rows = measure(comm, args, gloo)
     if gloo is not None:
         gloo.close()
+    ctx = g.resources.shm() if g.single_node else None  # collective: every rank asks
+    peers = ctx.mode_name if ctx is not None else "n/a"
     if rank == 0:
         print(f"# mpidp allreduce benchmark: {n} ranks, {g.node_count} node(s), {args.device}, "
               f"shm peers: "
-              f"{g.resources.shm().mode_name if g.single_node and g.resources.shm() else 'n/a'}, dtype {args.dtype}, op {args.op}, "
+              f"{peers}, dtype {args.dtype}, op {args.op}, "
               f"iters {args.iters}, warmup {args.warmup_iters}, repeats {args.repeats}")
         print(table(rows, ceiling, n))
         if args.json:

@@ -183,13 +183,18 @@ def shared_memory(ctx) -> dict:
         free = None
     return {"host": socket.gethostname(), "local_rank": g.local_rank,
             "local_size": g.local_size, "got": got,
-            "expected": g.local_size * (g.local_size + 1) // 2, "mode": _shm_mode(g),
+            "expected": g.local_size * (g.local_size + 1) // 2, "mode": _shm_mode(g), "why": _shm_why(g),
             "forced": config.get().shm_peers != "auto", "dev_shm_free": free}
 
 
 def _shm_mode(g) -> str:
     ctx = g.resources.shm()
     return ctx.mode_name if ctx is not None else "none (C extension missing)"
+
+
+def _shm_why(g) -> str:
+    ctx = g.resources.shm()
+    return ctx.peers_why if ctx is not None else ""
 
 
 def one_sided(ctx) -> dict:

@@ -160,8 +160,8 @@ DEV_SHM_MIN_BYTES = 512 << 20
 
 def verdict_shm(values: list) -> list:
     """values: {host, local_rank, local_size, got, expected (the Allocate_shared sum), mode
-    ("cma" or "window"), forced (MPIDP_SHM_PEERS was not auto), dev_shm_free (bytes or
-    None)}."""
+    ("cma" or "window"), why (how it was chosen; optional), forced (MPIDP_SHM_PEERS was not
+    auto), dev_shm_free (bytes or None)}."""
     out = []
     wrong = [r for r, v in enumerate(values) if v["got"] != v["expected"]]
     if wrong:
@@ -176,17 +176,23 @@ def verdict_shm(values: list) -> list:
     if all(v["local_size"] == 1 for v in values):
         out.append(Finding(OK, "one rank per node: the shm all-reduce has nothing to share"))
     elif all(v["mode"] == "cma" for v in values):
+        why = values[0].get("why")
         out.append(Finding(OK, "shm all-reduce: single copy through cross-memory attach "
-                               "(process_vm_readv)"))
+                               f"(process_vm_readv){f'; {why}' if why else ''}"))
     elif all(v["forced"] for v in values):
         out.append(Finding(OK, "shm all-reduce: staging window (MPIDP_SHM_PEERS=window)"))
     else:
+        why = next((v["why"] for v in values if v.get("why") and v["mode"] != "cma"), None)
         out.append(Finding(WARN, "shm all-reduce: process_vm_readv is blocked between the "
                                  "ranks (ptrace restricted), so buffers are staged through a "
-                                 "shared window: correct, slower for large buffers",
-                           "allow it: sysctl kernel.yama.ptrace_scope=0, or run the container "
-                           "with --cap-add=SYS_PTRACE (or set MPIDP_SHM_PEERS=window to "
-                           "accept staging)"))
+                                 f"shared window: correct, slower for large buffers"
+                                 f"{f' ({why})' if why else ''}",
+                           "under Yama ptrace_scope 1 mpidp allows only the local ranks' common "
+                           "parent (the launcher's proxy) to attach, so start every rank of a "
+                           "node from one launcher; else allow it: sysctl "
+                           "kernel.yama.ptrace_scope=0, or run the container with "
+                           "--cap-add=SYS_PTRACE (or set MPIDP_SHM_PEERS=window to accept "
+                           "staging)"))
     small = by_value([v for v in values if v["dev_shm_free"] is not None
                       and v["dev_shm_free"] < DEV_SHM_MIN_BYTES], lambda v: v["host"])
     for host in small:

@@ -52,45 +52,52 @@ def transport(g) -> NCCLTransport:
                                  lambda: NCCLTransport(g.comm))
 
 
-def allreduce(g, name: str, hdr: tuple, a, opc: int, avg: bool, inplace: bool):
-    """All-reduces device array ``a`` with algorithm ``name`` (ring or nccl) after the front
-    published ``hdr``; returns the result (``a``'s array with ``inplace``)."""
+def prepare(a, inplace: bool) -> tuple:
+    """(result, its flat view, the producer's stream) for all-reducing device array ``a``:
+    what can fail on this rank alone (device memory), done before the header goes out."""
+    with device.cupy().cuda.Device(a.device):
+        out, dst = (a.original, a.flat) if inplace else empty_like(a)
+        return out, dst, producer_stream(a)
+
+
+def allreduce(g, name: str, hdr: tuple, a, prepared: tuple, opc: int, avg: bool) -> None:
+    """All-reduces device array ``a`` into ``prepared``'s flat view (``prepare``) with
+    algorithm ``name`` (ring or nccl) after the front published ``hdr``."""
     with device.cupy().cuda.Device(a.device):  # this thread may have another current device
-        return _allreduce_on_device(g, name, hdr, a, opc, avg, inplace)
+        _allreduce_on_device(g, name, hdr, a, prepared, opc, avg)
+        if prepared[1] is a.flat:
+            write_back(a)
 
 
-def _allreduce_on_device(g, algo: str, hdr: tuple, a, opc: int, avg: bool, inplace: bool):
+def _allreduce_on_device(g, algo: str, hdr: tuple, a, prepared: tuple, opc: int, avg: bool):
     cp = device.cupy()
     src = a.flat
-    out, dst = (a.original, src) if inplace else empty_like(a)
-    producer = producer_stream(a)
+    _, dst, producer = prepared
     if g.size == 1 and algo == "ring":  # the reduction of one term is the term
         if dst is not src:
             with producer:
                 dst[...] = src
-    else:  # NCCL runs even alone: one rank is how a single GPU measures it
-        # Note [Watchdog] in mpidp/watchdog.py: the host waits in the header exchange, in
-        # the NCCL communicator's set-up (first call) and while enqueueing; not for the
-        # device's work, which the streams order after this returns
-        if g.size > 1:
-            handshake.exchange(g, hdr, "allreduce")
-        t = transport(g)
-        t.enter(producer)
-        if algo == "nccl":
-            t.allreduce(src, dst, a.dtype, opc, avg)
-        else:
-            piece = max(1, config.get().ring_piece_bytes // dst.itemsize)
-            with t.compute:  # copies and scratch in the compute stream's order and pool
-                if dst is not src:
-                    dst[...] = src
-                n = max(1, min(piece, len(dst)))
-                scratch = (cp.empty(n, dst.dtype), cp.empty(n, dst.dtype))
-            ring_allreduce(dst, scratch, t, DeviceOps(t.compute), a.dtype, opc,
-                           g.size if avg else 1, piece)
-        t.leave(producer)
-    if inplace:
-        write_back(a)
-    return out
+        return
+    # NCCL runs even alone: one rank is how a single GPU measures it.
+    # Note [Watchdog] in mpidp/watchdog.py: the host waits in the header exchange, in the NCCL
+    # communicator's set-up (first call) and while enqueueing; not for the device's work,
+    # which the streams order after this returns
+    if g.size > 1:
+        handshake.exchange(g, hdr, "allreduce")
+    t = transport(g)
+    t.enter(producer)
+    if algo == "nccl":
+        t.allreduce(src, dst, a.dtype, opc, avg)
+    else:
+        piece = max(1, config.get().ring_piece_bytes // dst.itemsize)
+        with t.compute:  # copies and scratch in the compute stream's order and pool
+            if dst is not src:
+                dst[...] = src
+            n = max(1, min(piece, len(dst)))
+            scratch = (cp.empty(n, dst.dtype), cp.empty(n, dst.dtype))
+        ring_allreduce(dst, scratch, t, DeviceOps(t.compute), a.dtype, opc,
+                       g.size if avg else 1, piece)
+    t.leave(producer)
 
 
 def to_host(a):

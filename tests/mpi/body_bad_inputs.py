@@ -86,17 +86,22 @@ CALLS = {
     "bad op": lambda x, bad: mpidp.allreduce_(x, "prod" if bad else "sum"),
     "bad algorithm": lambda x, bad: mpidp.allreduce_(x, "sum", "fastest" if bad else "auto"),
     "bad root": lambda x, bad: mpidp.broadcast_(x, n if bad else 0),
+    "grouped_allreduce_": lambda x, bad: mpidp.grouped_allreduce_([x, np.ones(3, np.float32)],
+                                                                  "sum"),
+    "grouped avg of integers": lambda x, bad: mpidp.grouped_allreduce(
+        [np.ones(4, np.int64 if bad else np.float64)], "avg"),
 }
 rng = np.random.default_rng(20261122)  # the same plan on every rank
 for trial in range(int(os.environ.get("BODY_TRIALS", "40"))):
     call = list(CALLS)[rng.integers(len(CALLS))]
     kind = list(BAD)[rng.integers(len(BAD))]
-    if kind == "read-only" and call not in ("allreduce_", "broadcast_"):
+    if kind == "read-only" and call not in ("allreduce_", "broadcast_", "grouped_allreduce_"):
         kind = "complex dtype"  # read-only input is fine where nothing is written into it
     count = int(rng.choice([1, 5, 1000, 20_000]))
     bad_ranks = {int(r) for r in rng.choice(n, size=rng.integers(1, n + 1), replace=False)}
     bad_here = rank in bad_ranks
-    needs_bad_value = call not in ("bad op", "bad algorithm", "bad root")
+    needs_bad_value = call not in ("bad op", "bad algorithm", "bad root",
+                                   "grouped avg of integers")
     x = BAD[kind](count) if bad_here and needs_bad_value else np.ones(count, np.float32)
     what = f"trial {trial}: {call} with {kind if needs_bad_value else 'bad argument'} on " \
            f"ranks {sorted(bad_ranks)}"
@@ -140,6 +145,11 @@ for name, inplace, bumps in (("broadcast_", lambda t: mpidp.broadcast_(t, 0), Tr
     inplace(t)
     expect((t._version > before) == bumps, f"{name} and the version counter: {before} -> "
                                            f"{t._version}")
+
+t = torch.ones(3)
+before = t._version
+mpidp.grouped_allreduce_([t], "sum")
+expect(t._version > before, "grouped_allreduce_ left the version counter alone")
 
 if failures:
     print(f"rank {rank} FAILED:\n  " + "\n  ".join(failures), file=sys.stderr)

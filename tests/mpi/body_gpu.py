@@ -51,6 +51,16 @@ for algo in algorithms:
     nc = torch.arange(12.0).reshape(3, 4).cuda().t()  # not contiguous
     mpidp.allreduce_(nc, "sum", algorithm=algo)
     expect(torch.equal(nc.cpu(), torch.arange(12.0).reshape(3, 4).t() * n), f"{algo} strided")
+    # an in-place collective on a tensor autograd saved: backward refuses it
+    w = torch.ones(4, device="cuda", requires_grad=True)
+    saved = torch.arange(4.0, device="cuda")
+    loss = (w * saved).sum()
+    mpidp.allreduce_(saved, "sum", algorithm=algo)
+    try:
+        loss.backward()
+        expect(False, f"{algo}: backward used a tensor allreduce_ had changed")
+    except RuntimeError:
+        pass
 
 # the collectives without a device algorithm of their own go through the host
 x = cp.arange(6, dtype=cp.float32) + rank
