@@ -15,6 +15,7 @@ Every function here is a synchronisation point: every rank of the group must cal
 same order, all with host arrays or all with device arrays."""
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,8 @@ from .handshake import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, 
 from .ring import partition
 
 _HOST_CODES = {a.name: a.code for a in TABLE if a.where == HOST}
+_NUMPY_TORCH = frozenset(("torch.float16", "torch.float32", "torch.float64", "torch.int32",
+                          "torch.int64"))
 
 
 def _op_codes(op: Any, dtype: int) -> tuple:
@@ -79,8 +82,11 @@ def bump_version(a) -> None:
     count: autograd then refuses a tensor it saved for backward instead of computing wrong
     gradients."""
     if a.is_torch:
-        import torch  # deferred for cost: only reached with a torch tensor in hand
-        torch.autograd.graph.increment_version(a.original)
+        _increment_version(a.original)
+
+
+def _increment_version(t) -> None:
+    sys.modules["torch"].autograd.graph.increment_version(t)
 
 
 def refuse(g, kind: int, exc: BaseException) -> None:
@@ -106,18 +112,30 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto"):
 
 def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
     """In-place ``allreduce``: ``x`` holds the result afterwards, and is returned."""
-    if type(x) is np.ndarray and algorithm == "auto":
+    if algorithm == "auto":
         g = runtime.group()
         fast = g.resources.fast_allreduce  # Note [Small all-reduce in one call], csrc/context.c
-        if fast is not None:
-            done = fast(x, op)
-            if done is x:
+        view = x if type(x) is np.ndarray else _numpy_view(x)
+        if fast is not None and view is not None:
+            done = fast(view, op)
+            if done is view:
+                if view is not x:
+                    _increment_version(x)
                 return x
             if done is not NotImplemented:  # the ranks disagreed: raise on every rank
-                ctx = g.resources.shm()
-                if not ctx.check(done[0], done[1], "allreduce"):
+                if not g.resources.shm().check(done[0], done[1], "allreduce"):
                     raise handshake.mismatch_error("allreduce", done[1], g.rank)
     return _allreduce(x, op, algorithm, True)
+
+
+def _numpy_view(x: Any):
+    """A CPU torch tensor of a dtype numpy has, as the numpy array sharing its memory (for the
+    one-call path; None for anything else, which the general path takes)."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(x) is not torch.Tensor or not x.is_cpu or x.is_sparse or \
+            str(x.dtype) not in _NUMPY_TORCH:
+        return None
+    return (x.detach() if x.requires_grad else x).numpy()
 
 
 @timeline.traced("allreduce")

@@ -88,18 +88,17 @@ def as_host_array(x: Any, what: str = "x") -> HostArray:
         code = _torch_code_cache.get(x.dtype)
         if code is None:
             raise TypeError(f"{what} has dtype {x.dtype}; supported: {', '.join(DTYPE_NAMES)}")
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             raise TypeError(f"{what} is on device {x.device}; host collectives take CPU tensors")
-        t = x.detach()
+        t = x.detach() if x.requires_grad else x  # numpy's reshape is cheaper than torch's
         contiguous = t.is_contiguous()
         if not contiguous:
             t = t.contiguous()
         if code == BF16:
-            t = t.view(torch.int16)
-        flat = t.reshape(-1).numpy()
-        if code == BF16:
-            flat = flat.view(np.uint16)
-        return HostArray(x, flat, code, tuple(x.shape), True, contiguous)
+            flat = t.view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        else:
+            flat = t.numpy().reshape(-1)
+        return _new_host_array((x, flat, code, tuple(x.shape), True, contiguous))
     raise TypeError(f"{what} must be a numpy.ndarray or a CPU torch.Tensor, "
                     f"got {type(x).__module__}.{type(x).__qualname__}")
 
