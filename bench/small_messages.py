@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -148,7 +149,8 @@ def main() -> int:
     if rank == 0:
         print(report(out))
         if args.json:
-            with open(args.json, "w") as f:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
     failed = any(sum(r["wrong"]) for r in out["small"] + out["large"])
     mpidp.shutdown()
