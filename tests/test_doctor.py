@@ -1,6 +1,9 @@
-"""``python -m mpidp.doctor``: its pure verdicts and report (single process), and the doctor
-itself under mpiexec -n 1 and 2, with a check that raises on one rank, a check that hangs,
-and a job launched as independent singletons."""
+"""``python -m mpidp.doctor``: its pure verdicts and report (single process), the scan for files
+of dead jobs against a stand-in directory, and the doctor itself under mpiexec -n 1 and 2,
+with a check that raises on one rank, a check that hangs, a job launched as independent
+singletons, and a job that aborts and leaves its files behind."""
+import contextlib
+import mmap
 import os
 import subprocess
 import sys
@@ -9,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from mpidp.doctor import verdicts
+from mpidp.doctor import leftovers, verdicts
 from mpidp.doctor.findings import (FAIL, INFO, OK, SKIP, WARN, Finding, Raised, Skipped,
                                    exit_code, format_report, judge, rank_list)
 from mpirun import body, run
 
-SECTIONS = ("MPI", "Ranks", "mpidp", "Shared memory", "One-sided (RMA)", "All-reduce", "GPU",
-            "Slurm")
+SECTIONS = ("MPI", "Ranks", "mpidp", "Shared memory", "Leftover files", "One-sided (RMA)",
+            "All-reduce", "GPU", "Slurm")
 ROOT = Path(__file__).parent.parent
 
 
@@ -117,6 +120,74 @@ def test_shm_verdict_blocked_cma_and_small_dev_shm():
     assert "ptrace_scope" in found[1].fix and "--shm-size" in found[2].fix
     wrong = verdicts.verdict_shm([dict(v, got=1, dev_shm_free=None, mode="cma")])
     assert wrong[0].status == FAIL
+
+
+SHM = "/dev/shm/mpich_shm_*"
+
+
+def shm_files(*names, size_bytes=2118784):
+    return [(f"/dev/shm/mpich_shm_{n}_0", size_bytes, SHM) for n in names]
+
+
+def test_leftovers_verdict_none():
+    assert verdicts.verdict_leftovers([{"host": "a", "files": []}, None]) == [Finding(
+        OK, "no files left by dead MPI jobs (/dev/shm/mpich_shm_*, /dev/shm/mpich_shar_tmp*, "
+            "/tmp/hydra_hwloc_xmlfile_*, /tmp/mpich_shar_tmp*)")]
+    two_nodes = verdicts.verdict_leftovers([{"host": "a", "files": []}, None,
+                                            {"host": "b", "files": []}, None])
+    assert [f.status for f in two_nodes] == [OK] and "on any of the 2 nodes" in two_nodes[0].text
+
+
+def test_leftovers_verdict_counts_sizes_and_names_each_file():
+    files = shm_files("1a", "2b") + [("/tmp/hydra_hwloc_xmlfile_Ab9", 5564,
+                                      "/tmp/hydra_hwloc_xmlfile_*")]
+    found = verdicts.verdict_leftovers([{"host": "a", "files": files}, None])
+    assert [f.status for f in found] == [WARN]
+    assert found[0].text == ("a: 3 file(s) left by dead MPI jobs (an abort or a killed rank), "
+                             "4.0 MiB in all: 2 /dev/shm/mpich_shm_*, 1 "
+                             "/tmp/hydra_hwloc_xmlfile_*; no process of yours holds them")
+    assert found[0].fix == ("rm /dev/shm/mpich_shm_1a_0 /dev/shm/mpich_shm_2b_0 "
+                            "/tmp/hydra_hwloc_xmlfile_Ab9")
+
+
+def test_leftovers_verdict_names_a_few_and_counts_the_rest_per_host():
+    n = verdicts.FIX_NAMES + 2
+    files = shm_files(*(f"{i:x}" for i in range(n)), size_bytes=1024)
+    found = verdicts.verdict_leftovers([{"host": "a", "files": []}, None,
+                                        {"host": "b", "files": files}, None])
+    assert [f.status for f in found] == [WARN] and found[0].text.startswith(
+        f"b: {n} file(s) left") and f"{n} KiB in all: {n} /dev/shm/mpich_shm_*" in found[0].text
+    named = " ".join(p for p, _, _ in files[:verdicts.FIX_NAMES])
+    assert found[0].fix == (f"on b: rm {named}; the other 2: python -m mpidp.doctor "
+                            "--leftovers | xargs rm")
+    assert files[verdicts.FIX_NAMES][0] not in found[0].fix
+    odd = [("/dev/shm/mpich_shm_a b", 1, SHM)]   # quoted so that the command is exact
+    assert verdicts.verdict_leftovers([{"host": "a", "files": odd}])[0].fix == \
+        "rm '/dev/shm/mpich_shm_a b'"
+
+
+def test_leftovers_scan_reports_only_files_no_live_process_holds(tmp_path):
+    d = tmp_path.resolve()
+    for name in ("mpich_shm_fd_0", "mpich_shm_mapped_0", "mpich_shm_dead_0", "other_0"):
+        (d / name).write_bytes(b"x" * 4096)
+    (d / "mpich_shm_link_0").symlink_to(d / "mpich_shm_dead_0")   # never a symlink
+    (d / "mpich_shm_dir_0").mkdir()
+    patterns = ((str(tmp_path), "mpich_shm_"),)
+    with open(d / "mpich_shm_mapped_0", "r+b") as f:
+        mapped = mmap.mmap(f.fileno(), 4096)   # held by this mapping alone once f is closed
+    try:
+        with open(d / "mpich_shm_fd_0", "rb"):   # held by an open file alone
+            found = leftovers.dead_files(patterns)
+            assert found == [leftovers.Leftover(str(d / "mpich_shm_dead_0"), 4096,
+                                                f"{d}/mpich_shm_*")]
+            assert leftovers.held([str(d / "mpich_shm_mapped_0")]) == \
+                {str(d / "mpich_shm_mapped_0")}
+    finally:
+        mapped.close()
+    assert [f.path for f in leftovers.dead_files(patterns)] == \
+        [str(d / n) for n in ("mpich_shm_dead_0", "mpich_shm_fd_0", "mpich_shm_mapped_0")]
+    assert leftovers.dead_files(patterns, uid=os.geteuid() + 1) == []   # only this user's
+    assert leftovers.dead_files(((str(d / "missing"), "mpich_shm_"),)) == []
 
 
 def test_rma_and_allreduce_verdicts():
@@ -242,3 +313,22 @@ def test_independent_singletons_fail_and_only_the_launchers_rank_0_prints():
     assert "srun started 2 tasks but MPI sees a world of 1 in each" in outs[0]
     assert "fix: launch with srun --mpi=pmi2" in outs[0]
     assert outs[1] == ""
+
+
+def test_a_live_jobs_files_are_not_reported_and_an_aborted_jobs_are(tmp_path):
+    written = tmp_path / "held"
+    proc = body(2, "body_leftovers.py", timeout_s=60,
+                env={"BODY_LEFTOVERS_ABORT": "1", "BODY_LEFTOVERS_HELD": str(written)})
+    held = written.read_text().split() if written.exists() else []
+    try:
+        assert proc.returncode != 0 and "FAIL" not in proc.stdout and held, \
+            proc.stdout + proc.stderr[-3000:]
+        assert any("/dev/shm/mpich_shm_" in p for p in held), held
+        listed = subprocess.run([sys.executable, "-m", "mpidp.doctor", "--leftovers"],
+                                capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert listed.returncode == 0, listed.stderr
+        assert set(held) <= set(listed.stdout.splitlines()), (held, listed.stdout)
+    finally:
+        for path in held:   # the test's own litter; the doctor never deletes
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

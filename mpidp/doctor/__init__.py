@@ -1,7 +1,9 @@
 """``python -m mpidp.doctor`` (alone or under ``mpiexec -n N``): a preflight check of the MPI
-library, the job's rank/host/GPU map and launcher, shared memory, one-sided communication,
-every all-reduce algorithm, CuPy/NCCL and Slurm, printed by rank 0 on one screen, each
-problem with its fix. Exit code 0 when nothing failed, 1 otherwise.
+library, the job's rank/host/GPU map and launcher, shared memory, files left by dead MPI jobs,
+one-sided communication, every all-reduce algorithm, CuPy/NCCL and Slurm, printed by rank 0
+on one screen, each problem with its fix. Exit code 0 when nothing failed, 1 otherwise.
+``python -m mpidp.doctor --leftovers`` only prints the paths of this host's files of dead jobs,
+one a line, without starting MPI (for ``| xargs rm``); the doctor never deletes them.
 
 Every rank runs every check in the same order, and a check that raises is reported as FAIL
 with the exception, so one failing rank never leaves the others waiting in a later check. A
@@ -16,7 +18,7 @@ import sys
 import threading
 
 from ..abort import abort_job
-from . import probes, verdicts
+from . import leftovers, probes, verdicts
 from .findings import (FAIL, Finding, Raised, Skipped, exit_code, format_findings,
                        format_report, judge, summary_line)
 
@@ -25,6 +27,7 @@ CHECKS = (
     ("Ranks", probes.ranks, verdicts.verdict_ranks),
     ("mpidp", probes.setup, verdicts.verdict_mpidp),
     ("Shared memory", probes.shared_memory, verdicts.verdict_shm),
+    ("Leftover files", probes.leftover_files, verdicts.verdict_leftovers),
     ("One-sided (RMA)", probes.one_sided, verdicts.verdict_rma),
     ("All-reduce", probes.allreduce, verdicts.verdict_allreduce),
     ("GPU", probes.gpu, verdicts.verdict_gpu),
@@ -78,15 +81,24 @@ def parser() -> argparse.ArgumentParser:
                     "(mpiexec -n N python -m mpidp.doctor). Exit code 1 when a check failed.")
     p.add_argument("--timeout-s", type=float, default=60.0,
                    help="a check that takes longer than this aborts the job (a hang)")
+    p.add_argument("--leftovers", action="store_true",
+                   help=f"print the paths of the files dead MPI jobs left on this host "
+                        f"({leftovers.globs()}) that no process of yours holds, one a line, "
+                        "and exit without starting MPI; remove them with: python -m "
+                        "mpidp.doctor --leftovers | xargs rm")
     return p
 
 
 def main(argv=None) -> int:
     """Runs every check on every rank; rank 0 prints. Returns the exit code (the same on
-    every rank)."""
+    every rank). With --leftovers: prints this host's files of dead jobs, starts no MPI."""
     args = parser().parse_args(argv)
     if not args.timeout_s > 0:
         parser().error(f"--timeout-s must be > 0, got {args.timeout_s}")
+    if args.leftovers:
+        for found in leftovers.dead_files():
+            print(found.path)
+        return 0
     try:
         from mpi4py import MPI
         world = MPI.COMM_WORLD

@@ -1,7 +1,7 @@
 """The doctor's probes: what each rank finds out about MPI, its place in the job, shared memory,
-one-sided communication, the all-reduce algorithms, CuPy/NCCL and Slurm. Every rank runs every
-probe in the same order (several are collective); each returns a small picklable value that
-rank 0 gathers and judges (mpidp.doctor.verdicts)."""
+files left by dead jobs, one-sided communication, the all-reduce algorithms, CuPy/NCCL and
+Slurm. Every rank runs every probe in the same order (several are collective); each returns a
+small picklable value that rank 0 gathers and judges (mpidp.doctor.verdicts)."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 
 from .. import launcher
-from . import verdicts
+from . import leftovers, verdicts
 
 ALLREDUCE_COUNTS = (5, 1 << 16)  # float32: 20 B (inline in shm) and 256 KiB (sliced)
 SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS",
@@ -195,6 +195,22 @@ def _shm_mode(g) -> str:
 def _shm_why(g) -> str:
     ctx = g.resources.shm()
     return ctx.peers_why if ctx is not None else ""
+
+
+def leftover_files(ctx):
+    """Files of dead MPI jobs on this rank's node (Note [Leftover files]): {host, files:
+    [(path, size_bytes, pattern)]} from the node's local rank 0, None from the other ranks
+    (one scan per node). Collective over COMM_WORLD (the node split); needs no mpidp.init()."""
+    from mpi4py import MPI
+    node = ctx.world.Split_type(MPI.COMM_TYPE_SHARED, ctx.rank)
+    try:
+        local_rank = node.Get_rank()
+    finally:
+        node.Free()
+    if local_rank:
+        return None
+    return {"host": socket.gethostname(),
+            "files": [tuple(f) for f in leftovers.dead_files()]}
 
 
 def one_sided(ctx) -> dict:

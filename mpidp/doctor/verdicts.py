@@ -2,10 +2,12 @@
 per rank, gathered on rank 0) to findings, each problem with its fix."""
 from __future__ import annotations
 
+import shlex
 from typing import Mapping, Optional
 
 from ..launcher import singleton_launch
 from .findings import FAIL, INFO, OK, SKIP, WARN, Finding, by_value, rank_list
+from .leftovers import globs
 
 ONE_LINE_PER_RANK = 16  # larger jobs get one line per host in the rank map
 
@@ -201,6 +203,41 @@ def verdict_shm(values: list) -> list:
                                  "shared memory and mpidp's staging windows live there",
                            "give it more: docker run --shm-size=2g (or remount /dev/shm "
                            "larger)"))
+    return out
+
+
+FIX_NAMES = 3  # leftover files named in the rm command; the rest are counted
+
+
+def _bytes_text(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes >= 1 << 20 else _size_text(nbytes)
+
+
+def verdict_leftovers(values: list) -> list:
+    """values: per rank None, or from each node's local rank 0 {host, files: [(path,
+    size_bytes, pattern)]}: files this user owns that no process of theirs holds
+    (Note [Leftover files] in mpidp.doctor.leftovers). The fix names at most FIX_NAMES of
+    them and how to list the rest; the doctor never deletes."""
+    nodes = [v for v in values if v is not None]
+    dirty = [v for v in nodes if v["files"]]
+    if not dirty:
+        where = f" on any of the {len(nodes)} nodes" if len(nodes) > 1 else ""
+        return [Finding(OK, f"no files left by dead MPI jobs{where} ({globs()})")]
+    out = []
+    for v in dirty:
+        files = v["files"]
+        total = sum(size for _, size, _ in files)
+        kinds = ", ".join(f"{len(indices)} {pattern}" for pattern, indices in
+                          by_value(files, lambda f: f[2]).items())
+        named = " ".join(shlex.quote(path) for path, _, _ in files[:FIX_NAMES])
+        rest = len(files) - FIX_NAMES
+        fix = f"rm {named}" + (f"; the other {rest}: python -m mpidp.doctor --leftovers | "
+                               "xargs rm" if rest > 0 else "")
+        if len(nodes) > 1:
+            fix = f"on {v['host']}: {fix}"
+        out.append(Finding(WARN, f"{v['host']}: {len(files)} file(s) left by dead MPI jobs "
+                                 f"(an abort or a killed rank), {_bytes_text(total)} in all: "
+                                 f"{kinds}; no process of yours holds them", fix))
     return out
 
 
