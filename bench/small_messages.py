@@ -16,7 +16,6 @@ integers, one checked call per size and column, summed over ranks."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 import mpidp
+from mpidp import files
 from mpidp.bench.harness import format_size, memory_ceiling, parse_size, rotation, stats
 
 LARGE_SIZES = (32 << 20, 64 << 20)
@@ -150,8 +150,7 @@ def main() -> int:
         print(report(out))
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
+            files.write_json(args.json, out, what="benchmark results")
     failed = any(sum(r["wrong"]) for r in out["small"] + out["large"])
     mpidp.shutdown()
     return 1 if failed else 0

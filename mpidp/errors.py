@@ -29,3 +29,16 @@ class BackendUnavailableError(ImportError):
 class LaunchError(MpidpError):
     """The job was not started as the launcher says: N independent singletons instead of one
     world of N ranks (see Note [Independent singletons] in mpidp/launcher.py)."""
+
+
+class OutputError(OSError):
+    """A file mpidp writes (a checkpoint, the JSON log, the timeline, benchmark results) could
+    not be written. ``str()`` is one line naming what, the path and the cause; ``errno``,
+    ``strerror`` and ``filename`` are the cause's (Note [Writing a file] in mpidp/files.py)."""
+
+    def __init__(self, what: str, path, cause: OSError):
+        super().__init__(cause.errno, cause.strerror or str(cause), str(path))
+        self.what = what
+
+    def __str__(self) -> str:
+        return f"cannot write {self.what} {self.filename}: {self.strerror}"

@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
-from . import config
+from . import config, files
 
 ON = bool(config.get().timeline)  # Note [Timeline cost]
 MAX_EVENTS = 1_000_000            # per rank
@@ -200,13 +200,10 @@ def chrome_trace(ranks: Sequence[dict]) -> dict:
 
 
 def write_atomically(path: str, trace: dict) -> None:
-    """Writes ``trace`` as JSON to a temporary file beside ``path``, then renames it."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(trace, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Writes ``trace`` as JSON at ``path``, whole or not at all and never through a link
+    (Note [Writing a file] in mpidp/files.py); OutputError naming the path and the cause."""
+    files.write_atomically(path, lambda f: f.write(json.dumps(trace, separators=(",", ":"))
+                                                   .encode()), what="timeline")
 
 
 # ---- collective: start and finish ----------------------------------------------------------
@@ -295,6 +292,6 @@ def write(records: Optional[list]) -> Optional[str]:
     try:
         write_atomically(path, chrome_trace(records))
     except OSError as exc:  # at exit: say so, do not turn a finished run into a failure
-        sys.stderr.write(f"mpidp: rank 0: could not write the timeline {path}: {exc}\n")
+        sys.stderr.write(f"mpidp: rank 0: {exc}\n")
         return None
     return path

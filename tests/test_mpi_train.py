@@ -1,11 +1,14 @@
 """Tier 2: ``python -m mpidp.train`` under mpiexec -n 1, 2, 3 — the default run's accuracy,
 what the user sees, central == mirrored, kill-and-resume equality, every bad input."""
 import json
+import os
 import time
 
 import pytest
 import torch
 
+from file_faults import flip_bytes_in_a_tensor, small_tmpfs
+from mpidp.train import checkpoint
 from mpirun import BODIES, assert_ok, body, run
 
 USER = {"PYTHONPATH": str(BODIES)}  # tests/mpi/user_factories.py
@@ -112,10 +115,12 @@ def test_sigkill_then_resume_ends_bitwise_equal(n, strategy, victim, item, resum
     killed = train(n, *flags, env=dict(USER, DIE_RANK=str(victim), DIE_AT_ITEM=str(item)))
     out = killed.stdout + killed.stderr
     assert killed.returncode != 0 and "Killed" in out and '"event": "summary"' not in out, out
+    digest = checkpoint.read(tmp_path / resume_file).sha256[:12]  # (rotated away by resume)
     proc = train(n, *flags, "--resume", env=USER)
     resumed = summary_of(proc)
     assert resumed["resumed_from"] == str(tmp_path / resume_file)
-    assert f"resuming from {tmp_path / resume_file}: epoch 2, step" in proc.stdout
+    assert f"resuming from {tmp_path / resume_file} (sha256 {digest}): epoch 2, step" in \
+        proc.stdout
     assert resumed["parameters_sha256"] == reference["parameters_sha256"]
     a, b = model_of(resumed["checkpoint"]), model_of(reference["checkpoint"])
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -144,16 +149,41 @@ def test_accuracy_is_reported_only_for_evaluated_epochs(tmp_path):
 
 
 def test_corrupt_checkpoint_is_reported_and_the_previous_one_used(tmp_path):
+    """8 bytes inverted inside a tensor of the newest checkpoint (torch.load alone would take
+    them): one warning names it, the run resumes from the previous one, printing its digest,
+    and ends as an uninterrupted run does."""
     flags = ("--epochs", 2, "--checkpoint-every", 10, "--optimizer", "adam", "--no-progress")
     summary_of(train(2, *flags, "--epochs", 1, "--checkpoint-dir", tmp_path))
-    newest = sorted(tmp_path.glob("ckpt-*.pt"))[-1]
-    newest.write_bytes(newest.read_bytes()[:1000])
+    *_, previous, newest = sorted(tmp_path.glob("ckpt-*.pt"))
+    kept = tmp_path / "previous.pt"  # a copy: the resumed run rotates it away
+    kept.write_bytes(previous.read_bytes())
+    flip_bytes_in_a_tensor(newest)
     proc = train(2, *flags, "--checkpoint-dir", tmp_path, "--resume")
     s = summary_of(proc)
-    assert f"checkpoint {newest} is corrupt or truncated" in proc.stdout + proc.stderr
-    assert s["resumed_from"].endswith("ckpt-000000020.pt")
+    warnings = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"mpidp.train: warning: checkpoint {newest} is corrupt: its SHA-256 is"), proc.stderr
+    digest = checkpoint.read(kept).sha256[:12]
+    assert f"resuming from {previous} (sha256 {digest}): epoch 1, step 20" in proc.stdout
+    assert s["resumed_from"] == str(previous) and previous.name == "ckpt-000000020.pt"
     reference = summary_of(train(2, *flags, "--checkpoint-dir", tmp_path / "ref"))
     assert s["parameters_sha256"] == reference["parameters_sha256"]
+
+
+def test_a_full_disk_ends_the_job_with_one_line(tmp_path):
+    """The second checkpoint does not fit: one line names the file and the cause, the job
+    ends (exit code 1, as for any failure after set-up), no temporary is left, and the first
+    checkpoint is whole."""
+    with small_tmpfs(tmp_path / "small", size="1536k") as small:  # one checkpoint fits
+        proc = train(2, "--epochs", 1, "--checkpoint-every", 10, "--optimizer", "adam",
+                     "--no-progress", "--checkpoint-dir", small)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        ours = [l for l in proc.stderr.splitlines() if l.startswith("mpidp")]
+        assert ours == [f"mpidp.train: error: rank 0: cannot write checkpoint "
+                        f"{small}/ckpt-000000020.pt: No space left on device; aborting the "
+                        "job"], proc.stderr
+        assert "Traceback" not in proc.stderr and os.listdir(small) == ["ckpt-000000010.pt"]
+        assert checkpoint.read(small / "ckpt-000000010.pt").state["global_step"] == 10
 
 
 BAD = [
@@ -179,6 +209,7 @@ BAD = [
     (2, ("--log-json", "{tmp}/no/such/dir/log.jsonl"), "--log-json"),
     (2, ("--checkpoint-dir", "{tmp}/used"), "holds checkpoints of an earlier run"),
     (2, ("--checkpoint-dir", "{file}"), "cannot create"),
+    (1, ("--checkpoint-dir", "{tmp}/shared"), "shared is writable by other users (mode 0775)"),
     (2, ("--checkpoint-every", 5), "--checkpoint-every needs --checkpoint-dir"),
     (2, ("--dataset", "user_factories:broken"), "the factory raised OSError"),
     (2, ("--model", "torch.nn:Linear"), "the factory raised TypeError"),
@@ -190,7 +221,8 @@ BAD = [
 @pytest.mark.parametrize("n,flags,message", BAD, ids=[" ".join(map(str, b[1])) for b in BAD])
 def test_bad_input_is_one_line_and_exit_code_2(n, flags, message, tmp_path):
     (tmp_path / "a-file").write_text("x")
-    from mpidp.train import checkpoint
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared").chmod(0o775)
     checkpoint.save(tmp_path / "used", {"model": {}}, 1, keep=1)
     flags = [str(f).replace("{tmp}", str(tmp_path)).replace("{file}", str(tmp_path / "a-file"))
              for f in flags]

@@ -2,6 +2,7 @@
 pure functions, then real runs of the training tool (mirrored on 2 ranks, parameter server on
 3) whose merged trace must hold every rank's spans."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,18 @@ def test_write_atomically_leaves_only_the_file(tmp_path):
     timeline.write_atomically(str(path), {"traceEvents": []})
     assert json.loads(path.read_text()) == {"traceEvents": []}
     assert [p.name for p in tmp_path.iterdir()] == ["t.json"]
+
+
+def test_write_atomically_never_writes_through_a_link(tmp_path):
+    """Links planted at the temporary name the writer used to take and at the final name:
+    the linked file is untouched, the trace a regular file (Note [Writing a file])."""
+    victim, path = tmp_path / "victim", tmp_path / "t.json"
+    victim.write_text("untouched")
+    Path(f"{path}.tmp.{os.getpid()}").symlink_to(victim)
+    path.symlink_to(victim)
+    timeline.write_atomically(str(path), {"traceEvents": []})
+    assert victim.read_text() == "untouched" and not path.is_symlink()
+    assert json.loads(path.read_text()) == {"traceEvents": []}
 
 
 def test_an_unwritable_timeline_is_an_error_at_init(tmp_path):

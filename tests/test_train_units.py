@@ -1,5 +1,6 @@
-"""Tier 1 for the training tool: data sharding, the learning-rate schedule, checkpoint files,
-settings checks, data and model factories, the command line's help."""
+"""Tier 1 for the training tool: data sharding, the learning-rate schedule, checkpoint files
+(never written or read through a planted link, their digest, a full disk), settings checks,
+data and model factories, the command line's help."""
 import dataclasses
 import math
 import os
@@ -10,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from file_faults import flip_bytes_in_a_tensor, small_tmpfs
 from mpidp import data, models
+from mpidp.errors import OutputError
 from mpidp.train import checkpoint
 from mpidp.train.cli import parser
 from mpidp.train.settings import TrainSettings, scaled_lr
@@ -124,6 +127,7 @@ def test_builtin_models_fit_the_data():
     ({"straggler": "2:0.5"}, "FACTOR >= 1"),
     ({"resume": True}, "--resume needs --checkpoint-dir"), ({"warmup_epochs": -1}, "warmup"),
     ({"algorithm": "tree"}, "--algorithm"), ({"keep_checkpoints": 0}, "--keep-checkpoints"),
+    ({"allow_shared_checkpoint_dir": True}, "--allow-shared-checkpoint-dir needs --checkpoint"),
 ])
 def test_settings_checks_name_the_flag(change, match):
     with pytest.raises(ValueError, match=match):
@@ -159,8 +163,8 @@ def test_checkpoints_rotate_and_load_newest(tmp_path):
         checkpoint.save(tmp_path, _state(step), step, keep=2)
     assert [p.name for p in checkpoint.existing(tmp_path)] == ["ckpt-000000020.pt",
                                                                 "ckpt-000000015.pt"]
-    path, state = checkpoint.load_latest(tmp_path, pytest.fail)
-    assert path.name == "ckpt-000000020.pt" and state["epoch"] == 20
+    path, state, digest = checkpoint.load_latest(tmp_path, pytest.fail)
+    assert path.name == "ckpt-000000020.pt" and state["epoch"] == 20 and len(digest) == 64
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temporaries left
 
 
@@ -169,12 +173,145 @@ def test_corrupt_checkpoint_is_named_and_the_previous_used(tmp_path):
     newest = checkpoint.save(tmp_path, _state(2), 2, keep=3)
     newest.write_bytes(newest.read_bytes()[:100])  # truncated
     warnings = []
-    path, state = checkpoint.load_latest(tmp_path, warnings.append)
+    path, state, _ = checkpoint.load_latest(tmp_path, warnings.append)
     assert state["epoch"] == 1 and path.name == "ckpt-000000001.pt"
     assert len(warnings) == 1 and str(newest) in warnings[0] and "corrupt" in warnings[0]
     (tmp_path / "ckpt-000000003.pt").write_bytes(b"not a checkpoint")
     assert checkpoint.load_latest(tmp_path, warnings.append)[1]["epoch"] == 1
     assert checkpoint.load_latest(tmp_path / "empty", pytest.fail) is None
+
+
+def _training_state(model, settings, **changes):
+    """A checkpoint's state as the training loop writes it (every key of checkpoint.KEYS)."""
+    return dict({"model": model.state_dict(), "optimizer": {}, "epoch": 2, "step_in_epoch": 0,
+                 "global_step": 10, "world_size": 2, "train_samples": 100, "data_order": {},
+                 "rng": [], "settings": dataclasses.asdict(settings)}, **changes)
+
+
+def test_planted_symlinks_are_never_written_through(tmp_path):
+    """Another user's links at the temporary name the writer used to take (``.NAME.tmp-PID``)
+    and at the final name: the linked file is untouched, and the checkpoint is a regular file
+    of ours, readable by us only."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the owner's secret")
+    victim.chmod(0o600)
+    ckpts = tmp_path / "ckpt"
+    ckpts.mkdir(mode=0o700)
+    final = checkpoint.path_for(ckpts, 1)
+    (ckpts / f".{final.name}.tmp-{os.getpid()}").symlink_to(victim)
+    final.symlink_to(victim)
+    assert checkpoint.save(ckpts, _state(1), 1, keep=3) == final
+    assert victim.read_bytes() == b"the owner's secret"
+    st = os.lstat(final)
+    assert final.is_file() and not final.is_symlink() and st.st_uid == os.geteuid()
+    assert st.st_mode & 0o777 == 0o600 and checkpoint.load(final)["epoch"] == 1
+
+
+def test_a_symlink_at_a_checkpoint_name_is_not_loaded(tmp_path):
+    good = checkpoint.save(tmp_path / "ckpt", _state(1), 1, keep=3)
+    forged = checkpoint.save(tmp_path / "elsewhere", _state(666), 9, keep=3)
+    checkpoint.path_for(tmp_path / "ckpt", 9).symlink_to(forged)
+    warnings = []
+    path, state = checkpoint.load_latest(tmp_path / "ckpt", warnings.append)[:2]
+    assert (path, state["epoch"]) == (good, 1)
+    assert len(warnings) == 1 and "ckpt-000000009.pt is a symbolic link: not followed" in \
+        warnings[0]
+
+
+def test_the_json_log_is_never_written_through_a_link(tmp_path):
+    from mpidp.train.report import Report
+    victim, log = tmp_path / "victim", tmp_path / "log.jsonl"
+    victim.write_text("untouched\n")
+    log.symlink_to(victim)
+    report = Report(0, 1, progress=False, verbose=False, log_json=str(log))
+    report.record({"event": "epoch"})
+    report.close()
+    assert victim.read_text() == "untouched\n" and not log.is_symlink()
+    report = Report(0, 1, progress=False, verbose=False, log_json=str(log))  # appends
+    report.record({"event": "summary"})
+    report.close()
+    assert log.read_text() == '{"event": "epoch"}\n{"event": "summary"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl", "victim"]
+
+
+def test_a_checkpoint_directory_others_can_write_is_refused_unless_allowed(tmp_path):
+    from mpidp.train.setup import check_outputs
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o770)
+    with pytest.raises(ValueError, match=r"--checkpoint-dir .*shared is writable by other "
+                       r"users \(mode 0770\).*--allow-shared-checkpoint-dir"):
+        check_outputs(TrainSettings(checkpoint_dir=str(shared)))
+    check_outputs(TrainSettings(checkpoint_dir=str(shared), allow_shared_checkpoint_dir=True))
+    shared.chmod(0o1777)  # a sticky bit does not stop others adding files
+    with pytest.raises(ValueError, match="mode 1777"):
+        check_outputs(TrainSettings(checkpoint_dir=str(shared)))
+    if os.geteuid() == 0:
+        shared.chmod(0o700)
+        os.chown(shared, 4242, -1)
+        with pytest.raises(ValueError, match=r"owned by another user \(uid 4242\)"):
+            check_outputs(TrainSettings(checkpoint_dir=str(shared)))
+    check_outputs(TrainSettings(checkpoint_dir=str(tmp_path / "new")))  # created 0700
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o700
+
+
+def _two_checkpoints(directory, model, settings):
+    """The checkpoints of steps 5 and 10 of a training run; returns their paths."""
+    return [checkpoint.save(directory, _training_state(model, settings, global_step=step),
+                            step, keep=3) for step in (5, 10)]
+
+
+def test_flipped_bytes_in_a_tensor_fail_the_digest(tmp_path):
+    """8 bytes inverted inside a stored tensor (torch.load would take them): that checkpoint
+    is named in one warning and the previous one used; with none good, one line."""
+    from mpidp.train.setup import find_resume_point
+    model = models.build("mlp", (1, 8, 8), 10)
+    s = _resume_settings(tmp_path, epochs=3)
+    older, newer = _two_checkpoints(tmp_path, model, s)
+    flip_bytes_in_a_tensor(newer)
+    warnings = []
+    found = find_resume_point(s, 2, model, 100, warnings.append)
+    assert found[0] == older and found.sha256 == checkpoint.read(older).sha256
+    assert len(warnings) == 1 and f"checkpoint {newer} is corrupt: its SHA-256 is" in \
+        warnings[0]
+    flip_bytes_in_a_tensor(older)
+    with pytest.raises(ValueError) as no_good:
+        find_resume_point(s, 2, model, 100, pytest.fail)
+    message = str(no_good.value)
+    assert message.startswith(f"--resume: no usable checkpoint in {tmp_path} (")
+    assert str(newer) in message and str(older) in message and "\n" not in message
+
+
+def test_a_checkpoint_missing_a_key_is_passed_over(tmp_path):
+    from mpidp.train.setup import find_resume_point
+    model = models.build("mlp", (1, 8, 8), 10)
+    s = _resume_settings(tmp_path, epochs=3)
+    older, _ = _two_checkpoints(tmp_path, model, s)
+    state = _training_state(model, s, global_step=15)
+    del state["world_size"]
+    incomplete = checkpoint.save(tmp_path, state, 15, keep=3)  # with mpidp's format tag
+    warnings = []
+    assert find_resume_point(s, 2, model, 100, warnings.append).path.name == \
+        "ckpt-000000010.pt"
+    assert len(warnings) == 1 and f"checkpoint {incomplete} is incomplete: no 'world_size'" \
+        in warnings[0]
+    only = tmp_path / "only"
+    checkpoint.save(only, state, 15, keep=3)
+    with pytest.raises(ValueError, match=r"^--resume: no usable checkpoint in .*only \(checkpoint "
+                       r".*ckpt-000000015.pt is incomplete: no 'world_size'\)$"):
+        find_resume_point(_resume_settings(only, epochs=3), 2, model, 100, pytest.fail)
+
+
+def test_a_full_disk_is_named_and_loses_nothing(tmp_path):
+    with small_tmpfs(tmp_path / "small") as small:
+        good = checkpoint.save(small, _state(1), 1, keep=3)
+        big = {"model": {"w": torch.rand(64 * 1024)}, "epoch": 2}  # 256 KiB: does not fit
+        with pytest.raises(OutputError) as full:
+            checkpoint.save(small, big, 2, keep=3)
+        assert str(full.value) == (f"cannot write checkpoint {checkpoint.path_for(small, 2)}: "
+                                   "No space left on device")
+        assert os.listdir(small) == [good.name]  # the temporary removed
+        assert checkpoint.load(good)["epoch"] == 1
 
 
 def test_failed_write_keeps_earlier_checkpoints(tmp_path):
@@ -216,11 +353,10 @@ def test_resume_checks_the_checkpoint_fits_this_run(tmp_path):
     from mpidp.train.setup import find_resume_point
     model = models.build("mlp", (1, 8, 8), 10)
     s = TrainSettings(checkpoint_dir=str(tmp_path), epochs=3)
-    state = {"model": model.state_dict(), "epoch": 2, "world_size": 2, "train_samples": 100,
-             "settings": dataclasses.asdict(s)}
+    state = _training_state(model, s)
     checkpoint.save(tmp_path, state, 10, keep=3)
     fail = pytest.fail
-    assert find_resume_point(_resume_settings(tmp_path, epochs=3), 2, model, 100, fail)[1][
+    assert find_resume_point(_resume_settings(tmp_path, epochs=3), 2, model, 100, fail).state[
         "epoch"] == 2
     for kw, n, samples, match in [({"batch_size": 7}, 2, 100, "batch_size=32, this run has "
                                    "batch_size=7"), ({}, 3, 100, "world_size=2"),

@@ -3,11 +3,11 @@ algorithms against MPI_Allreduce and torch.distributed (gloo), out of place and 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import numpy as np
 
+from .. import files
 from .harness import (Gloo, device_ceiling, memory_ceiling, parse_size, rotation, stats,
                       sweep, time_per_call)
 
@@ -253,7 +253,7 @@ def plot(rows: list, ceiling: dict, nranks: int, path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    files.write_atomically(path, lambda f: fig.savefig(f, format="png", dpi=120), what="plot")
     plt.close(fig)
 
 
@@ -280,9 +280,9 @@ def main(args) -> int:
               f"iters {args.iters}, warmup {args.warmup_iters}, repeats {args.repeats}")
         print(table(rows, ceiling, n))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"nranks": n, "nodes": g.node_count, "ceiling": ceiling, "rows": rows,
-                           "argv": sys.argv}, f, indent=1)
+            files.write_json(args.json, {"nranks": n, "nodes": g.node_count, "ceiling": ceiling,
+                                         "rows": rows, "argv": sys.argv},
+                             what="benchmark results")
         if args.plot:
             plot(rows, ceiling, n, args.plot)
     wrong = sum((r[m] or {}).get("wrong", 0) for r in rows for m in ("out_of_place", "in_place"))

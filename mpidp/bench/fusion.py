@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import statistics
 import sys
 
 import numpy as np
 
+from .. import files
 from .harness import format_size, parse_size, time_per_call
 
 
@@ -99,7 +99,7 @@ def main(args) -> int:
               f"{a['fused_us']:.0f} us, separate {a['separate_us']:.0f} us, "
               f"{a['speedup']:.1f}x")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"ranks": comm.Get_size(), "pack_unpack": rows,
-                           "allreduce": allreduce, "argv": sys.argv}, f, indent=1)
+            files.write_json(args.json, {"ranks": comm.Get_size(), "pack_unpack": rows,
+                                         "allreduce": allreduce, "argv": sys.argv},
+                             what="benchmark results")
     return 0

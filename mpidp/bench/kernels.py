@@ -5,10 +5,10 @@ both are reported as bytes moved per second, and "of copy" is the ratio."""
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 
+from .. import files
 from ..dtypes import BF16, DTYPE_NAMES, FLOATING, OP_SUM, OPS, OP_CODES
 from .harness import parse_size
 
@@ -89,6 +89,6 @@ def main(args) -> int:
     print(f"# mpidp GPU kernel benchmark: {props['name'].decode()}, iters {args.iters}")
     print(table(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": props["name"].decode(), "rows": rows}, f, indent=1)
+        files.write_json(args.json, {"device": props["name"].decode(), "rows": rows},
+                         what="benchmark results")
     return 0

@@ -4,11 +4,11 @@ the share of step time spent waiting for communication and a bucket-size sweep."
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
+from .. import files
 from .harness import Gloo
 
 # model -> (input shape, batch per rank, factory arguments): the benchmark sizes
@@ -146,6 +146,6 @@ def main(args) -> int:
               f"rank, {args.steps} steps x {args.repeats} repeats (median), SGD momentum")
         print(table(rows))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"rows": rows, "argv": sys.argv}, f, indent=1)
+            files.write_json(args.json, {"rows": rows, "argv": sys.argv},
+                             what="benchmark results")
     return 0

@@ -1,19 +1,71 @@
-"""Checkpoints that lose nothing: written atomically (temporary file, fsync, rename, fsync of
-the directory), the last K kept, loaded with ``torch.load(weights_only=True)``, a corrupt or
-truncated one reported by name and passed over for the previous good one."""
+"""Checkpoints that lose nothing and prove themselves: written atomically and readable by
+the owner only (Note [Writing a file] in mpidp/files.py), each carrying a SHA-256 digest of
+its contents (Note [Checkpoint digest]), the last K kept, loaded with
+``torch.load(weights_only=True)`` without following a symlink; a corrupt, truncated, foreign
+or incomplete one reported by name and passed over for the previous good one. A directory
+other users can write to is refused (Note [Checkpoint directory])."""
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
 import random
 import re
+import stat
+import struct
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
 
+from .. import files
+from ..errors import OutputError
+
 FORMAT = "mpidp-checkpoint-1"
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
+MODE = 0o600  # checkpoints are readable by their owner only
+# what a training checkpoint holds (the loop's _save writes them, set-up and resume read them)
+KEYS = ("format", "model", "optimizer", "epoch", "step_in_epoch", "global_step", "world_size",
+        "train_samples", "data_order", "rng", "settings")
+
+# Note [Checkpoint digest]
+# torch.save writes a zip archive, and torch.load checks none of the archive's CRCs: bytes
+# flipped inside a tensor's storage load silently. So every checkpoint carries the SHA-256 of
+# its archive, in the one place of a zip meant for free text: the archive comment, after the
+# 22-byte end-of-central-directory record (EOCD) that ends the archive:
+#     [the archive exactly as torch.save wrote it, its EOCD's comment length set to 88]
+#     b"mpidp-checkpoint-sha256:" + 64 hex digits       (the comment, 88 bytes)
+# The digest covers the archive as torch.save wrote it (comment length 0): ``save`` hashes
+# the bytes as they stream to the file (no second pass, no copy in memory), then writes the
+# comment length and the comment. ``read`` hashes every byte before the comment length, then
+# two zero bytes, and compares before handing the file to torch.load, which (like any zip
+# reader) accepts the comment: ``torch.load(path)`` still reads a checkpoint. A file without
+# the comment (truncated, not mpidp's, or from before digests) or whose digest differs is
+# named and passed over. The digest proves the file is the one mpidp wrote, against disks,
+# copies and truncation; it is no signature (whoever can write the file can recompute it):
+# against other users, Note [Checkpoint directory].
+_LABEL = b"mpidp-checkpoint-sha256:"
+_COMMENT_BYTES = len(_LABEL) + 64
+_EOCD = b"PK\x05\x06"
+_EOCD_BYTES = 22
+_CHUNK_BYTES = 1 << 22
+
+# Note [Checkpoint directory]
+# Whoever can write to the checkpoint directory can replace a checkpoint with weights of
+# their choosing for the next --resume (the digest does not stop them: Note [Checkpoint
+# digest]). So set-up refuses a --checkpoint-dir that another user may write to: one owned
+# by another user, or whose mode grants write to its group or to all (a sticky bit does not
+# help: it stops others deleting our files, not adding theirs). --allow-shared-checkpoint-dir
+# accepts it. A directory mpidp creates is created 0700. Checkpoints are created 0600, never
+# through a symlink (Note [Writing a file]), and read without following one.
+
+
+class Checkpoint(NamedTuple):
+    """A checkpoint read and checked: where, its state, and its digest (hex)."""
+    path: Path
+    state: dict
+    sha256: str
 
 
 def path_for(directory: Path, global_step: int) -> Path:
@@ -29,70 +81,154 @@ def existing(directory: Path) -> list:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def shared_directory_problem(directory: Path) -> Optional[str]:
+    """Why another user could write to ``directory`` (Note [Checkpoint directory]), or None."""
+    st = os.stat(directory)
+    if st.st_uid != os.geteuid():
+        return f"is owned by another user (uid {st.st_uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
 def save(directory: Path, state: dict, global_step: int, keep: int) -> Path:
-    """Writes ``state`` as the checkpoint of ``global_step`` and deletes all but the newest
-    ``keep``. The file appears complete or not at all: a crash at any point leaves every
-    earlier checkpoint as it was."""
+    """Writes ``state`` as the checkpoint of ``global_step``, with its digest (Note
+    [Checkpoint digest]), and deletes all but the newest ``keep``. The file appears complete
+    or not at all (Note [Writing a file]): a crash or a failed write at any point leaves every
+    earlier checkpoint as it was. OutputError names the file and the cause of a failed
+    write."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     final = path_for(directory, global_step)
-    tmp = directory / f".{final.name}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
-            torch.save(dict(state, format=FORMAT), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_directory(directory)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError("checkpoint", final, exc) from exc
+    files.write_atomically(final, lambda f: _write_archive(f, dict(state, format=FORMAT)),
+                           what="checkpoint", mode=MODE)
     for old in existing(directory)[keep:]:
         old.unlink(missing_ok=True)
-    for stale in directory.glob(".ckpt-*.pt.tmp-*"):  # left by a process killed mid-write
-        if not _pid_alive(stale.name.rsplit("-", 1)[-1]):
-            stale.unlink(missing_ok=True)
+    files.remove_abandoned(directory)  # left by a process killed mid-write
     return final
 
 
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+class _Hashing:
+    """The file torch.save writes to: passes each write on to ``f``, hashing it and keeping
+    the last bytes; keeps the file system's error (torch would replace it with its own)."""
+
+    def __init__(self, f):
+        self.f, self.sha256, self.tail, self.error = f, hashlib.sha256(), b"", None
+
+    def write(self, data) -> int:
+        try:
+            n = self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+        self.sha256.update(data)
+        self.tail = (self.tail + bytes(memoryview(data)[-_EOCD_BYTES:]))[-_EOCD_BYTES:]
+        return n
+
+    def flush(self) -> None:
+        try:
+            self.f.flush()
+        except OSError as exc:
+            self.error = exc
+            raise
+
+
+def _write_archive(f, state: dict) -> str:
+    """torch.save of ``state`` into ``f``, then its digest as the archive comment (Note
+    [Checkpoint digest]). Returns the digest."""
+    out = _Hashing(f)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        torch.save(state, out)
+    except RuntimeError:
+        if out.error is not None:
+            raise out.error from None
+        raise
+    assert out.tail[:4] == _EOCD and out.tail[20:] == b"\0\0", "torch.save wrote no zip end"
+    digest = out.sha256.hexdigest()
+    f.seek(-2, os.SEEK_END)
+    f.write(struct.pack("<H", _COMMENT_BYTES) + _LABEL + digest.encode())
+    return digest
 
 
-def _pid_alive(text: str) -> bool:
+class _Bad(ValueError):
+    """A checkpoint that is not good: str() is one line naming it and why."""
+
+
+def read(path: Path, required: tuple = ()) -> Checkpoint:
+    """One checkpoint, checked: a regular file (a symlink is not followed), its digest, a
+    dict of mpidp's format holding every key of ``required``. ValueError naming the file and
+    what is wrong."""
+    path = Path(path)
     try:
-        os.kill(int(text), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def load(path: Path) -> dict:
-    """One checkpoint, checked to be mpidp's; ValueError naming the file when it is not."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ValueError(f"checkpoint {path} is corrupt or truncated ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _Bad(f"checkpoint {path} is a symbolic link: not followed"
+                   if exc.errno == errno.ELOOP else
+                   f"checkpoint {path} cannot be read: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _Bad(f"checkpoint {path} is not a regular file")
+        digest = _verify(f, path)
+        f.seek(0)
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise _Bad(f"checkpoint {path} does not load ({type(exc).__name__}: "
+                       f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {path} is not an mpidp checkpoint ({FORMAT})")
-    return state
+        raise _Bad(f"checkpoint {path} is not an mpidp checkpoint ({FORMAT})")
+    missing = [k for k in required if k not in state]
+    if missing:
+        raise _Bad(f"checkpoint {path} is incomplete: no {', '.join(map(repr, missing))}")
+    return Checkpoint(path, state, digest)
 
 
-def load_latest(directory: Path, warn: Callable[[str], None]) -> Optional[tuple]:
-    """(path, state) of the newest checkpoint that loads, reporting each bad one through
-    ``warn``; None when there is none."""
+def _verify(f, path: Path) -> str:
+    """The digest of the open checkpoint ``f``, checked (Note [Checkpoint digest])."""
+    size = os.fstat(f.fileno()).st_size
+    end = size - _COMMENT_BYTES - _EOCD_BYTES
+    if end < 0:
+        raise _Bad(f"checkpoint {path} is corrupt or truncated: too short for an mpidp digest")
+    f.seek(end)
+    tail = f.read()
+    stored = tail[_EOCD_BYTES + len(_LABEL):]
+    if tail[:4] != _EOCD or tail[20:22] != struct.pack("<H", _COMMENT_BYTES) or \
+            tail[_EOCD_BYTES:_EOCD_BYTES + len(_LABEL)] != _LABEL or \
+            not re.fullmatch(rb"[0-9a-f]{64}", stored):
+        raise _Bad(f"checkpoint {path} is corrupt or truncated, or not mpidp's: no digest at "
+                   "its end")
+    h, left, buffer = hashlib.sha256(), end + 20, bytearray(_CHUNK_BYTES)
+    f.seek(0)
+    while left:
+        n = f.readinto(memoryview(buffer)[:min(left, _CHUNK_BYTES)])
+        if not n:
+            raise _Bad(f"checkpoint {path} is truncated (it shrank while read)")
+        h.update(memoryview(buffer)[:n])
+        left -= n
+    h.update(b"\0\0")
+    if h.hexdigest() != stored.decode():
+        raise _Bad(f"checkpoint {path} is corrupt: its SHA-256 is {h.hexdigest()[:12]}, its "
+                   f"digest says {stored.decode()[:12]}")
+    return h.hexdigest()
+
+
+def load(path: Path, required: tuple = ()) -> dict:
+    """The state of one checkpoint, checked by ``read``; ValueError naming the file."""
+    return read(path, required).state
+
+
+def load_latest(directory: Path, warn: Callable[[str], None],
+                required: tuple = ()) -> Optional[Checkpoint]:
+    """The newest good checkpoint (``read``) in ``directory``, reporting each newer bad one
+    through ``warn`` (one line naming it and why); None when there is none."""
     for path in existing(directory):
         try:
-            return path, load(path)
+            return read(path, required)
         except ValueError as exc:
-            warn(f"{exc}; trying the previous one")
+            warn(str(exc))
     return None
 
 

@@ -11,7 +11,8 @@ import torch
 
 from .. import algorithms, data, launcher, models
 from .. import runtime
-from ..errors import LaunchError
+from ..abort import abort_job
+from ..errors import LaunchError, OutputError
 from .loop import Trainer
 from .report import emit
 from .settings import LR_SCALINGS, OPTIMIZERS, STRATEGIES, TrainSettings
@@ -86,6 +87,11 @@ def parser() -> argparse.ArgumentParser:
       help="how many of the newest checkpoints are kept")
     a("--resume", action="store_true", default=d.resume,
       help="continue from the newest good checkpoint in --checkpoint-dir")
+    a("--allow-shared-checkpoint-dir", action="store_true",
+      default=d.allow_shared_checkpoint_dir,
+      help="accept a --checkpoint-dir that other users can write to (owned by another user, "
+      "or group- or world-writable); refused otherwise, since they could replace the "
+      "checkpoints a --resume loads")
     a("--log-json", default=d.log_json, metavar="FILE",
       help="append a JSON line per epoch (with every rank's compute and wait time) and a "
       "final summary to FILE (default: no JSON log)")
@@ -150,4 +156,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               names=(settings.model, settings.dataset))
     except SetupError as exc:
         fail(str(exc), g.rank)
+    except OutputError as exc:  # a checkpoint or the log could not be written: the job ends
+        abort_job(f"{PROG}: error: rank {g.rank}: {exc}; aborting the job\n", 1)
     return 0

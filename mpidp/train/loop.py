@@ -112,12 +112,12 @@ class Trainer:
 
 
 def _start_strategy(s: TrainSettings, g, model: torch.nn.Module,
-                    resumed: Optional[tuple]) -> Strategy:
+                    resumed: Optional[checkpoint.Checkpoint]) -> Strategy:
     """Seeds this rank's RNGs and wraps ``model`` in the training mode of ``s``; rank 0's
     parameters (the checkpoint's when resuming) win. Every rank calls it."""
     checkpoint.seed_rng(s.seed, g.rank)
     if g.rank == 0 and resumed:
-        model.load_state_dict(resumed[1]["model"])
+        model.load_state_dict(resumed.state["model"])
     return make_strategy(s, model, make_optimizer(s))
 
 
@@ -163,12 +163,12 @@ class _Run:
 
     # ---- before the first epoch ---------------------------------------------------------
 
-    def resume(self, resumed: Optional[tuple]) -> tuple:
-        """Every rank takes up the checkpoint rank 0 found (``resumed``: (path, state) on
-        rank 0): the optimizer state, each rank's RNG state, the position. Returns (epoch,
-        batches done in it)."""
+    def resume(self, resumed: Optional[checkpoint.Checkpoint]) -> tuple:
+        """Every rank takes up the checkpoint rank 0 found (``resumed``, on rank 0): the
+        optimizer state, each rank's RNG state, the position; rank 0 says which checkpoint,
+        with its digest. Returns (epoch, batches done in it)."""
         g = self.g
-        path, state = resumed if g.rank == 0 else (None, None)
+        path, state, digest = resumed if g.rank == 0 else (None, None, None)
         self.strategy.load_optimizer(state["optimizer"] if state else None)
         rngs = state["rng"] if state else None
         where = (str(path), state["epoch"], state["step_in_epoch"], state["global_step"]) \
@@ -178,9 +178,10 @@ class _Run:
             self.checkpoint, epoch, step, self.global_step = \
                 g.comm.bcast(where, root=0) if g.size > 1 else where
         self.resumed_from = self.checkpoint
-        self.report.line(f"resuming from {self.checkpoint}: epoch {epoch + 1}, step {step}"
+        which = f"{self.checkpoint} (sha256 {digest[:12]})" if digest else self.checkpoint
+        self.report.line(f"resuming from {which}: epoch {epoch + 1}, step {step}"
                          if epoch < self.settings.epochs else
-                         f"{self.checkpoint} is the end of the run: nothing left to train")
+                         f"{which} is the end of the run: nothing left to train")
         return epoch, step
 
     def start_clocks(self) -> float:
@@ -302,6 +303,7 @@ class _Run:
                  "data_order": {"seed": s.seed, "epoch": position[0],
                                 "position": position[1]},
                  "rng": rng, "settings": dataclasses.asdict(s)}
+        assert set(state) | {"format"} == set(checkpoint.KEYS), "resume reads checkpoint.KEYS"
         self.checkpoint = checkpoint.save(s.checkpoint_dir, state, self.global_step,
                                           s.keep_checkpoints)
 

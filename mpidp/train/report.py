@@ -1,14 +1,16 @@
 """What the user sees of a training run, from rank 0 only (every rank with ``verbose``): a
 progress bar with loss and samples/s, one line per epoch, JSON lines (per epoch, with every
-rank's compute and wait time, and a final summary) to ``--log-json``."""
+rank's compute and wait time, and a final summary) to ``--log-json`` (appended to a file of
+ours, never through a link: Note [Writing a file] in mpidp/files.py)."""
 from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Optional
 
 from tqdm import tqdm
+
+from ..files import AppendedFile
 
 
 def emit(text: str, stream=None) -> None:
@@ -28,7 +30,7 @@ class Report:
         self.speaks = rank == 0 or verbose
         self.progress = progress and rank == 0
         self.prefix = f"[rank {rank}] " if verbose and size > 1 else ""
-        self._json = open(Path(log_json), "a", buffering=1) if log_json and rank == 0 else None
+        self._json = AppendedFile(log_json, "JSON log") if log_json and rank == 0 else None
         self._bar: Optional[tqdm] = None
 
     def line(self, text: str) -> None:
@@ -38,9 +40,10 @@ class Report:
             sys.stdout.flush()
 
     def record(self, event: dict) -> None:
-        """One JSON line in the --log-json file (rank 0)."""
+        """One JSON line in the --log-json file (rank 0); OutputError if it cannot be
+        written."""
         if self._json is not None:
-            self._json.write(json.dumps(event, sort_keys=True) + "\n")
+            self._json.write_line(json.dumps(event, sort_keys=True))
 
     def start_epoch(self, epoch: int, epochs: int, steps: int, done: int) -> None:
         if self.progress:

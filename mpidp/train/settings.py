@@ -36,6 +36,7 @@ class TrainSettings:
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
     resume: bool = False
+    allow_shared_checkpoint_dir: bool = False  # Note [Checkpoint directory] in checkpoint.py
     log_json: Optional[str] = None
     eval_every: int = 1
     threads_per_rank: Optional[int] = None
@@ -88,6 +89,8 @@ class TrainSettings:
             raise ValueError("--resume needs --checkpoint-dir (where to find the checkpoints)")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("--checkpoint-every needs --checkpoint-dir (where to write them)")
+        if self.allow_shared_checkpoint_dir and not self.checkpoint_dir:
+            raise ValueError("--allow-shared-checkpoint-dir needs --checkpoint-dir")
         return self
 
 

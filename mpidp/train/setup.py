@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from .. import files
+from ..errors import OutputError
 from ..watchdog import collective
 from . import checkpoint
 from .settings import TrainSettings
@@ -63,36 +65,47 @@ def fingerprint(settings: TrainSettings, train_data, test_data) -> dict:
 
 
 def check_outputs(settings: TrainSettings) -> None:
-    """On rank 0: the log file can be appended to, the checkpoint directory can be written,
-    and a fresh run does not mix its checkpoints with an earlier run's. ValueError otherwise."""
+    """On rank 0: the log file can be written, the checkpoint directory can be written and
+    only by us (Note [Checkpoint directory] in checkpoint.py), and a fresh run does not mix
+    its checkpoints with an earlier run's. ValueError otherwise."""
     if settings.log_json:
         try:
-            with open(settings.log_json, "a"):
-                pass
-        except OSError as exc:
+            files.check_writable(settings.log_json, "JSON log")
+        except OutputError as exc:
             raise ValueError(f"--log-json {settings.log_json}: cannot write: {exc.strerror}") \
                 from None
     if settings.checkpoint_dir:
         d = Path(settings.checkpoint_dir)
         try:
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise ValueError(f"--checkpoint-dir {d}: cannot create: {exc.strerror}") from None
         if not os.access(d, os.W_OK | os.X_OK):
             raise ValueError(f"--checkpoint-dir {d}: not writable")
+        shared = checkpoint.shared_directory_problem(d)
+        if shared and not settings.allow_shared_checkpoint_dir:
+            raise ValueError(f"--checkpoint-dir {d} {shared}, who could replace its "
+                             "checkpoints: use a directory only you can write to (chmod go-w), "
+                             "or pass --allow-shared-checkpoint-dir")
         if not settings.resume and checkpoint.existing(d):
             raise ValueError(f"--checkpoint-dir {d} holds checkpoints of an earlier run: pass "
                              "--resume to continue it, or choose an empty directory")
 
 
 def find_resume_point(settings: TrainSettings, world_size: int, model, train_samples: int,
-                      warn: Callable[[str], None]) -> tuple:
-    """On rank 0: (path, state) of the newest good checkpoint that this run can continue.
-    ValueError when there is none, or it was written by a run this one cannot continue."""
-    found = checkpoint.load_latest(settings.checkpoint_dir, warn)
+                      warn: Callable[[str], None]) -> checkpoint.Checkpoint:
+    """On rank 0: the newest good checkpoint (``checkpoint.read``: its digest, every key of
+    a training checkpoint) that this run can continue, after warning through ``warn`` of each
+    newer one passed over. ValueError, one line naming every checkpoint passed over, when
+    there is none, or it was written by a run this one cannot continue."""
+    skipped = []
+    found = checkpoint.load_latest(settings.checkpoint_dir, skipped.append, checkpoint.KEYS)
     if found is None:
-        raise ValueError(f"--resume: no usable checkpoint in {settings.checkpoint_dir}")
-    path, state = found
+        why = f" ({'; '.join(skipped)})" if skipped else ""
+        raise ValueError(f"--resume: no usable checkpoint in {settings.checkpoint_dir}{why}")
+    for problem in skipped:
+        warn(f"{problem}; passed over")
+    path, state, _ = found
     saved = dict(state.get("settings", {}), world_size=state["world_size"],
                  train_samples=state.get("train_samples"))
     mine = dict(dataclasses.asdict(settings), world_size=world_size, train_samples=train_samples)
@@ -110,7 +123,7 @@ def find_resume_point(settings: TrainSettings, world_size: int, model, train_sam
     if state["epoch"] > settings.epochs:
         raise ValueError(f"--resume: {path} is at epoch {state['epoch']}, beyond --epochs "
                          f"{settings.epochs}")
-    return path, state
+    return found
 
 
 def default_threads(local_size: int) -> int:
