@@ -18,6 +18,8 @@ typedef struct {
     double timeout_s;
     char *segments[SHM_MAX_RANKS];
     PyObject *board; /* the watchdog's board (mpidp.watchdog.Board) the fast path posts on */
+    int closed;      /* set by close(): every wait ends, no call enters (any thread reads it) */
+    int interrupted; /* a call of this context was interrupted: its rank is out of step */
 } ShmContext;
 
 static void ctx_dealloc(ShmContext *self) {
@@ -143,8 +145,25 @@ static PyObject *result_tuple(const shm_result *r, int nranks, int data) {
     return Py_BuildValue("(iN)", r->status, info);
 }
 
-/* Runs call `c` (its arguments already checked) as the context's next call. */
+/* The poll of Note [Interrupting a wait] in shm.c, called without the GIL: 1 when the
+ * context was closed (no exception set), or when a signal handler raised (in the main thread
+ * only, where Python runs them: KeyboardInterrupt, or what the handler raised, is then set). */
+static int poll_interrupt(void *arg) {
+    ShmContext *self = (ShmContext *)arg;
+    if (__atomic_load_n(&self->closed, __ATOMIC_ACQUIRE)) return 1;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    int raised = PyErr_CheckSignals() < 0;
+    PyGILState_Release(gil);
+    return raised;
+}
+
+/* Runs call `c` (its arguments already checked) as the context's next call. A context that
+ * was closed, or one of whose calls was interrupted, lets no call enter: (SHM_INTERRUPTED,
+ * None). An interrupted call returns NULL with the signal handler's exception, or
+ * (SHM_INTERRUPTED, None) when close() ended it. */
 static PyObject *enter(ShmContext *self, shm_call *c, int64_t *header) {
+    if (self->interrupted || __atomic_load_n(&self->closed, __ATOMIC_ACQUIRE))
+        return Py_BuildValue("(iO)", SHM_INTERRUPTED, Py_None);
     header[1] |= (int64_t)(c->data | self->peers << 2) << SHM_MODE_SHIFT;
     c->ctrl = self->ctrl;
     c->nranks = self->nranks;
@@ -155,6 +174,8 @@ static PyObject *enter(ShmContext *self, shm_call *c, int64_t *header) {
     c->peers = self->peers;
     c->segments = self->segments;
     c->timeout_s = self->timeout_s;
+    c->interrupted = poll_interrupt;
+    c->interrupt_arg = self;
     shm_result result; /* large but cheap: only the fields a status uses are read */
     result.status = SHM_OK;
     result.peer_rank = result.peer_errno = 0;
@@ -163,6 +184,11 @@ static PyObject *enter(ShmContext *self, shm_call *c, int64_t *header) {
     shm_run(c, &result);
     Py_END_ALLOW_THREADS
     if (result.status == SHM_OK && c->data != SHM_DATA_NONE) return NULL; /* the fast answer */
+    if (result.status == SHM_INTERRUPTED) {
+        self->interrupted = 1;
+        if (PyErr_Occurred()) return NULL;
+        return Py_BuildValue("(iO)", SHM_INTERRUPTED, Py_None);
+    }
     return result_tuple(&result, self->nranks, c->data);
 }
 
@@ -429,6 +455,15 @@ static PyObject *ctx_set_board(ShmContext *self, PyObject *board) {
     Py_RETURN_NONE;
 }
 
+static PyObject *ctx_close(ShmContext *self, PyObject *unused) {
+    __atomic_store_n(&self->closed, 1, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+static PyObject *ctx_get_closed(ShmContext *self, void *closure) {
+    return PyBool_FromLong(__atomic_load_n(&self->closed, __ATOMIC_ACQUIRE) || self->interrupted);
+}
+
 static PyObject *ctx_get_seq(ShmContext *self, void *closure) {
     return PyLong_FromUnsignedLongLong(self->seq);
 }
@@ -440,6 +475,9 @@ static PyMethodDef ctx_methods[] = {
      allreduce_array_doc},
     {"set_board", (PyCFunction)ctx_set_board, METH_O,
      "set_board(board): the watchdog's board allreduce_array posts on"},
+    {"close", (PyCFunction)ctx_close, METH_NOARGS,
+     "close(): ends every wait of this context, in any thread, and lets no later call enter\n"
+     "(they answer (SHM_INTERRUPTED, None)); this rank only, no communication"},
     {"set_segments", (PyCFunction)ctx_set_segments, METH_VARARGS,
      "set_segments(addresses, capacity): every rank's staging segment (window mode)"},
     {NULL, NULL, 0, NULL},
@@ -458,6 +496,8 @@ static PyMemberDef ctx_members[] = {
 
 static PyGetSetDef ctx_getset[] = {
     {"seq", (getter)ctx_get_seq, NULL, "calls that entered the protocol", NULL},
+    {"closed", (getter)ctx_get_closed, NULL,
+     "True after close() or an interrupted call: no call enters any more", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -73,11 +73,23 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+/* Note [Interrupting a wait]
+ * A rank waiting for the others must still notice what should end it: a signal (Ctrl-C,
+ * SIGTERM forwarded by the launcher) or its context being closed by shutdown while another
+ * thread waits in it. The protocol knows nothing of Python, so the caller hands in a poll,
+ * `interrupted` (csrc/context.c: takes the GIL, runs the signal handlers, reads the closed
+ * flag), which the wait calls in its slow path only, at most every SHM_POLL_S: the spin of a
+ * call that completes quickly never pays for it. A nonzero answer ends the call at once with
+ * SHM_INTERRUPTED. Such a call has published its arrival, so the others may go on with it;
+ * its rank is out of step for good, and the context refuses every later call (the process is
+ * expected to end: mpidp.train aborts the job). */
+
 /* Waits until every rank's counter (arrive1 or arrive2) reaches seq. Spins briefly, then
- * yields the core so oversubscribed ranks still progress. Returns 0, or -1 on timeout with
- * the ranks that had not arrived marked in r->missing. */
+ * yields the core so oversubscribed ranks still progress. Returns 0, -1 on timeout with
+ * the ranks that had not arrived marked in r->missing, or -2 when interrupted (Note
+ * [Interrupting a wait]). */
 static int wait_all(const shm_call *c, int second, shm_result *r) {
-    double deadline = 0.0;
+    double deadline = 0.0, next_poll = 0.0;
     for (int q = 0; q < c->nranks; q++) {
         uint64_t *ctr = second ? &slot_of(c, q)->arrive2 : &slot_of(c, q)->arrive1;
         unsigned spins = 0;
@@ -86,13 +98,18 @@ static int wait_all(const shm_call *c, int second, shm_result *r) {
             sched_yield();
             if ((spins & 255) == 0) {
                 double t = now_s();
-                if (deadline == 0.0) deadline = t + c->timeout_s;
-                else if (t > deadline) {
+                if (deadline == 0.0) {
+                    deadline = t + c->timeout_s;
+                    next_poll = t + SHM_POLL_S;
+                } else if (t > deadline) {
                     for (int p = 0; p < c->nranks; p++) {
                         uint64_t *cp = second ? &slot_of(c, p)->arrive2 : &slot_of(c, p)->arrive1;
                         r->missing[p] = __atomic_load_n(cp, __ATOMIC_ACQUIRE) < c->seq;
                     }
                     return -1;
+                } else if (c->interrupted && t >= next_poll) {
+                    if (c->interrupted(c->interrupt_arg)) return -2;
+                    next_poll = now_s() + SHM_POLL_S;
                 }
             }
         }
@@ -290,7 +307,8 @@ void shm_run(const shm_call *c, shm_result *r) {
     __atomic_store_n(&mine->arrive1, c->seq, __ATOMIC_RELEASE);
 
     r->status = SHM_OK;
-    if (wait_all(c, 0, r)) { r->status = SHM_TIMEOUT; return; }
+    int waited = wait_all(c, 0, r);
+    if (waited) { r->status = waited == -2 ? SHM_INTERRUPTED : SHM_TIMEOUT; return; }
     int agree = 1, in_step = 1;
     for (int q = 0; q < c->nranks; q++) {
         r->seqs[q] = __atomic_load_n(&slot_of(c, q)->record[c->seq & 1].seq, __ATOMIC_ACQUIRE);
@@ -309,7 +327,8 @@ void shm_run(const shm_call *c, shm_result *r) {
     int err = sliced_reduce(c, r);
     rec->status = err ? ((int64_t)r->peer_rank << 32) | (int64_t)err : 0;
     __atomic_store_n(&mine->arrive2, c->seq, __ATOMIC_RELEASE);
-    if (wait_all(c, 1, r)) { r->status = SHM_TIMEOUT; return; }
+    waited = wait_all(c, 1, r);
+    if (waited) { r->status = waited == -2 ? SHM_INTERRUPTED : SHM_TIMEOUT; return; }
     for (int q = 0; q < c->nranks; q++) {
         int64_t s = slot_of(c, q)->record[c->seq & 1].status;
         if (s) {

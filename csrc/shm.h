@@ -13,7 +13,8 @@
 #define SHM_SLOT_BYTES (256 + 2 * (128 + SHM_INLINE_BYTES))
 #define SHM_MAX_SEGMENTS (SHM_INLINE_BYTES / 16) /* segment table in the inline payload */
 
-enum { SHM_OK = 0, SHM_MISMATCH = 1, SHM_TIMEOUT = 2, SHM_PEER_ERROR = 3, SHM_OUT_OF_STEP = 4 };
+enum { SHM_OK = 0, SHM_MISMATCH = 1, SHM_TIMEOUT = 2, SHM_PEER_ERROR = 3, SHM_OUT_OF_STEP = 4,
+       SHM_INTERRUPTED = 5 };
 enum { SHM_PEERS_CMA = 0, SHM_PEERS_WINDOW = 1 };
 enum { SHM_DATA_NONE = 0, SHM_DATA_INLINE = 1, SHM_DATA_SLICED = 2 };
 
@@ -35,7 +36,13 @@ typedef struct {
     int peers;             /* SHM_PEERS_* */
     char *const *segments; /* window mode: every rank's staging segment, mapped here */
     double timeout_s;
+    /* Note [Interrupting a wait] in shm.c: polled in the slow path of every wait, at most
+     * every SHM_POLL_S; nonzero ends the call with SHM_INTERRUPTED. NULL: never polled. */
+    int (*interrupted)(void *arg);
+    void *interrupt_arg;
 } shm_call;
+
+#define SHM_POLL_S 0.05 /* seconds between two polls of `interrupted` in a wait */
 
 #define SHM_MAX_RANKS 256
 

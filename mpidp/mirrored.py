@@ -69,6 +69,20 @@ def _communicate(tasks: queue.SimpleQueue, results: queue.SimpleQueue, board) ->
         results.put((error, time.perf_counter() - t0))
 
 
+def _stop(tasks: queue.SimpleQueue, thread: threading.Thread, timeout_s: float) -> bool:
+    """Ends the communication thread after the task it is in (shutdown closed the context
+    its waits are in first: Note [Stopping the users first] in mpidp/resources.py) and joins
+    it; True once it has ended. Buckets still queued are dropped: nobody waits for them."""
+    while not tasks.empty():
+        try:
+            tasks.get_nowait()
+        except queue.Empty:
+            break
+    tasks.put(None)
+    thread.join(timeout_s)
+    return not thread.is_alive()
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Wraps ``module`` for synchronous data-parallel training, as ``torch.nn.parallel.
     DistributedDataParallel`` does: construct it on every rank after ``mpidp.init()``; after
@@ -173,11 +187,13 @@ class DistributedDataParallel(torch.nn.Module):
         self._next = 0
         self._order: list = []
         if self._thread is None:
+            g = runtime.group()
             self._thread = threading.Thread(target=_communicate, daemon=True,
-                                            args=(self._tasks, self._results,
-                                                  runtime.group().board),
+                                            args=(self._tasks, self._results, g.board),
                                             name="mpidp-ddp-comm")
             self._thread.start()
+            # Note [Stopping the users first] in mpidp/resources.py
+            g.resources.add_user(functools.partial(_stop, self._tasks, self._thread))
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _mark_ready(self, i: int, param: torch.Tensor) -> None:

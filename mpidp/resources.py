@@ -3,6 +3,7 @@ node's shared-memory context, the transports of the ring, and the facts the algo
 read. Made by ``mpidp.init`` for its group and handed down to every collective."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 from . import config, host_kernels, timeline
@@ -10,6 +11,17 @@ from .algorithms import HOST, Facts, choose
 from .shm import ShmContext
 from .topology import Topology
 from .watchdog import Board, Watchdog, collective
+
+
+# Note [Stopping the users first]
+# A thread of mpidp's own may be inside a collective when the group is freed: DDP's
+# communication thread waits in the shared-memory protocol for a bucket when Ctrl-C ends the
+# main thread, whose exit then runs mpidp.shutdown (atexit). Freeing the windows under it
+# would make it read unmapped memory (a segfault). So such a thread registers a stop with the
+# resources (add_user), and free, before it frees anything, closes the shared-memory context
+# (every wait in it ends at its next poll, Note [Interrupting a wait] in csrc/shm.c, and no
+# call enters again), then stops and joins each registered thread. One that does not end
+# (waiting in an MPI call) leaves everything unfreed: a leak at exit, never a segfault.
 
 
 class Resources:
@@ -26,6 +38,8 @@ class Resources:
             max_segments=ext.SHM_MAX_SEGMENTS if ext else 0)
         self._shm: Optional[ShmContext] = None
         self._transports: dict = {}
+        self._users: list = []  # Note [Stopping the users first]
+        self._stuck = False
         self.watchdog: Optional[Watchdog] = None
         # Note [Small all-reduce in one call] in csrc/context.c: the C call that is the whole
         # in-place all-reduce of a small numpy array, once the node's context exists, where
@@ -61,9 +75,33 @@ class Resources:
             t = self._transports[key] = make()
         return t
 
-    def free(self) -> None:
-        """Collective: frees transports and the node's windows (under the watchdog), then
-        stops the watchdog."""
+    def add_user(self, stop: Callable[[float], bool]) -> None:
+        """Registers a thread that calls collectives on its own (DDP's communication thread):
+        ``stop(timeout_s)`` ends and joins it, True once it has ended. Note [Stopping the
+        users first]."""
+        self._users.append(stop)
+
+    def stop_users(self, timeout_s: float = 10.0) -> bool:
+        """Note [Stopping the users first]: ends every wait in the shared-memory context,
+        then stops and joins every registered thread. True when all of them ended (also on a
+        later call). This rank only; no communication."""
+        if self._shm is not None:
+            self.fast_allreduce = None
+            self._shm.close()
+        users, self._users = self._users, []
+        self._stuck = not all([stop(timeout_s) for stop in users]) or self._stuck
+        return not self._stuck
+
+    def free(self) -> bool:
+        """Collective: stops the threads that use the resources, frees transports and the
+        node's windows (under the watchdog), then stops the watchdog; True. False, freeing
+        nothing, when a thread did not end: it may still use them, and the watchdog goes on
+        watching the collective it is in."""
+        if not self.stop_users():
+            warnings.warn(f"mpidp: rank {self.topo.rank}: a communication thread did not end "
+                          "at shutdown; mpidp's windows and communicators are left to the "
+                          "process's exit", RuntimeWarning, stacklevel=3)
+            return False
         for t in self._transports.values():  # NCCL communicators before MPI goes
             if hasattr(t, "free"):
                 t.free()
@@ -77,3 +115,4 @@ class Resources:
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
+        return True

@@ -33,9 +33,10 @@ class Group(Topology):
 
     def free(self) -> None:
         """Collective: frees the resources (under the watchdog, which stops last), then the
-        communicators."""
-        self.resources.free()
-        super().free()
+        communicators; neither while a thread of mpidp's still uses them (Note [Stopping the
+        users first] in mpidp/resources.py)."""
+        if self.resources.free():
+            super().free()
 
 
 def _check_agreed_settings(comm: Any, cfg: config.Config) -> None:
@@ -113,6 +114,7 @@ def shutdown() -> None:
         if _group is not None:
             from mpi4py import MPI
             if not MPI.Is_finalized():
+                _group.resources.stop_users()  # Note [Stopping the users first]
                 records = None
                 if timeline.ON:
                     with collective(_group, "shutdown: gathering the timeline", check=False):

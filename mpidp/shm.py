@@ -10,7 +10,7 @@ from . import config
 from .errors import CommunicationError
 from .host_kernels import extension
 
-SHM_OK, SHM_MISMATCH, SHM_TIMEOUT, SHM_PEER_ERROR, SHM_OUT_OF_STEP = range(5)
+SHM_OK, SHM_MISMATCH, SHM_TIMEOUT, SHM_PEER_ERROR, SHM_OUT_OF_STEP, SHM_INTERRUPTED = range(6)
 PEERS_CMA, PEERS_WINDOW = range(2)
 YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 
@@ -135,6 +135,11 @@ class ShmContext:
                 self.rank, operation, f"timed out after {self.timeout_s:g} s waiting for local "
                 f"ranks {info} (2 x MPIDP_TIMEOUT_S + 10 s, and the watchdog did not end the "
                 "job); they never reached this collective")
+        if status == SHM_INTERRUPTED:  # Note [Interrupting a wait] in csrc/shm.c
+            raise CommunicationError(
+                self.rank, operation, "the node's shared-memory context was closed (mpidp is "
+                "shutting down), or an earlier call of it was interrupted, which leaves this "
+                "rank out of step with the others")
         if status == SHM_OUT_OF_STEP:
             raise CommunicationError(
                 self.rank, operation, "local ranks' protocol counters are out of step: their "
@@ -164,7 +169,14 @@ class ShmContext:
         r = self.c.allreduce(header, src, dst, dtype, op, divisor)
         return (True, None) if r is None else (self.check(r[0], r[1], "allreduce"), r[1])
 
+    def close(self) -> None:
+        """Ends every wait in this context, whatever thread waits, and lets no later call
+        enter (they raise CommunicationError). This rank only; no communication."""
+        self.c.close()
+
     def free(self) -> None:
+        """Collective: frees the windows. Nothing may wait in the context then (close it
+        and join the threads that use it first: Resources.free)."""
         for w in (self._seg_win, self._ctrl_win):
             if w is not None:
                 w.Free()

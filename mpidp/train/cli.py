@@ -1,18 +1,24 @@
 """``python -m mpidp.train``: the command line of the training loop. Bad flags or inputs end
-the job on every rank with one line on rank 0 and exit code 2, before any training collective."""
+the job on every rank with one line on rank 0 and exit code 2, before any training collective;
+Ctrl-C or SIGTERM end it with one line (Note [Interrupted run]) and exit code 130 or 143."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import shlex
+import signal
 import sys
+import time
 from typing import Optional, Sequence
 
 import torch
 
 from .. import algorithms, data, launcher, models
 from .. import runtime
-from ..abort import abort_job
+from ..abort import FORWARD_S, abort_job
 from ..errors import LaunchError, OutputError
+from . import checkpoint
 from .loop import Trainer
 from .report import emit
 from .settings import LR_SCALINGS, OPTIMIZERS, STRATEGIES, TrainSettings
@@ -136,16 +142,89 @@ def build(settings: TrainSettings) -> tuple:
     return model, sets
 
 
+# Note [Interrupted run]
+# Ctrl-C on mpiexec makes Hydra send SIGINT to every rank (a second Ctrl-C kills them); SIGTERM
+# to mpiexec (Slurm's pre-emption, `kill`) is forwarded to every rank likewise. main makes
+# SIGTERM raise as SIGINT does (Interrupted, a KeyboardInterrupt), and a rank waiting in the
+# shared-memory protocol notices either within ~50 ms (Note [Interrupting a wait] in
+# csrc/shm.c). The job then ends at once, without another collective, which ranks already
+# gone or interrupted elsewhere would never join: rank 0 writes one line (the newest good
+# checkpoint and the command that resumes from it) and aborts the job with exit code 128 +
+# the signal's number, as shells report a process a signal ended (130 for SIGINT, 143 for
+# SIGTERM); the other ranks give it time to do so (Note [Forwarding before abort] in
+# mpidp/abort.py) before they abort the job themselves, in case rank 0 is stuck in a wait
+# that no signal ends (an MPI call).
+
+class Interrupted(KeyboardInterrupt):
+    """Raised in the main thread by the signal ``signum`` (SIGTERM) as Ctrl-C raises
+    KeyboardInterrupt."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame) -> None:
+    raise Interrupted(signum)
+
+
+def interrupted_line(signum: int, settings: TrainSettings, argv: Sequence[str],
+                     world_size: int) -> str:
+    """Rank 0's line for a run ended by ``signum``: the newest good checkpoint in the
+    settings' directory and the command line that resumes from it (Note [Interrupted run])."""
+    what = f"{PROG}: interrupted by {signal.Signals(signum).name}"
+    if not settings.checkpoint_dir:
+        return f"{what} (no --checkpoint-dir: nothing to resume from)"
+    found = checkpoint.load_latest(settings.checkpoint_dir, lambda problem: None,
+                                   checkpoint.KEYS)
+    if found is None:
+        return f"{what}; no good checkpoint in {settings.checkpoint_dir} yet"
+    args = list(argv) + ([] if "--resume" in argv else ["--resume"])
+    return (f"{what}; newest good checkpoint {found.path}; resume with: mpiexec -n "
+            f"{world_size} {shlex.quote(sys.executable)} -m {PROG} "
+            + " ".join(shlex.quote(a) for a in args))
+
+
+def _end_interrupted(exc: KeyboardInterrupt, settings: TrainSettings, argv: Sequence[str],
+                     rank: int, world_size: int) -> None:
+    """Ends the job after ``exc`` (Note [Interrupted run]). Does not return."""
+    for s in (signal.SIGINT, signal.SIGTERM):  # a second signal must not interrupt this
+        signal.signal(s, signal.SIG_IGN)
+    signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+    code = 128 + signum
+    if rank == 0:
+        try:
+            line = interrupted_line(signum, settings, argv, world_size)
+        except Exception as error:  # the line must not become a traceback
+            line = f"{PROG}: interrupted by {signal.Signals(signum).name} ({error})"
+        abort_job(line + "\n", code)
+    time.sleep(FORWARD_S + 2.0)  # rank 0 ends the job, with its line, before this
+    abort_job("", code)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     settings = settings_from(argv)
     try:
         settings.check()
     except ValueError as exc:
         fail(str(exc))
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)  # Note [Interrupted run]
+    try:
+        return _run(settings, argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(settings: TrainSettings, argv: Sequence[str]) -> int:
     try:
         g = runtime.init()
     except LaunchError as exc:
         fail(str(exc).removeprefix("mpidp: "))
+    except KeyboardInterrupt as exc:  # MPI may be half started: every rank ends on its own
+        if _launcher_rank() == 0:
+            emit(f"{PROG}: interrupted while starting", sys.stderr)
+        os._exit(128 + (exc.signum if isinstance(exc, Interrupted) else signal.SIGINT))
     try:
         model, sets = agree(g, lambda: build(settings))
         if g.rank == 0:
@@ -158,4 +237,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         fail(str(exc), g.rank)
     except OutputError as exc:  # a checkpoint or the log could not be written: the job ends
         abort_job(f"{PROG}: error: rank {g.rank}: {exc}; aborting the job\n", 1)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: Note [Interrupted run]
+        _end_interrupted(exc, settings, argv, g.rank, g.size)
+    except Exception as exc:  # an interrupt that code it hit turned into its own error
+        interrupt = _interrupt_behind(exc)
+        if interrupt is None:
+            raise
+        _end_interrupted(interrupt, settings, argv, g.rank, g.size)
     return 0
+
+
+def _interrupt_behind(exc: BaseException) -> Optional[KeyboardInterrupt]:
+    """The KeyboardInterrupt that ``exc`` was raised while handling, if any: torch.save, say,
+    interrupted inside a write, raises its own RuntimeError on the way out."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None

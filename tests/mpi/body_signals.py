@@ -1,0 +1,83 @@
+"""Run under mpiexec -n 2: a rank waiting in the shared-memory protocol notices a signal
+(Note [Interrupting a wait] in csrc/shm.c), and shutdown stops DDP's communication thread
+before it frees the windows that thread waits in (Note [Stopping the users first] in
+mpidp/resources.py). Rank 1 arrives late, or never: rank 0 waits alone and sends itself
+SIGINT after WAIT_S; it must raise KeyboardInterrupt within a second, not wait for rank 1.
+
+BODY_CASE=allreduce: rank 0 waits in an in-place all-reduce of BODY_BYTES (8: inline, the
+one-call path; 65536: sliced), is interrupted, and then no later call enters.
+BODY_CASE=ddp: rank 0's DDP communication thread waits in a bucket's all-reduce while the
+main thread, waiting for it, is interrupted; shutdown must end and join that thread."""
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+import mpidp
+from mpidp.errors import CommunicationError
+
+WAIT_S = 0.5
+LATE_S = 6.0  # rank 1's delay: far longer than rank 0 may wait
+case = os.environ["BODY_CASE"]
+g = mpidp.init()
+assert g.size == 2 and g.local_size == 2, "run on 2 ranks of one node"
+failures = []
+
+
+def interrupted_within(call) -> float:
+    """Seconds from the signal to the KeyboardInterrupt out of ``call`` (inf: none)."""
+    timer = threading.Timer(WAIT_S, os.kill, (os.getpid(), signal.SIGINT))
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        call()
+    except KeyboardInterrupt:
+        return time.monotonic() - t0 - WAIT_S
+    finally:
+        timer.cancel()
+    return float("inf")
+
+
+mpidp.allreduce_(np.ones(4, np.float32))  # both ranks: the context exists, the fast path too
+if case == "allreduce":
+    if g.rank == 0:
+        nbytes = int(os.environ["BODY_BYTES"])
+        late = interrupted_within(lambda: mpidp.allreduce_(np.ones(nbytes // 4, np.float32)))
+        if not late < 1.0:
+            failures.append(f"{nbytes}-byte all-reduce: interrupted after {late:.2f} s")
+        try:  # the context is out of step now: no later call enters
+            mpidp.allreduce_(np.ones(4, np.float32))
+            failures.append("a call after the interrupt entered the protocol")
+        except CommunicationError as exc:
+            if "interrupted" not in str(exc):
+                failures.append(f"the refusal does not say why: {exc}")
+    else:
+        time.sleep(LATE_S)  # never joins: rank 0 gives up first
+elif case == "ddp":
+    import torch
+    model = torch.nn.Linear(64, 64)
+    ddp = mpidp.DistributedDataParallel(model)
+    if g.rank == 0:
+        x = torch.randn(8, 64)
+        late = interrupted_within(lambda: ddp(x).sum().backward())
+        if not late < 1.0:
+            failures.append(f"backward: interrupted after {late:.2f} s")
+        thread = ddp._thread
+        if thread is None or not thread.is_alive():
+            failures.append("the communication thread should still wait in its bucket")
+    else:
+        time.sleep(2.0)  # joins no backward: only shutdown
+        thread = None
+    mpidp.shutdown()  # collective: both ranks; frees the windows
+    if thread is not None and thread.is_alive():
+        failures.append("shutdown left the communication thread running")
+else:
+    raise SystemExit(f"unknown BODY_CASE {case!r}")
+
+if failures:
+    print(f"rank {g.rank} FAILED: " + "; ".join(failures), flush=True)
+    sys.exit(1)
+print(f"ok {g.rank}", flush=True)
