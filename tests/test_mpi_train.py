@@ -2,16 +2,22 @@
 what the user sees, central == mirrored, kill-and-resume equality, every bad input."""
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from file_faults import flip_bytes_in_a_tensor, small_tmpfs
 from mpidp.train import checkpoint
-from mpirun import BODIES, assert_ok, body, run
+from mpirun import BODIES, assert_ok, body, mpiexec, run
 
 USER = {"PYTHONPATH": str(BODIES)}  # tests/mpi/user_factories.py
+END_S = 10  # a job signalled with --checkpoint-on-signal ends within this
 
 
 def train(n, *flags, env=None, timeout_s=180):
@@ -130,6 +136,77 @@ def test_sigkill_then_resume_ends_bitwise_equal(n, strategy, victim, item, resum
     assert "is the end of the run: nothing left to train" in again.stdout
 
 
+def _checkpoint_line(proc_or_text, signame):
+    """The one line of a run that checkpointed on ``signame``, and the checkpoint it names."""
+    text = proc_or_text if isinstance(proc_or_text, str) \
+        else proc_or_text.stdout + proc_or_text.stderr
+    lines = [l for l in text.splitlines()
+             if l.startswith(f"mpidp.train: checkpoint written on {signame}: ")]
+    assert len(lines) == 1 and "Traceback" not in text, text[-6000:]
+    path = Path(re.search(r"on \w+: (\S+); resume with: mpiexec -n 2 ", lines[0]).group(1))
+    assert path.exists() and lines[0].endswith(" --checkpoint-on-signal --resume"), lines[0]
+    return path
+
+
+def _resume_ends_as_uninterrupted(flags, path, reference, env=USER):
+    proc = train(2, *flags, "--resume", env=env)
+    resumed = summary_of(proc)
+    assert resumed["resumed_from"] == str(path), proc.stdout
+    assert resumed["parameters_sha256"] == reference["parameters_sha256"]
+
+
+def test_sigusr1_to_mpiexec_checkpoints_then_resume_ends_bitwise_equal(tmp_path,
+                                                                        tmp_path_factory):
+    """--checkpoint-on-signal (Note [Checkpoint on signal] in mpidp/train/loop.py): SIGUSR1
+    to mpiexec, which Hydra forwards to every rank, once the run has written its first
+    checkpoint: every rank stops at one step, a checkpoint is written, the job ends with
+    exit code 138 within END_S and one line naming it; --resume from it ends with the
+    parameters of an uninterrupted run."""
+    reference = uninterrupted(2, "mirrored", tmp_path_factory)
+    flags = (*RESUMABLE, "--dataset", "user_factories:slow_digits", "--checkpoint-dir",
+             tmp_path, "--checkpoint-on-signal")
+    log = tmp_path.parent / f"{tmp_path.name}.out"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **USER)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, "-m", "mpidp.train",
+                                 *map(str, flags)], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, cwd=Path(__file__).parent.parent,
+                                start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not (tmp_path / "ckpt-000000010.pt").exists():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() - t0 < 60, "no checkpoint in 60 s"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGUSR1)
+        proc.wait(timeout=END_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 138 and '"event": "summary"' not in text, text[-6000:]
+    path = _checkpoint_line(text, "SIGUSR1")
+    assert 10 < checkpoint.read(path).state["global_step"] < 69, path
+    _resume_ends_as_uninterrupted(flags, path, reference)
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_one_step(tmp_path, tmp_path_factory):
+    """SIGUSR1 reaches rank 1 alone, while it fetches batch 11 of epoch 2 (global step 35):
+    the per-step agreement stops rank 0 too, after that same step, with its checkpoint."""
+    reference = uninterrupted(2, "mirrored", tmp_path_factory)
+    flags = (*RESUMABLE, "--dataset", "user_factories:faulty_digits", "--checkpoint-dir",
+             tmp_path, "--checkpoint-on-signal")
+    proc = train(2, *flags, env=dict(USER, FAULT="usr1", FAULT_RANK="1",
+                                     FAULT_AT=str(1 + 719 + 11 * 32 + 5)), timeout_s=60)
+    assert proc.returncode == 138, proc.stdout + proc.stderr
+    path = _checkpoint_line(proc, "SIGUSR1")
+    assert path == tmp_path / "ckpt-000000035.pt"
+    state = checkpoint.read(path).state
+    assert (state["epoch"], state["step_in_epoch"]) == (1, 12)
+    _resume_ends_as_uninterrupted(flags, path, reference)
+
+
 def test_n_ranks_equal_one_rank_on_the_concatenated_batch(tmp_path):
     """Rank r's batch k is every n-th sample of the one-rank batch k of n times the size."""
     flags = ("--optimizer", "sgd", "--lr-scaling", "none", "--epochs", 1, "--no-progress")
@@ -211,6 +288,9 @@ BAD = [
     (2, ("--checkpoint-dir", "{file}"), "cannot create"),
     (1, ("--checkpoint-dir", "{tmp}/shared"), "shared is writable by other users (mode 0775)"),
     (2, ("--checkpoint-every", 5), "--checkpoint-every needs --checkpoint-dir"),
+    (2, ("--checkpoint-on-signal",), "--checkpoint-on-signal needs --checkpoint-dir"),
+    (3, ("--strategy", "ps", "--checkpoint-dir", "{tmp}/c", "--checkpoint-on-signal"),
+     "--checkpoint-on-signal: the parameter server checkpoints at epoch ends only"),
     (2, ("--dataset", "user_factories:broken"), "the factory raised OSError"),
     (2, ("--model", "torch.nn:Linear"), "the factory raised TypeError"),
     (2, ("--algorithm", "tree"), "argument --algorithm: invalid choice: 'tree'"),

@@ -128,10 +128,44 @@ def test_builtin_models_fit_the_data():
     ({"resume": True}, "--resume needs --checkpoint-dir"), ({"warmup_epochs": -1}, "warmup"),
     ({"algorithm": "tree"}, "--algorithm"), ({"keep_checkpoints": 0}, "--keep-checkpoints"),
     ({"allow_shared_checkpoint_dir": True}, "--allow-shared-checkpoint-dir needs --checkpoint"),
+    ({"checkpoint_on_signal": True}, "--checkpoint-on-signal needs --checkpoint-dir"),
+    ({"checkpoint_on_signal": True, "checkpoint_dir": "c", "strategy": "ps"},
+     "--checkpoint-on-signal: the parameter server checkpoints at epoch ends only"),
 ])
 def test_settings_checks_name_the_flag(change, match):
     with pytest.raises(ValueError, match=match):
         TrainSettings(**change).check()
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--checkpoint-on-signal"], "--checkpoint-on-signal needs --checkpoint-dir"),
+    (["--checkpoint-on-signal", "--checkpoint-dir", "c", "--strategy", "ps"],
+     "--checkpoint-on-signal: the parameter server checkpoints at epoch ends only"),
+])
+def test_checkpoint_on_signal_refusals_are_one_line_and_exit_code_2(argv, match, capsys):
+    from mpidp.train import cli
+    with pytest.raises(SystemExit) as ended:
+        cli.main(argv)  # refused before MPI starts
+    assert ended.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("mpidp.train: error: ") and match in err[0], err
+
+
+def test_recorded_signals_only_while_recording():
+    """Note [Checkpoint on signal]: SIGUSR1 and SIGTERM are recorded (the first wins), and
+    the previous handlers come back afterwards; nested uses share the record."""
+    import os
+    import signal
+    from mpidp.train import loop
+    before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    with loop.recording_signals() as record:
+        with loop.recording_signals() as inner:
+            assert inner is record
+        assert record.signum == 0
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert record.signum == signal.SIGUSR1
+    assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)) == before
 
 
 def test_lr_scaling_and_warmup():

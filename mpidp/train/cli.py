@@ -1,9 +1,12 @@
 """``python -m mpidp.train``: the command line of the training loop. Bad flags or inputs end
 the job on every rank with one line on rank 0 and exit code 2, before any training collective;
-Ctrl-C or SIGTERM end it with one line (Note [Interrupted run]) and exit code 130 or 143."""
+Ctrl-C or SIGTERM end it with one line (Note [Interrupted run]) and exit code 130 or 143; with
+--checkpoint-on-signal, SIGTERM or SIGUSR1 first checkpoint (Note [Checkpoint on signal] in
+loop.py) and end it with exit code 143 or 138."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -19,7 +22,7 @@ from .. import runtime
 from ..abort import FORWARD_S, abort_job
 from ..errors import LaunchError, OutputError
 from . import checkpoint
-from .loop import Trainer
+from .loop import StoppedOnSignal, Trainer, recording_signals
 from .report import emit
 from .settings import LR_SCALINGS, OPTIMIZERS, STRATEGIES, TrainSettings
 from .setup import SetupError, agree
@@ -91,6 +94,10 @@ def parser() -> argparse.ArgumentParser:
       help="also checkpoint every N steps (0: only at the end of each epoch)")
     a("--keep-checkpoints", type=int, default=d.keep_checkpoints,
       help="how many of the newest checkpoints are kept")
+    a("--checkpoint-on-signal", action="store_true", default=d.checkpoint_on_signal,
+      help="on SIGTERM or SIGUSR1 (Slurm's warning before a time limit), every rank finishes "
+      "its step, a checkpoint is written, and the job ends with exit code 128 + the signal's "
+      "number (without it SIGTERM ends the job at once and SIGUSR1 kills it)")
     a("--resume", action="store_true", default=d.resume,
       help="continue from the newest good checkpoint in --checkpoint-dir")
     a("--allow-shared-checkpoint-dir", action="store_true",
@@ -153,7 +160,9 @@ def build(settings: TrainSettings) -> tuple:
 # the signal's number, as shells report a process a signal ended (130 for SIGINT, 143 for
 # SIGTERM); the other ranks give it time to do so (Note [Forwarding before abort] in
 # mpidp/abort.py) before they abort the job themselves, in case rank 0 is stuck in a wait
-# that no signal ends (an MPI call).
+# that no signal ends (an MPI call). With --checkpoint-on-signal, SIGTERM and SIGUSR1 are only
+# recorded, and the run ends this way after every rank has checkpointed at one step (Note
+# [Checkpoint on signal] in loop.py); SIGINT still ends it at once.
 
 class Interrupted(KeyboardInterrupt):
     """Raised in the main thread by the signal ``signum`` (SIGTERM) as Ctrl-C raises
@@ -168,6 +177,13 @@ def _raise_interrupted(signum: int, frame) -> None:
     raise Interrupted(signum)
 
 
+def resume_command(argv: Sequence[str], world_size: int) -> str:
+    """The command line that resumes the run of ``argv`` on ``world_size`` ranks."""
+    args = list(argv) + ([] if "--resume" in argv else ["--resume"])
+    return (f"mpiexec -n {world_size} {shlex.quote(sys.executable)} -m {PROG} "
+            + " ".join(shlex.quote(a) for a in args))
+
+
 def interrupted_line(signum: int, settings: TrainSettings, argv: Sequence[str],
                      world_size: int) -> str:
     """Rank 0's line for a run ended by ``signum``: the newest good checkpoint in the
@@ -179,22 +195,31 @@ def interrupted_line(signum: int, settings: TrainSettings, argv: Sequence[str],
                                    checkpoint.KEYS)
     if found is None:
         return f"{what}; no good checkpoint in {settings.checkpoint_dir} yet"
-    args = list(argv) + ([] if "--resume" in argv else ["--resume"])
-    return (f"{what}; newest good checkpoint {found.path}; resume with: mpiexec -n "
-            f"{world_size} {shlex.quote(sys.executable)} -m {PROG} "
-            + " ".join(shlex.quote(a) for a in args))
+    return f"{what}; newest good checkpoint {found.path}; resume with: " \
+        + resume_command(argv, world_size)
 
 
-def _end_interrupted(exc: KeyboardInterrupt, settings: TrainSettings, argv: Sequence[str],
+def stopped_line(stop: StoppedOnSignal, argv: Sequence[str], world_size: int) -> str:
+    """Rank 0's line for a run that checkpointed on a signal (Note [Checkpoint on signal] in
+    loop.py): the checkpoint and the command line that resumes from it."""
+    return (f"{PROG}: checkpoint written on {signal.Signals(stop.signum).name}: {stop.path}; "
+            f"resume with: {resume_command(argv, world_size)}")
+
+
+def _end_interrupted(exc: BaseException, settings: TrainSettings, argv: Sequence[str],
                      rank: int, world_size: int) -> None:
-    """Ends the job after ``exc`` (Note [Interrupted run]). Does not return."""
-    for s in (signal.SIGINT, signal.SIGTERM):  # a second signal must not interrupt this
+    """Ends the job after ``exc``, a KeyboardInterrupt or StoppedOnSignal (Note [Interrupted
+    run]). Does not return."""
+    quiet = (signal.SIGINT, signal.SIGTERM) + \
+        ((signal.SIGUSR1,) if settings.checkpoint_on_signal else ())
+    for s in quiet:  # a second signal must not interrupt this
         signal.signal(s, signal.SIG_IGN)
-    signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+    signum = exc.signum if isinstance(exc, (Interrupted, StoppedOnSignal)) else signal.SIGINT
     code = 128 + signum
     if rank == 0:
         try:
-            line = interrupted_line(signum, settings, argv, world_size)
+            line = stopped_line(exc, argv, world_size) if isinstance(exc, StoppedOnSignal) \
+                else interrupted_line(signum, settings, argv, world_size)
         except Exception as error:  # the line must not become a traceback
             line = f"{PROG}: interrupted by {signal.Signals(signum).name} ({error})"
         abort_job(line + "\n", code)
@@ -210,8 +235,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         fail(str(exc))
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)  # Note [Interrupted run]
-    try:
-        return _run(settings, argv)
+    try:  # with the flag, SIGTERM and SIGUSR1 are only recorded from here on
+        with recording_signals() if settings.checkpoint_on_signal else contextlib.nullcontext():
+            return _run(settings, argv)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -237,7 +263,7 @@ def _run(settings: TrainSettings, argv: Sequence[str]) -> int:
         fail(str(exc), g.rank)
     except OutputError as exc:  # a checkpoint or the log could not be written: the job ends
         abort_job(f"{PROG}: error: rank {g.rank}: {exc}; aborting the job\n", 1)
-    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: Note [Interrupted run]
+    except (KeyboardInterrupt, StoppedOnSignal) as exc:  # Ctrl-C, SIGTERM: Note [Interrupted run]
         _end_interrupted(exc, settings, argv, g.rank, g.size)
     except Exception as exc:  # an interrupt that code it hit turned into its own error
         interrupt = _interrupt_behind(exc)

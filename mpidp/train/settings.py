@@ -37,6 +37,7 @@ class TrainSettings:
     keep_checkpoints: int = 3
     resume: bool = False
     allow_shared_checkpoint_dir: bool = False  # Note [Checkpoint directory] in checkpoint.py
+    checkpoint_on_signal: bool = False  # Note [Checkpoint on signal] in loop.py
     log_json: Optional[str] = None
     eval_every: int = 1
     threads_per_rank: Optional[int] = None
@@ -63,6 +64,10 @@ class TrainSettings:
             if self.checkpoint_every:
                 raise ValueError("--checkpoint-every: the parameter server checkpoints at epoch "
                                  "ends only (workers run asynchronously within an epoch)")
+            if self.checkpoint_on_signal:
+                raise ValueError("--checkpoint-on-signal: the parameter server checkpoints at "
+                                 "epoch ends only (workers run asynchronously within an epoch, "
+                                 "so they cannot stop at one step together)")
         if self.straggler is not None:
             straggler_of(self.straggler)
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
@@ -89,6 +94,9 @@ class TrainSettings:
             raise ValueError("--resume needs --checkpoint-dir (where to find the checkpoints)")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("--checkpoint-every needs --checkpoint-dir (where to write them)")
+        if self.checkpoint_on_signal and not self.checkpoint_dir:
+            raise ValueError("--checkpoint-on-signal needs --checkpoint-dir (where to write the "
+                             "checkpoint)")
         if self.allow_shared_checkpoint_dir and not self.checkpoint_dir:
             raise ValueError("--allow-shared-checkpoint-dir needs --checkpoint-dir")
         return self

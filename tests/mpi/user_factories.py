@@ -36,11 +36,14 @@ def _fault_here(rank_var="FAULT_RANK"):
 
 def inject(kind):
     """The fault ``kind`` happens now: raise, sleep (a stall: FAULT_SLEEP_S, default 600 s),
-    stop (SIGSTOP: the process neither runs nor dies) or kill (SIGKILL of this process, its
-    pid first written to FAULT_PID_FILE if set)."""
+    stop (SIGSTOP: the process neither runs nor dies), kill (SIGKILL of this process, its
+    pid first written to FAULT_PID_FILE if set) or usr1 (SIGUSR1 to this process alone, as
+    a signal that reaches one rank before the others)."""
     if kind == "raise":
         raise RuntimeError("injected fault: this rank's data loader failed")
-    if kind == "sleep":
+    if kind == "usr1":
+        os.kill(os.getpid(), signal.SIGUSR1)
+    elif kind == "sleep":
         time.sleep(float(os.environ.get("FAULT_SLEEP_S", "600")))
     elif kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -82,6 +85,13 @@ class DyingDataset(FaultyDataset):
 def dying_digits():
     train, test = data.digits()
     return DyingDataset(train), test
+
+
+def slow_digits():
+    """The digits, each training item taking SLOW_S seconds (default 1 ms, ~32 ms a step): a
+    run long enough to be signalled mid-run, with the digits' numbers."""
+    train, test = data.digits()
+    return SlowDataset(train, float(os.environ.get("SLOW_S", "0.001"))), test
 
 
 def faulty_digits():
