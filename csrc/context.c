@@ -4,23 +4,10 @@
  * The call counter advances only when a call really enters the protocol: a call refused for
  * its arguments (a read-only buffer, a size that does not fit) has taken no part in it, so
  * its rank stays in step with the others (Note [Shared-memory protocol] in shm.c). */
-#include "binding.h"
+#include "context.h"
 #include "kernels.h"
-#include "shm.h"
 #include <structmember.h>
 
-typedef struct {
-    PyObject_HEAD
-    char *ctrl;
-    int nranks, rank, peers;
-    unsigned long long seq;
-    Py_ssize_t inline_bytes, chunk_bytes, capacity;
-    double timeout_s;
-    char *segments[SHM_MAX_RANKS];
-    PyObject *board; /* the watchdog's board (mpidp.watchdog.Board) the fast path posts on */
-    int closed;      /* set by close(): every wait ends, no call enters (any thread reads it) */
-    int interrupted; /* a call of this context was interrupted: its rank is out of step */
-} ShmContext;
 
 static void ctx_dealloc(ShmContext *self) {
     Py_XDECREF(self->board);
@@ -161,7 +148,7 @@ static int poll_interrupt(void *arg) {
  * was closed, or one of whose calls was interrupted, lets no call enter: (SHM_INTERRUPTED,
  * None). An interrupted call returns NULL with the signal handler's exception, or
  * (SHM_INTERRUPTED, None) when close() ended it. */
-static PyObject *enter(ShmContext *self, shm_call *c, int64_t *header) {
+PyObject *mp_ctx_enter(ShmContext *self, shm_call *c, int64_t *header) {
     if (self->interrupted || __atomic_load_n(&self->closed, __ATOMIC_ACQUIRE))
         return Py_BuildValue("(iO)", SHM_INTERRUPTED, Py_None);
     header[1] |= (int64_t)(c->data | self->peers << 2) << SHM_MODE_SHIFT;
@@ -206,7 +193,7 @@ static PyObject *refuse(ShmContext *self, int64_t kind) {
     c.data = SHM_DATA_NONE;
     c.dtype = DT_F32;
     c.divisor = 1;
-    PyObject *answer = enter(self, &c, header);
+    PyObject *answer = mp_ctx_enter(self, &c, header);
     Py_XDECREF(answer);
     PyErr_Restore(type, value, tb); /* this rank's own error, whatever the others said */
     return NULL;
@@ -217,14 +204,14 @@ PyDoc_STRVAR(exchange_doc,
 "The protocol's handshake alone: OK with every rank's free header word, or MISMATCH with\n"
 "every rank's header (also TIMEOUT, OUT_OF_STEP). Every local rank calls it.");
 
-static int ready(ShmContext *self) {
+int mp_ctx_ready(ShmContext *self) {
     if (self->ctrl) return 1;
     PyErr_SetString(PyExc_TypeError, "ShmContext used before __init__");
     return 0;
 }
 
 static PyObject *ctx_exchange(ShmContext *self, PyObject *header_obj) {
-    if (!ready(self)) return NULL;
+    if (!mp_ctx_ready(self)) return NULL;
     int64_t header[SHM_HEADER_WORDS];
     if (read_header(header_obj, header) < 0) return NULL;
     shm_call c;
@@ -232,7 +219,7 @@ static PyObject *ctx_exchange(ShmContext *self, PyObject *header_obj) {
     c.data = SHM_DATA_NONE;
     c.dtype = DT_F32;
     c.divisor = 1;
-    return enter(self, &c, header);
+    return mp_ctx_enter(self, &c, header);
 }
 
 PyDoc_STRVAR(allreduce_doc,
@@ -244,7 +231,7 @@ PyDoc_STRVAR(allreduce_doc,
 "arguments join the handshake with an error header, then raise. Every local rank calls it.");
 
 static PyObject *ctx_allreduce(ShmContext *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!ready(self)) return NULL;
+    if (!mp_ctx_ready(self)) return NULL;
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "allreduce takes 6 arguments");
         return NULL;
@@ -312,141 +299,12 @@ static PyObject *ctx_allreduce(ShmContext *self, PyObject *const *args, Py_ssize
         c.segs = segs;
         c.nsegs = (size_t)nsegs;
         if (c.data == SHM_DATA_SLICED) shm_partition(c.count, self->nranks, self->rank, &c.slice_lo, &c.slice_hi);
-        out = enter(self, &c, header);
+        out = mp_ctx_enter(self, &c, header);
         if (!out && !PyErr_Occurred()) out = Py_NewRef(Py_None);
     }
     if (have_src) PyBuffer_Release(&src);
     if (have_dst) PyBuffer_Release(&dst);
     if (segs) mp_release_segments(seg_views, segs, nsegs);
-    return out;
-}
-
-/* Note [Small all-reduce in one call]
- * An in-place all-reduce of a small numpy array on one node, the call whose cost is all
- * overhead, is one C call: the array's buffer (writable, C-contiguous: its format gives the
- * dtype), the header built here as mpidp.handshake.header builds it (the shape's hash is
- * Python's hash of the shape tuple, so it equals what any other path of another rank
- * publishes), posted on the watchdog's board as every collective is, and the protocol's
- * inline call that carries header and data together. Whatever it cannot take (another
- * dtype, a read-only or strided array, more than inline_bytes, avg on integers) it declines
- * before touching anything, returning NotImplemented: the front then takes the general path,
- * which checks, refuses or runs it. */
-static PyObject *s_seq, *s_done, *s_what, *s_sum, *s_avg, *s_min, *s_max;
-
-static int format_dtype(const Py_buffer *v) {
-    const char *f = v->format ? v->format : "B";
-    if (*f == '<' || *f == '=' || *f == '@') f++;
-    if (f[1]) return -1;
-    switch (*f) {
-    case 'e': return v->itemsize == 2 ? DT_F16 : -1;
-    case 'f': return v->itemsize == 4 ? DT_F32 : -1;
-    case 'd': return v->itemsize == 8 ? DT_F64 : -1;
-    case 'i': case 'l': case 'q':
-        return v->itemsize == 4 ? DT_I32 : v->itemsize == 8 ? DT_I64 : -1;
-    default: return -1;
-    }
-}
-
-static int op_of(PyObject *op, int *code, int *average) {
-    *average = 0;
-    if (!PyUnicode_Check(op)) return -1;
-    if (op == s_sum || PyUnicode_Compare(op, s_sum) == 0) *code = OP_SUM;
-    else if (op == s_avg || PyUnicode_Compare(op, s_avg) == 0) { *code = OP_SUM; *average = 1; }
-    else if (op == s_min || PyUnicode_Compare(op, s_min) == 0) *code = OP_MIN;
-    else if (op == s_max || PyUnicode_Compare(op, s_max) == 0) *code = OP_MAX;
-    else { PyErr_Clear(); return -1; }
-    return 0;
-}
-
-/* board.seq += 1; board.what = header; returns the new seq or -1 with an exception set */
-static long long post(PyObject *board, const int64_t *header) {
-    PyObject *seq = PyObject_GetAttr(board, s_seq);
-    if (!seq) return -1;
-    long long next = PyLong_AsLongLong(seq);
-    Py_DECREF(seq);
-    if (next == -1 && PyErr_Occurred()) return -1;
-    next++;
-    PyObject *what = PyTuple_New(SHM_HEADER_WORDS), *n = PyLong_FromLongLong(next);
-    int bad = !what || !n;
-    for (int i = 0; !bad && i < SHM_HEADER_WORDS; i++) {
-        PyObject *word = PyLong_FromLongLong(header[i]);
-        if (!word) bad = 1;
-        else PyTuple_SET_ITEM(what, i, word);
-    }
-    /* what first: a board whose seq moved always names what it waits in */
-    bad = bad || PyObject_SetAttr(board, s_what, what) < 0 || PyObject_SetAttr(board, s_seq, n) < 0;
-    Py_XDECREF(what);
-    Py_XDECREF(n);
-    return bad ? -1 : next;
-}
-
-PyDoc_STRVAR(allreduce_array_doc,
-"allreduce_array(x, op) -> x, (status, info) or NotImplemented\n\n"
-"The whole in-place all-reduce of a small numpy array, posted on the board given to\n"
-"set_board (Note [Small all-reduce in one call]): x when done, (status, info) as exchange\n"
-"when the ranks disagree, NotImplemented when it declines (nothing done, nothing posted).");
-
-static PyObject *ctx_allreduce_array(ShmContext *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!ready(self)) return NULL;
-    if (nargs != 2 || !self->board) {
-        PyErr_SetString(PyExc_TypeError, "allreduce_array(x, op) needs set_board first");
-        return NULL;
-    }
-    int opc, average;
-    if (op_of(args[1], &opc, &average) < 0) Py_RETURN_NOTIMPLEMENTED;
-    Py_buffer v;
-    if (PyObject_GetBuffer(args[0], &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyErr_Clear();
-        Py_RETURN_NOTIMPLEMENTED;
-    }
-    int dtype = format_dtype(&v);
-    if (dtype < 0 || v.len > self->inline_bytes || (average && dtype >= DT_I32)) {
-        PyBuffer_Release(&v);
-        Py_RETURN_NOTIMPLEMENTED;
-    }
-    PyObject *shape = PyTuple_New(v.ndim);
-    int whole = shape != NULL;
-    for (int i = 0; whole && i < v.ndim; i++) {
-        PyObject *extent = PyLong_FromSsize_t(v.shape[i]);
-        if (!extent) whole = 0;
-        else PyTuple_SET_ITEM(shape, i, extent);
-    }
-    Py_hash_t shape_hash = whole ? PyObject_Hash(shape) : -1;
-    Py_XDECREF(shape);
-    int64_t header[SHM_HEADER_WORDS] = {1 /* ALLREDUCE */, 3 /* shm */, opc + 4 * average,
-                                        dtype, (int64_t)(v.len / v.itemsize), shape_hash, 0, 0};
-    long long seq = shape_hash == -1 ? -1 : post(self->board, header);
-    if (seq < 0) { /* nothing entered: the general path takes the call (out of memory) */
-        PyErr_Clear();
-        PyBuffer_Release(&v);
-        Py_RETURN_NOTIMPLEMENTED;
-    }
-    shm_call c;
-    memset(&c, 0, sizeof(c));
-    c.dtype = dtype;
-    c.op = opc;
-    c.divisor = average ? self->nranks : 1;
-    c.data = SHM_DATA_INLINE;
-    c.in = v.buf;
-    c.out = v.buf;
-    c.count = (size_t)(v.len / v.itemsize);
-    PyObject *out = enter(self, &c, header);
-    PyBuffer_Release(&v);
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb); /* the board is marked done whatever enter said */
-    PyObject *done = PyLong_FromLongLong(seq);
-    int marked = done && PyObject_SetAttr(self->board, s_done, done) == 0;
-    Py_XDECREF(done);
-    if (type) {
-        PyErr_Restore(type, value, tb);
-        Py_XDECREF(out);
-        return NULL;
-    }
-    if (!marked) {
-        Py_XDECREF(out);
-        return NULL;
-    }
-    if (!out) return Py_NewRef(args[0]);
     return out;
 }
 
@@ -471,8 +329,8 @@ static PyObject *ctx_get_seq(ShmContext *self, void *closure) {
 static PyMethodDef ctx_methods[] = {
     {"exchange", (PyCFunction)ctx_exchange, METH_O, exchange_doc},
     {"allreduce", (PyCFunction)(void (*)(void))ctx_allreduce, METH_FASTCALL, allreduce_doc},
-    {"allreduce_array", (PyCFunction)(void (*)(void))ctx_allreduce_array, METH_FASTCALL,
-     allreduce_array_doc},
+    {"allreduce_array", (PyCFunction)(void (*)(void))mp_ctx_allreduce_array, METH_FASTCALL,
+     mp_allreduce_array_doc},
     {"set_board", (PyCFunction)ctx_set_board, METH_O,
      "set_board(board): the watchdog's board allreduce_array posts on"},
     {"close", (PyCFunction)ctx_close, METH_NOARGS,
@@ -517,11 +375,7 @@ static PyTypeObject ShmContextType = {
 };
 
 int mp_add_shm_context_type(PyObject *m) {
-    if (!(s_seq = PyUnicode_InternFromString("seq")) || !(s_done = PyUnicode_InternFromString("done")) ||
-        !(s_what = PyUnicode_InternFromString("what")) || !(s_sum = PyUnicode_InternFromString("sum")) ||
-        !(s_avg = PyUnicode_InternFromString("avg")) || !(s_min = PyUnicode_InternFromString("min")) ||
-        !(s_max = PyUnicode_InternFromString("max")))
-        return -1;
+    if (mp_small_init() < 0) return -1;
     if (PyType_Ready(&ShmContextType) < 0) return -1;
     return PyModule_AddObjectRef(m, "ShmContext", (PyObject *)&ShmContextType);
 }

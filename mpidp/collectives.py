@@ -114,7 +114,7 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
     """In-place ``allreduce``: ``x`` holds the result afterwards, and is returned."""
     if algorithm == "auto":
         g = runtime.group()
-        fast = g.resources.fast_allreduce  # Note [Small all-reduce in one call], csrc/context.c
+        fast = g.resources.fast_allreduce  # Note [Small all-reduce in one call], csrc/small.c
         view = x if type(x) is np.ndarray else _numpy_view(x)
         if fast is not None and view is not None:
             done = fast(view, op)

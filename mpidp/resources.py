@@ -41,7 +41,7 @@ class Resources:
         self._users: list = []  # Note [Stopping the users first]
         self._stuck = False
         self.watchdog: Optional[Watchdog] = None
-        # Note [Small all-reduce in one call] in csrc/context.c: the C call that is the whole
+        # Note [Small all-reduce in one call] in csrc/small.c: the C call that is the whole
         # in-place all-reduce of a small numpy array, once the node's context exists, where
         # auto means shm and nothing else must see every call (debug headers, the timeline)
         self.fast_allreduce: Optional[Callable] = None
