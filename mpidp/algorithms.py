@@ -78,8 +78,8 @@ def choose(where: str, algorithm: str, facts: Facts, nbytes: int) -> Algorithm:
         raise ValueError(f"algorithm {algorithm!r} needs mpidp's C extension, which is not "
                          "built (reinstall with a C compiler present), or use 'auto'")
     if row.name == "shm" and not facts.single_node:
-        raise ValueError(f"algorithm 'shm' needs every rank on one node; this group spans "
-                         f"more than one node (use 'hier' or 'auto')")
+        raise ValueError("algorithm 'shm' needs every rank on one node; this group spans "
+                         "more than one node (use 'hier' or 'auto')")
     if row.name in ("ring", "nccl") and where == DEVICE:
         if not facts.nccl:
             raise ValueError(f"algorithm {algorithm!r} runs over NCCL, which is not installed "

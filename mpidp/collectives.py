@@ -115,8 +115,8 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
     if algorithm == "auto":
         g = runtime.group()
         fast = g.resources.fast_allreduce  # Note [Small all-reduce in one call], csrc/small.c
-        view = x if type(x) is np.ndarray else _numpy_view(x)
-        if fast is not None and view is not None:
+        view = None if fast is None else x if type(x) is np.ndarray else _numpy_view(x)
+        if view is not None:
             done = fast(view, op)
             if done is view:
                 if view is not x:
@@ -327,7 +327,7 @@ def allgather(x: Any):
         if g.size == 1:
             flat[...] = a.flat
         else:
-            host_backend.allgather(g, hdr, a.flat, flat, rows, row)
+            host_backend.allgather(g, a.flat, flat, rows, row)
         return out
     finally:
         b.done = b.seq

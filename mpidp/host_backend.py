@@ -130,7 +130,8 @@ def reduce(g, hdr: tuple, flat, dtype: int, op: int, divisor: int, root: int) ->
         g.comm.Reduce(buf, None, op=mop, root=root)
 
 
-def allgather(g, hdr: tuple, src, out_flat, rows: list, row: int) -> None:
+def allgather(g, src, out_flat, rows: list, row: int) -> None:
+    """MPI_Allgatherv of every rank's ``rows`` rows of ``row`` elements (after allgather_rows)."""
     counts = [r * row * src.itemsize for r in rows]
     displs = [sum(counts[:i]) for i in range(len(counts))]
     g.comm.Allgatherv(src.view(np.uint8), [out_flat.view(np.uint8), (counts, displs)])

@@ -59,9 +59,9 @@ class Resources:
         if self._shm is None and self.facts.shm:
             if self.board.seq == self.board.done:
                 with collective(self.topo, "shared-memory set-up", check=False):
-                    self._shm = ShmContext(self.topo.node_comm)
+                    self._shm = ShmContext(self.topo.node_comm, self.facts.inline_bytes)
             else:
-                self._shm = ShmContext(self.topo.node_comm)
+                self._shm = ShmContext(self.topo.node_comm, self.facts.inline_bytes)
             if self._fast_ok:
                 self._shm.c.set_board(self.board)
                 self.fast_allreduce = self._shm.c.allreduce_array

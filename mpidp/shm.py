@@ -4,7 +4,7 @@ protocol through its context type (Note [Shared-memory protocol] in csrc/shm.c).
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from typing import Sequence
 
 from . import config
 from .errors import CommunicationError
@@ -57,9 +57,11 @@ def plan_peers(wanted: str, scope: int, parents: Sequence[int]) -> tuple:
 class ShmContext:
     """The control block and (in window mode) staging segments of one node's ranks.
 
-    Made collectively by every rank of ``node_comm``; every call below is collective too."""
+    Made collectively by every rank of ``node_comm``; every call below is collective too.
+    ``inline_bytes``: the largest buffer carried in the control block (mpidp.resources reads
+    it once, into the algorithm facts)."""
 
-    def __init__(self, node_comm):
+    def __init__(self, node_comm, inline_bytes: int):
         from mpi4py import MPI  # deferred for cost: import mpidp starts no MPI
         ext = extension()
         self.comm = node_comm
@@ -75,8 +77,7 @@ class ShmContext:
             MPI.memory(mem)[:] = b"\0" * len(mem)
         node_comm.Barrier()
         cfg = config.get()
-        self.inline_bytes = min(cfg.shm_inline_bytes, ext.SHM_INLINE_BYTES)
-        self.max_segments = ext.SHM_MAX_SEGMENTS
+        self.inline_bytes = inline_bytes
         self.peers, self.peers_why = self._choose_peers(ext, cfg.shm_peers, ctrl_addr)
         self._seg_win = None
         # the backstop behind the watchdog, which reports first (Note [Watchdog] in watchdog.py)
