@@ -3,7 +3,7 @@
 ``import mpidp`` starts neither MPI nor CUDA; ``mpidp.init()`` starts MPI."""
 from __future__ import annotations
 
-import importlib
+from .lazy import exports
 
 __version__ = "0.1.0"
 
@@ -28,14 +28,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mpidp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = exports(__name__, _EXPORTS)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 BODIES = Path(__file__).parent / "mpi"
@@ -44,3 +47,83 @@ def assert_ok(proc: subprocess.CompletedProcess, n: int) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-6000:]}"
     for r in range(n):
         assert f"ok {r}" in proc.stdout, f"rank {r} did not finish:\n{out[-6000:]}"
+
+
+class Job:
+    """``mpiexec -n n python args...`` started in the background, in a session of its own, its
+    output to ``log`` and a tag in every process's environment (so that the test finds the
+    ranks and anything left behind). A context manager: leaving it kills whatever still runs."""
+
+    def __init__(self, n: int, args: list, log: Path, env: dict | None = None):
+        self.tag = uuid.uuid4().hex
+        self.log = Path(log)
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", MPIDP_TEST_TAG=self.tag)
+        full_env.update(env or {})
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable,
+                                          *map(str, args)], stdout=out,
+                                         stderr=subprocess.STDOUT, env=full_env,
+                                         cwd=Path(__file__).parent.parent,
+                                         start_new_session=True)
+
+    @property
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_for(self, ready, timeout_s: float) -> None:
+        """Returns once ``ready()`` is true; fails if the job ends or ``timeout_s`` passes
+        first."""
+        t0 = time.monotonic()
+        while not ready():
+            assert self.proc.poll() is None, f"the job ended early:\n{self.text[-4000:]}"
+            assert time.monotonic() - t0 < timeout_s, \
+                f"not ready in {timeout_s} s:\n{self.text[-4000:]}"
+            time.sleep(0.02)
+
+    def processes(self) -> dict:
+        """{pid: the MPI rank, or None for a launcher process} of this job's live processes."""
+        found = {}
+        needle = f"MPIDP_TEST_TAG={self.tag}".encode()
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    env = (entry / "environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if needle in env:
+                    rank = [v for v in env if v.startswith(b"PMI_RANK=")]
+                    found[int(entry.name)] = int(rank[0][9:]) if rank else None
+        return found
+
+    def rank_pid(self, rank: int) -> int:
+        pids = [p for p, r in self.processes().items() if r == rank]
+        assert len(pids) == 1, f"rank {rank}: processes {pids}"
+        return pids[0]
+
+    def wait(self, timeout_s: float) -> int:
+        """The job's exit code; fails if it still runs after ``timeout_s``."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {timeout_s} s later:\n{self.text[-4000:]}") \
+                from None
+
+    def left_behind(self, within_s: float = 2.0) -> dict:
+        """The job's processes still alive ``within_s`` after it ended (should be none)."""
+        t0 = time.monotonic()
+        while (left := self.processes()) and time.monotonic() - t0 < within_s:
+            time.sleep(0.05)
+        return left
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for pid in self.processes():  # ranks run in sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass

@@ -10,22 +10,20 @@
   code 128 + the signal's number, no segfault, no traceback, one line naming the newest good
   checkpoint and the --resume command, and no process of it left. MPIDP_TEST_INTERRUPTS runs
   (default 3) of SIGINT, and one of SIGTERM.
+- The same signals while the ranks still import torch (before MPI starts) end every rank
+  with the same exit code and one line from rank 0, not a traceback per rank.
 """
 import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from mpirun import assert_ok, body, mpiexec
+from mpirun import Job, assert_ok, body
 
-ROOT = Path(__file__).parent.parent
 END_S = 10  # the job ends within this after the signal, or the test fails
 START_S = 60  # to the first line of the run (imports and init on a busy machine)
 INTERRUPTS = int(os.environ.get("MPIDP_TEST_INTERRUPTS", "3"))
@@ -45,56 +43,25 @@ def test_shutdown_stops_the_ddp_thread_before_freeing():
     assert not SIGSEGV.search(proc.stdout + proc.stderr)
 
 
-def _processes_with(tag: str) -> list:
-    """Pids of this user's processes whose environment holds ``tag``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if tag.encode() in (entry / "environ").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
-
-
 def interrupt_training(tmp_path: Path, signum: int, seed: int) -> str:
     """Starts the training tool on 2 ranks, signals mpiexec ``signum`` at a seeded random
     moment after training started, and checks how the job ends; returns its output."""
     delay_s = random.Random(seed).uniform(0.0, 2.5)
     directory = tmp_path / f"ckpt-{seed}"
-    log = tmp_path / f"out-{seed}.txt"
-    tag = f"MPIDP_TEST_TAG={uuid.uuid4().hex}"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MPIDP_TEST_TAG=tag.split("=")[1])
-    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "mpidp.train", "--epochs", "1000",
-           "--checkpoint-dir", str(directory), "--checkpoint-every", "10", "--no-progress",
-           "--seed", str(seed)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                start_new_session=True)
-    try:
-        t0 = time.monotonic()
-        while "mpidp.train: mirrored" not in log.read_text():
-            assert proc.poll() is None, f"ended before training:\n{log.read_text()}"
-            assert time.monotonic() - t0 < START_S, f"no start in {START_S} s"
-            time.sleep(0.05)
+    with Job(2, ["-m", "mpidp.train", "--epochs", "1000", "--checkpoint-dir", directory,
+                 "--checkpoint-every", "10", "--no-progress", "--seed", seed],
+             tmp_path / f"out-{seed}.txt") as job:
+        job.wait_for(lambda: "mpidp.train: mirrored" in job.text, START_S)
         time.sleep(delay_s)
-        proc.send_signal(signum)  # Hydra forwards it to every rank
+        job.proc.send_signal(signum)  # Hydra forwards it to every rank
         sent = time.monotonic()
-        try:
-            proc.wait(timeout=END_S)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"seed {seed}: still running {END_S} s after "
-                                 f"{signal.Signals(signum).name}:\n{log.read_text()[-4000:]}")
+        code = job.wait(END_S)
         took = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = log.read_text()
+        left = job.left_behind()
+    text = job.text
     where = f"seed {seed} ({delay_s:.2f} s into training, ended after {took:.1f} s):\n{text[-4000:]}"
     name = signal.Signals(signum).name
-    assert proc.returncode == 128 + signum, f"exit {proc.returncode}; {where}"
+    assert code == 128 + signum, f"exit {code}; {where}"
     assert not SIGSEGV.search(text), where
     assert "Traceback" not in text, where
     lines = [l for l in text.splitlines() if l.startswith(f"mpidp.train: interrupted by {name}")]
@@ -105,11 +72,6 @@ def interrupt_training(tmp_path: Path, signum: int, seed: int) -> str:
         assert lines[0].rstrip().endswith(f"--seed {seed} --resume"), where
     else:
         assert "no good checkpoint" in lines[0], where
-    for _ in range(40):  # every process of the job gone (ranks are in sessions of their own)
-        left = _processes_with(tag)
-        if not left:
-            break
-        time.sleep(0.05)
     assert not left, f"processes {left} of the job still run; {where}"
     return text
 
@@ -121,3 +83,29 @@ def test_ctrl_c_ends_training_cleanly(tmp_path, seed):
 
 def test_sigterm_ends_training_cleanly(tmp_path):
     interrupt_training(tmp_path, signal.SIGTERM, 1000)
+
+
+def _torch_loaded(job: Job) -> bool:
+    """Whether every rank of ``job`` is inside ``import torch`` (its library mapped)."""
+    ranks = [p for p, r in job.processes().items() if r is not None]
+    try:
+        return len(ranks) == 2 and all("libtorch" in Path(f"/proc/{p}/maps").read_text()
+                                       for p in ranks)
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_importing_ends_with_one_line(tmp_path, signum):
+    """A signal to mpiexec while the ranks import torch (before MPI has started): every rank
+    ends with 128 + the signal's number, rank 0 says so in one line, no traceback (Note
+    [Interrupted run] in mpidp/train/cli.py)."""
+    with Job(2, ["-m", "mpidp.train", "--no-progress"], tmp_path / "out.txt") as job:
+        job.wait_for(lambda: _torch_loaded(job), START_S)
+        job.proc.send_signal(signum)
+        code = job.wait(END_S)
+        left = job.left_behind()
+    text = job.text
+    assert code == 128 + signum and "Traceback" not in text, f"exit {code}:\n{text}"
+    assert text.count("mpidp.train: interrupted while starting\n") == 1, text
+    assert not left, f"processes {left} still run:\n{text}"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
 import shlex
 import signal
 import sys
@@ -17,28 +16,23 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import algorithms, data, launcher, models
+from .. import algorithms, data, models
 from .. import runtime
 from ..abort import FORWARD_S, abort_job
 from ..errors import LaunchError, OutputError
 from . import checkpoint
+from .interrupts import PROG, end_while_starting, launcher_rank, raise_interrupted, signal_of
 from .loop import StoppedOnSignal, Trainer, recording_signals
 from .report import emit
 from .settings import LR_SCALINGS, OPTIMIZERS, STRATEGIES, TrainSettings
 from .setup import SetupError, agree
 
 USAGE_ERROR = 2
-PROG = "mpidp.train"
-
-
-def _launcher_rank() -> int:
-    view = launcher.launcher_view()
-    return view.rank if view is not None and view.rank is not None else 0
 
 
 def fail(message: str, rank: Optional[int] = None) -> None:
     """One line on rank 0, exit code 2 on every rank."""
-    if (_launcher_rank() if rank is None else rank) == 0:
+    if (launcher_rank() if rank is None else rank) == 0:
         emit(f"{PROG}: error: {message}", sys.stderr)
     sys.exit(USAGE_ERROR)
 
@@ -159,23 +153,14 @@ def build(settings: TrainSettings) -> tuple:
 # checkpoint and the command that resumes from it) and aborts the job with exit code 128 +
 # the signal's number, as shells report a process a signal ended (130 for SIGINT, 143 for
 # SIGTERM); the other ranks give it time to do so (Note [Forwarding before abort] in
-# mpidp/abort.py) before they abort the job themselves, in case rank 0 is stuck in a wait
+# mpidp/abort.py) before they abort the job themselves with the same line, naming their rank:
+# the signal reached that rank alone (`kill` of one process), or rank 0 is stuck in a wait
 # that no signal ends (an MPI call). With --checkpoint-on-signal, SIGTERM and SIGUSR1 are only
 # recorded, and the run ends this way after every rank has checkpointed at one step (Note
-# [Checkpoint on signal] in loop.py); SIGINT still ends it at once.
-
-class Interrupted(KeyboardInterrupt):
-    """Raised in the main thread by the signal ``signum`` (SIGTERM) as Ctrl-C raises
-    KeyboardInterrupt."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_interrupted(signum: int, frame) -> None:
-    raise Interrupted(signum)
-
+# [Checkpoint on signal] in loop.py); SIGINT still ends it at once. Before MPI has started
+# (the imports of `python -m mpidp.train`, which take seconds, and MPI_Init) there is no job
+# to abort: each rank ends on its own with the same exit code, rank 0 with the line
+# "interrupted while starting" (interrupts.py, which __main__ arms before its imports).
 
 def resume_command(argv: Sequence[str], world_size: int) -> str:
     """The command line that resumes the run of ``argv`` on ``world_size`` ranks."""
@@ -185,10 +170,11 @@ def resume_command(argv: Sequence[str], world_size: int) -> str:
 
 
 def interrupted_line(signum: int, settings: TrainSettings, argv: Sequence[str],
-                     world_size: int) -> str:
-    """Rank 0's line for a run ended by ``signum``: the newest good checkpoint in the
-    settings' directory and the command line that resumes from it (Note [Interrupted run])."""
-    what = f"{PROG}: interrupted by {signal.Signals(signum).name}"
+                     world_size: int, who: str = "") -> str:
+    """The line for a run ended by ``signum``: the newest good checkpoint in the settings'
+    directory and the command line that resumes from it (Note [Interrupted run]). ``who``:
+    "rank N " where a rank other than 0 says it."""
+    what = f"{PROG}: {who}interrupted by {signal.Signals(signum).name}"
     if not settings.checkpoint_dir:
         return f"{what} (no --checkpoint-dir: nothing to resume from)"
     found = checkpoint.load_latest(settings.checkpoint_dir, lambda problem: None,
@@ -214,28 +200,30 @@ def _end_interrupted(exc: BaseException, settings: TrainSettings, argv: Sequence
         ((signal.SIGUSR1,) if settings.checkpoint_on_signal else ())
     for s in quiet:  # a second signal must not interrupt this
         signal.signal(s, signal.SIG_IGN)
-    signum = exc.signum if isinstance(exc, (Interrupted, StoppedOnSignal)) else signal.SIGINT
-    code = 128 + signum
-    if rank == 0:
-        try:
-            line = stopped_line(exc, argv, world_size) if isinstance(exc, StoppedOnSignal) \
-                else interrupted_line(signum, settings, argv, world_size)
-        except Exception as error:  # the line must not become a traceback
-            line = f"{PROG}: interrupted by {signal.Signals(signum).name} ({error})"
-        abort_job(line + "\n", code)
-    time.sleep(FORWARD_S + 2.0)  # rank 0 ends the job, with its line, before this
-    abort_job("", code)
+    signum = exc.signum if isinstance(exc, StoppedOnSignal) else signal_of(exc)
+    who = "" if rank == 0 else f"rank {rank} "
+    if rank != 0:  # rank 0 ends the job, with its line, before this, if the signal reached it
+        time.sleep(FORWARD_S + 2.0)
+    try:
+        line = stopped_line(exc, argv, world_size) if isinstance(exc, StoppedOnSignal) \
+            else interrupted_line(signum, settings, argv, world_size, who)
+    except Exception as error:  # the line must not become a traceback
+        line = f"{PROG}: {who}interrupted by {signal.Signals(signum).name} ({error})"
+    abort_job(line + "\n", 128 + signum)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    settings = settings_from(argv)
+    previous = signal.signal(signal.SIGTERM, raise_interrupted)  # Note [Interrupted run]
     try:
-        settings.check()
-    except ValueError as exc:
-        fail(str(exc))
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted)  # Note [Interrupted run]
-    try:  # with the flag, SIGTERM and SIGUSR1 are only recorded from here on
+        try:
+            settings = settings_from(argv)
+            settings.check()
+        except ValueError as exc:
+            fail(str(exc))
+        except KeyboardInterrupt as exc:
+            end_while_starting(exc)
+        # with the flag, SIGTERM and SIGUSR1 are only recorded from here on
         with recording_signals() if settings.checkpoint_on_signal else contextlib.nullcontext():
             return _run(settings, argv)
     finally:
@@ -248,9 +236,7 @@ def _run(settings: TrainSettings, argv: Sequence[str]) -> int:
     except LaunchError as exc:
         fail(str(exc).removeprefix("mpidp: "))
     except KeyboardInterrupt as exc:  # MPI may be half started: every rank ends on its own
-        if _launcher_rank() == 0:
-            emit(f"{PROG}: interrupted while starting", sys.stderr)
-        os._exit(128 + (exc.signum if isinstance(exc, Interrupted) else signal.SIGINT))
+        end_while_starting(exc)
     try:
         model, sets = agree(g, lambda: build(settings))
         if g.rank == 0:
