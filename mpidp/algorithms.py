@@ -33,14 +33,17 @@ class Algorithm(NamedTuple):
 
 
 # Note [Auto choice]: on one node shm wins at every size from 8 B up (bench/RESULTS.md,
-# "auto"); across nodes, small messages go straight to MPI (one latency), larger ones to hier,
-# from MPIDP_HIER_MIN_BYTES (64 KiB, where shm+ring overtake MPI_Allreduce on one node,
-# bench/RESULTS.md "auto"). Without the C extension there is no shm, and so no hier: MPI.
+# "auto"); across nodes, small messages take recursive doubling with the check in the same
+# messages (one network latency between two nodes: Note [Checked in the message] in
+# mpidp/doubling.py), larger ones hier, from MPIDP_HIER_MIN_BYTES (64 KiB, where shm+ring
+# overtake MPI_Allreduce on one node, bench/RESULTS.md "auto"). Without the C extension
+# there is no shm, and so no hier: MPI from there.
 # Note [Auto choice on GPU]: our ring over NCCL where NCCL is installed and every rank has a
 # GPU of its own (NCCL refuses two ranks on one GPU); otherwise the host path (staged).
 TABLE = (
     Algorithm("shm", HOST, 3, lambda f, n: f.single_node and f.shm),
-    Algorithm("hier", HOST, 4, lambda f, n: f.shm and n >= f.hier_min_bytes),
+    Algorithm("doubling", HOST, 8, lambda f, n: n < f.hier_min_bytes),
+    Algorithm("hier", HOST, 4, lambda f, n: f.shm),
     Algorithm("mpi", HOST, 1, lambda f, n: True),
     Algorithm("ring", HOST, 2, None),
     Algorithm("ring", DEVICE, 5, lambda f, n: f.nccl and not f.shares_gpu),

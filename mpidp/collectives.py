@@ -96,8 +96,8 @@ def refuse(g, kind: int, exc: BaseException) -> None:
     if g.size > 1:
         b = g.board
         try:
-            handshake.exchange(g, b.publish(handshake.error_header(kind, exc)),
-                               handshake.KIND_NAMES[kind], exc)
+            g.resources.exchange(b.publish(handshake.error_header(kind, exc)),
+                                 handshake.KIND_NAMES[kind], exc)
         finally:
             b.done = b.seq
 

@@ -3,7 +3,9 @@ collective, algorithm, op, dtype, count, shape, local error), every rank sees ev
 and a disagreement is reported on every rank instead of corrupting data or hanging.
 
 On one node the headers travel through the shared-memory control block (and the shm
-all-reduce carries its data in the same call); across nodes in one MPI_Allgather of 64 bytes.
+all-reduce carries its data in the same call); across nodes by recursive doubling with a small
+all-reduce's data in the same messages (mpidp.checked; Note [Checked in the message] in
+mpidp/doubling.py), and, after a disagreement, in one MPI_Allgather to name who called what.
 
 Note [Debug fingerprints]
 The header covers what a collective's data depends on: which collective, algorithm, op,
@@ -161,14 +163,3 @@ def exchange_mpi(comm, hdr: tuple, operation: str, local_error) -> np.ndarray:
     agree = bool((table[:, :FREE_WORD] == mine[:FREE_WORD]).all())
     check(operation, agree, table.tolist(), comm.Get_rank(), local_error)
     return table[:, FREE_WORD]
-
-
-def exchange(g, hdr: tuple, operation: str, local_error=None):
-    """Exchanges headers on group ``g`` (shared memory on one node where the C extension is
-    built, else MPI); returns every rank's free word or raises on every rank."""
-    ctx = g.resources.shm() if g.single_node else None
-    if ctx is not None:
-        ok, info = ctx.exchange(hdr, operation)
-        check(operation, ok, info, g.rank, local_error)
-        return info
-    return exchange_mpi(g.comm, hdr, operation, local_error)

@@ -57,7 +57,13 @@ def allreduce(g, name: str, hdr: tuple, src, dst, dtype: int, op: int, divisor: 
         if not ok:
             raise handshake.mismatch_error("allreduce", info, g.rank)
         return
-    handshake.exchange(g, hdr, "allreduce")
+    if name == "doubling":  # the check and the data in the same messages
+        if src is not dst:
+            dst[...] = src
+        g.resources.exchange(hdr, "allreduce", None, dst, dtype, op)
+        _divide(dst, dtype, divisor)
+        return
+    g.resources.exchange(hdr, "allreduce")
     if name == "mpi":
         from mpi4py import MPI  # deferred for cost, as above
         send = MPI.IN_PLACE if src is dst else mpi_buffer(src, dtype)
@@ -110,13 +116,13 @@ def hier(g, hdr, src, dst, dtype, op, divisor) -> None:
 # ---- the other collectives -------------------------------------------------------------------
 
 def broadcast(g, hdr: tuple, flat, root: int) -> None:
-    handshake.exchange(g, hdr, "broadcast")
+    g.resources.exchange(hdr, "broadcast")
     g.comm.Bcast(flat.view(np.uint8), root=root)
 
 
 def reduce(g, hdr: tuple, flat, dtype: int, op: int, divisor: int, root: int) -> None:
     """MPI_Reduce in place at ``root``; the roots travel in the header's free word."""
-    roots = handshake.exchange(g, hdr, "reduce")
+    roots = g.resources.exchange(hdr, "reduce")
     if len(set(int(r) for r in roots)) > 1:
         raise handshake.MismatchError(
             f"rank {g.rank}: reduce called with different roots: "
@@ -139,12 +145,12 @@ def allgather(g, src, out_flat, rows: list, row: int) -> None:
 
 def allgather_rows(g, hdr: tuple) -> list:
     """Every rank's first dimension (the header's free word), the headers checked."""
-    return [int(r) for r in handshake.exchange(g, hdr, "allgather")]
+    return [int(r) for r in g.resources.exchange(hdr, "allgather")]
 
 
 def reduce_scatter(g, name: str, hdr: tuple, src, out_flat, dtype: int, op: int, divisor: int,
                    chunks: tuple) -> None:
-    handshake.exchange(g, hdr, "reduce_scatter")
+    g.resources.exchange(hdr, "reduce_scatter")
     if name == "ring":
         work = src.copy()
         piece = max(1, config.get().ring_piece_bytes // work.itemsize)

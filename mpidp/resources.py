@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Optional
 
-from . import config, host_kernels, timeline
+from . import checked, config, host_kernels, timeline
 from .algorithms import HOST, Facts, choose
 from .shm import ShmContext
 from .topology import Topology
@@ -66,6 +66,12 @@ class Resources:
                 self._shm.c.set_board(self.board)
                 self.fast_allreduce = self._shm.c.allreduce_array
         return self._shm
+
+    def exchange(self, hdr: tuple, operation: str, local_error: Optional[BaseException] = None,
+                 data=None, dtype: int = 0, op: int = 0):
+        """The check every collective starts with (mpidp.checked.exchange): every rank's free
+        word, or an error raised on every rank. Collective."""
+        return checked.exchange(self, hdr, operation, local_error, data, dtype, op)
 
     def transport(self, key: Any, make: Callable[[], Any]) -> Any:
         """The transport under ``key`` (a communicator's or a device's), made by ``make`` on

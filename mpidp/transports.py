@@ -7,7 +7,8 @@ import threading
 
 import numpy as np
 
-RING_TAG = 0x6D70  # "mp": keeps the ring's messages apart from a user's own traffic
+RING_TAG = 0x6D70   # "mp": keeps the ring's messages apart from a user's own traffic
+CHECK_TAG = 0x6D63  # "mc": the records of the checked exchange (mpidp.doubling)
 
 
 class MPITransport:
@@ -29,6 +30,24 @@ class MPITransport:
     def wait(self, handle) -> None:
         from mpi4py import MPI
         MPI.Request.Waitall(handle)
+
+    # records of any length (mpidp.doubling): the receiver learns the length from the message
+    def swap(self, msg: np.ndarray, peer: int) -> np.ndarray:
+        req = self.comm.Isend(msg, peer, CHECK_TAG)
+        got = self.take(peer)
+        req.Wait()
+        return got
+
+    def put(self, msg: np.ndarray, peer: int) -> None:
+        self.comm.Send(msg, peer, CHECK_TAG)
+
+    def take(self, peer: int) -> np.ndarray:
+        from mpi4py import MPI
+        status = MPI.Status()
+        message = self.comm.Mprobe(peer, CHECK_TAG, status)
+        got = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+        message.Recv(got)
+        return got
 
 
 class LoopbackNetwork:
@@ -69,3 +88,17 @@ class LoopbackTransport:
             raise ValueError(f"loopback rank {self.rank}: {msg.shape} sent by rank {src}, "
                              f"{recv.shape} expected")
         recv[...] = msg
+
+    def swap(self, msg, peer: int):
+        self.put(msg, peer)
+        return self.take(peer)
+
+    def put(self, msg, peer: int) -> None:
+        self.start(msg, peer, None, peer)
+
+    def take(self, peer: int, timeout_s: float = 60.0):
+        box = self.net._boxes[(peer, self.rank)]
+        with self.net._cv:
+            if not self.net._cv.wait_for(lambda: len(box) > 0, timeout=timeout_s):
+                raise TimeoutError(f"loopback rank {self.rank}: nothing from rank {peer}")
+            return box.popleft()

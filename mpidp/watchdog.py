@@ -50,7 +50,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -126,7 +126,7 @@ def collective(g, name: str, check: bool = True):
     hdr = b.publish(handshake.other_header(name))
     try:
         if check and b.debug and g.size > 1:
-            handshake.exchange(g, hdr, name)
+            g.resources.exchange(hdr, name)
         yield
     finally:
         b.done = b.seq
@@ -291,7 +291,7 @@ class Watchdog:
         if self.sampler.sample(time.monotonic()) != lane:
             return  # the operation completed while the others were asked: no stall after all
         text = report(self.g.rank, lane, states, self.g.size, self.timeout_s, self.grace_s,
-                      self.can_ask)
+                      self.can_ask, self.g.node_of, self.g.hosts)
         if lower_reports:  # its abort normally ends this process before the sleep does
             time.sleep(self.grace_s + 2.0)
         abort_job(text, EXIT_CODE)
@@ -321,10 +321,22 @@ def _state_text(s: Optional[dict], grace_s: float) -> str:
             "there)")
 
 
+def _lost_nodes(silent: tuple, node_of: Sequence[int], hosts: Sequence[str]) -> list:
+    """A line for each node none of whose ranks answered (of several nodes)."""
+    lines = []
+    for k, host in enumerate(hosts if len(hosts) > 1 else ()):
+        ranks = [r for r, node in enumerate(node_of) if node == k]
+        if ranks and all(r in silent for r in ranks):
+            lines.append(f"  node {host}: no answer from any of its {_ranks(ranks)}: the node "
+                         "is lost or unreachable (its processes died, or its network)")
+    return lines
+
+
 def report(me: int, lane: int, states: dict, size: int, timeout_s: float, grace_s: float,
-           asked: bool) -> str:
+           asked: bool, node_of: Sequence[int] = (), hosts: Sequence[str] = ()) -> str:
     """The report of rank ``me``, whose lane ``lane`` stalled, from the states of the ranks
-    (rank -> ``Watchdog.state`` dict, None where a rank did not answer). Pure."""
+    (rank -> ``Watchdog.state`` dict, None where a rank did not answer); ``node_of`` and
+    ``hosts``: the node map (Topology), to name a node whose ranks are all silent. Pure."""
     m = states[me]
     where = f"rank {me} of {size} on {m['host']}"
     limit = f"(MPIDP_TIMEOUT_S={timeout_s:g})"
@@ -351,12 +363,14 @@ def report(me: int, lane: int, states: dict, size: int, timeout_s: float, grace_
                          f"{_ranks(sorted(r for r in answered if r not in busy))}")
         if silent:
             lines.append(f"  no answer: {_ranks(list(silent))}")
+    lines += _lost_nodes(silent, node_of, hosts)
     if not asked:
         lines.append("  other ranks were not asked: MPI runs below MPI_THREAD_MULTIPLE, so the "
                      "watchdog thread cannot query them")
     for r in sorted(states):
         s = states[r]
-        who = f"rank {r}" if s is None else f"rank {r} (pid {s['pid']} on {s['host']})"
+        who = f"rank {r} (pid {s['pid']} on {s['host']})" if s is not None else \
+            f"rank {r} (on {hosts[node_of[r]]})" if node_of else f"rank {r}"
         lines.append(f"  {who}: {_state_text(s, grace_s)}")
     lines.append("  a rank's Python stack: py-spy dump --pid PID; a longer legitimate wait: "
                  "raise MPIDP_TIMEOUT_S (README, Troubleshooting)")

@@ -23,13 +23,25 @@ def mpiexec() -> str:
     return found
 
 
-def run(n: int, args: list, env: dict | None = None, timeout_s: float = 240) \
-        -> subprocess.CompletedProcess:
-    """Runs ``python args...`` on n ranks; a hang fails the test at timeout_s instead of CI."""
+def command(n: int, args: list, cluster=None, per_node: int = 1) -> list:
+    """``mpiexec -n n python args...``; on an emulated cluster (tests/multinode/cluster.py),
+    run from its head with ``per_node`` ranks on each of its first n / per_node nodes."""
+    if cluster is None:
+        return [mpiexec(), "-n", str(n), sys.executable, *map(str, args)]
+    return cluster.head_command([mpiexec(), "-n", str(n), "-ppn", str(per_node), "-hosts",
+                                 ",".join(cluster.names[:n // per_node]), sys.executable,
+                                 *map(str, args)])
+
+
+def run(n: int, args: list, env: dict | None = None, timeout_s: float = 240, cluster=None,
+        per_node: int = 1) -> subprocess.CompletedProcess:
+    """Runs ``python args...`` on n ranks (``command``); a hang fails the test at timeout_s
+    instead of CI."""
     full_env = dict(os.environ)
+    full_env.update(cluster.env() if cluster is not None else {})
     full_env.update(env or {})
     full_env.setdefault("PYTHONUNBUFFERED", "1")
-    cmd = [mpiexec(), "-n", str(n), sys.executable, *map(str, args)]
+    cmd = command(n, args, cluster, per_node)
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                               env=full_env, cwd=Path(__file__).parent.parent)
@@ -38,8 +50,9 @@ def run(n: int, args: list, env: dict | None = None, timeout_s: float = 240) \
                              f"{exc.stdout}\n{exc.stderr}") from None
 
 
-def body(n: int, name: str, env: dict | None = None, timeout_s: float = 240, extra=()):
-    return run(n, [BODIES / name, *extra], env, timeout_s)
+def body(n: int, name: str, env: dict | None = None, timeout_s: float = 240, extra=(),
+         cluster=None, per_node: int = 1):
+    return run(n, [BODIES / name, *extra], env, timeout_s, cluster, per_node)
 
 
 def assert_ok(proc: subprocess.CompletedProcess, n: int) -> None:
@@ -54,14 +67,15 @@ class Job:
     output to ``log`` and a tag in every process's environment (so that the test finds the
     ranks and anything left behind). A context manager: leaving it kills whatever still runs."""
 
-    def __init__(self, n: int, args: list, log: Path, env: dict | None = None):
+    def __init__(self, n: int, args: list, log: Path, env: dict | None = None, cluster=None,
+                 per_node: int = 1):
         self.tag = uuid.uuid4().hex
         self.log = Path(log)
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", MPIDP_TEST_TAG=self.tag)
+        full_env.update(cluster.env() if cluster is not None else {})
         full_env.update(env or {})
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable,
-                                          *map(str, args)], stdout=out,
+            self.proc = subprocess.Popen(command(n, args, cluster, per_node), stdout=out,
                                          stderr=subprocess.STDOUT, env=full_env,
                                          cwd=Path(__file__).parent.parent,
                                          start_new_session=True)

@@ -15,7 +15,7 @@ TWO_NODES = ONE_NODE._replace(single_node=False)
 
 
 def test_one_table_names_every_algorithm_once_per_kind_of_array():
-    assert algorithms.NAMES[HOST] == ("auto", "shm", "hier", "mpi", "ring")
+    assert algorithms.NAMES[HOST] == ("auto", "shm", "doubling", "hier", "mpi", "ring")
     assert algorithms.NAMES[DEVICE] == ("auto", "ring", "staged", "nccl")
     assert config.ALGORITHMS == algorithms.NAMES[HOST]
     codes = [a.code for a in algorithms.TABLE]
@@ -24,7 +24,8 @@ def test_one_table_names_every_algorithm_once_per_kind_of_array():
 
 @pytest.mark.parametrize("facts,nbytes,want", [
     (ONE_NODE, 8, "shm"), (ONE_NODE, 1 << 30, "shm"),
-    (TWO_NODES, 8, "mpi"), (TWO_NODES, (64 << 10) - 1, "mpi"), (TWO_NODES, 64 << 10, "hier"),
+    (TWO_NODES, 8, "doubling"), (TWO_NODES, (64 << 10) - 1, "doubling"),
+    (TWO_NODES, 64 << 10, "hier"), (ONE_NODE._replace(shm=False), 8, "doubling"),
     (ONE_NODE._replace(shm=False), 1 << 20, "mpi"), (TWO_NODES._replace(shm=False), 1 << 20, "mpi"),
     (ONE_NODE._replace(default="ring"), 8, "ring"),
 ])
@@ -45,7 +46,7 @@ def test_device_auto_and_refusals():
         choose(HOST, "shm", TWO_NODES, 8)
     with pytest.raises(ValueError, match="C extension"):
         choose(HOST, "hier", TWO_NODES._replace(shm=False), 8)
-    with pytest.raises(ValueError, match="accepted: auto, shm, hier, mpi, ring"):
+    with pytest.raises(ValueError, match="accepted: auto, shm, doubling, hier, mpi, ring"):
         choose(HOST, "fastest", ONE_NODE, 8)
     with pytest.raises(ValueError, match="for device arrays"):
         algorithms.check_name("shm", DEVICE)

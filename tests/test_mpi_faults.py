@@ -152,9 +152,10 @@ def test_parameter_server_survives_a_worker_that_stops_mid_push(tmp_path):
 
 @pytest.mark.parametrize("case,env,patterns", [
     ("stopped", {}, (r"arrived at collective #6: ranks 0, 2\n  not arrived: rank 1 \(no answer\)",
-                     r"  rank 1: no answer within \d+ s: the process has exited, is stopped")),
+                     r"  rank 1 \(on \S+\): no answer within \d+ s: the process has exited, is stopped")),
     ("late", {"MPIDP_EMULATE_NODE_SIZE": "1"},
-     (r"collective #6, allreduce float32\[4\] op=max algorithm=mpi, has not completed",
+     (r"collective #6, allreduce float32\[4\] op=max algorithm=doubling, has not "
+      r"completed",
       r"arrived at collective #6: ranks 0, 1\n  not arrived: rank 2\n")),
 ])
 def test_watchdog_names_the_missing_rank(case, env, patterns):

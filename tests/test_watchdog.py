@@ -122,3 +122,16 @@ def test_report_counts_a_rank_in_another_collective_of_the_same_number_as_not_ar
     lines = report(0, COLLECTIVE, states, 2, 3, 3, True).splitlines()
     assert lines[1:3] == ["  arrived at collective #27: rank 0", "  not arrived: rank 1"]
     assert lines[4] == f"  rank 1 (pid 101 on node7): in collective #27, {other}, for 4.0 s"
+
+
+def test_report_names_a_node_none_of_whose_ranks_answer():
+    what = "allreduce float32[650] op=avg algorithm=hier"
+    states = {0: state(0, 9, True, what), 1: state(1, 9, True, what), 2: None, 3: None,
+              4: state(4, 9, True, what), 5: None}
+    lines = report(0, COLLECTIVE, states, 6, 3, 3, True, node_of=(0, 0, 1, 1, 2, 2),
+                   hosts=("node7", "node8", "node9")).splitlines()
+    assert lines[2] == "  not arrived: ranks 2 (no answer), 3 (no answer), 5 (no answer)"
+    assert lines[3] == ("  node node8: no answer from any of its ranks 2, 3: the node is lost "
+                        "or unreachable (its processes died, or its network)")
+    assert not any("node node9" in l for l in lines)  # rank 4 of node9 answered
+    assert lines[6].startswith("  rank 2 (on node8): no answer within 3 s")

@@ -1,4 +1,5 @@
-"""``python -m mpidp.bench {allreduce,train,fusion,kernels}``: mpidp's benchmarks (run under mpiexec)."""
+"""``python -m mpidp.bench {allreduce,train,fusion,kernels,model}``: mpidp's benchmarks (run
+under mpiexec), and the scale model calibrated from them (runs alone: no MPI)."""
 from __future__ import annotations
 
 import argparse
@@ -7,15 +8,17 @@ import sys
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mpidp.bench",
-                                description="mpidp benchmarks; launch with mpiexec -n N",
+                                description="mpidp benchmarks; launch with mpiexec -n N "
+                                            "(model: no mpiexec)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
-    from . import allreduce, fusion, kernels, train
+    from . import allreduce, fusion, kernels, model, train
     for name, module, text in (
             ("allreduce", allreduce, "all-reduce sweep with nccl-tests' columns"),
             ("train", train, "DDP training samples/s: mpidp vs torch DDP (gloo)"),
             ("fusion", fusion, "bucket pack/unpack GB/s; fused vs separate all-reduces"),
-            ("kernels", kernels, "GPU kernel GB/s against a device-to-device copy")):
+            ("kernels", kernels, "GPU kernel GB/s against a device-to-device copy"),
+            ("model", model, "alpha-beta-gamma scale model: calibrate, predict 1..1024 nodes")):
         sub_parser = sub.add_parser(name, help=text,
                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         module.add_arguments(sub_parser)

@@ -8,11 +8,13 @@ import sys
 import numpy as np
 
 from .. import files
+from ..algorithms import DEVICE, HOST, NAMES
 from .harness import (Gloo, device_ceiling, memory_ceiling, parse_size, rotation, stats,
                       sweep, time_per_call)
 
-ALGORITHMS = ("auto", "shm", "ring", "hier", "mpi", "gloo", "nccl", "staged")
-OURS = ("auto", "shm", "ring", "hier", "nccl", "staged")  # through mpidp.allreduce
+ALGORITHMS = tuple(dict.fromkeys(  # mpidp's own (one table) and gloo, the baseline we measure
+    NAMES[HOST] + ("gloo",) + NAMES[DEVICE]))
+OURS = tuple(n for n in NAMES[HOST] + NAMES[DEVICE] if n != "mpi")  # mpi: MPI_Allreduce direct
 DEFAULT_ALGORITHMS = {"cpu": "auto,shm,ring,mpi,gloo", "gpu": "ring,nccl,staged"}
 DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
           "int32": np.int32, "int64": np.int64, "bfloat16": None}

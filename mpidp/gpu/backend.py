@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import config, handshake
+from .. import config
 from ..dtypes import BF16
 from ..ring import ring_allreduce
 from . import device
@@ -83,7 +83,7 @@ def _allreduce_on_device(g, algo: str, hdr: tuple, a, prepared: tuple, opc: int,
     # communicator's set-up (first call) and while enqueueing; not for the device's work,
     # which the streams order after this returns
     if g.size > 1:
-        handshake.exchange(g, hdr, "allreduce")
+        g.resources.exchange(hdr, "allreduce")
     t = transport(g)
     t.enter(producer)
     if algo == "nccl":

@@ -16,7 +16,7 @@ from mpidp.errors import MismatchError
 g = mpidp.init()
 rank, n = mpidp.rank(), mpidp.size()
 failures = []
-ALGOS = [a for a in os.environ.get("BODY_ALGORITHMS", "auto,shm,ring,hier,mpi").split(",")
+ALGOS = [a for a in os.environ.get("BODY_ALGORITHMS", "auto,shm,ring,hier,mpi,doubling").split(",")
          if a != "shm" or g.single_node]
 
 

@@ -13,7 +13,7 @@ from mpidp.errors import MismatchError
 g = mpidp.init()
 rank, n = mpidp.rank(), mpidp.size()
 failures = []
-ALGOS = os.environ.get("BODY_ALGORITHMS", "auto,shm,ring,hier,mpi").split(",")
+ALGOS = os.environ.get("BODY_ALGORITHMS", "auto,shm,ring,hier,mpi,doubling").split(",")
 if not g.single_node:
     ALGOS = [a for a in ALGOS if a != "shm"]
 BIG = int(os.environ.get("BODY_BIG_COUNT", str(3 << 20)))  # 12 MiB of float32 by default

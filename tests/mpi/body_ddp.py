@@ -115,7 +115,9 @@ for trial, sizes in enumerate(([5000], [1, 7, 3001, 2], [1024] * 10 + [3], [2] *
         got = [t.clone() for t in every[rank]]
         took = plan_bucket("host", "auto", collectives.facts(g, False), 4 * sum(sizes),
                            len(sizes), True, op).zero_copy
-        expect(took == (n > 1 and len(sizes) <= 256), f"zero-copy {sizes[:3]}: took={took}")
+        # zero-copy is shm's, on one node; across nodes (hier, ring) every bucket is packed
+        expect(took == (n > 1 and g.single_node and len(sizes) <= 256),
+               f"zero-copy {sizes[:3]}: took={took}")
         if took:
             collectives.allreduce_segments_([as_host_array(t).flat for t in got], F32, op)
         else:

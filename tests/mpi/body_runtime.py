@@ -26,10 +26,30 @@ else:
         failures.append("init is not idempotent")
     if (mpidp.rank(), mpidp.size()) != (world.Get_rank(), world.Get_size()):
         failures.append("rank/size differ from COMM_WORLD")
-    if mpidp.local_size() != world.Get_size() or mpidp.node_count() != 1:
-        failures.append(f"one machine: local_size {mpidp.local_size()} nodes {mpidp.node_count()}")
-    if mpidp.local_rank() != world.Get_rank():
-        failures.append("local rank")
+    # BODY_PER_NODE ranks on each node, placed in blocks (mpiexec -ppn): one machine unless set
+    per_node = int(os.environ.get("BODY_PER_NODE", world.Get_size()))
+    nodes = world.Get_size() // per_node
+    r = world.Get_rank()
+    if (mpidp.local_size(), mpidp.node_count()) != (per_node, nodes):
+        failures.append(f"{nodes} node(s) of {per_node}: local_size {mpidp.local_size()}, "
+                        f"node_count {mpidp.node_count()}")
+    if (mpidp.local_rank(), g.node_index, g.node_of) != \
+            (r % per_node, r // per_node, tuple(q // per_node for q in range(world.Get_size()))):
+        failures.append(f"local rank {mpidp.local_rank()}, node {g.node_index}, map {g.node_of}")
+    host = MPI.Get_processor_name()
+    names = world.allgather(host)
+    if g.hosts[g.node_index] != host or len(set(names)) != nodes or \
+            any((names[q] == host) != (q // per_node == r // per_node) for q in range(len(names))):
+        failures.append(f"host names {names}, node map's {g.hosts}")
+    # the shared-memory context spans this node's ranks only, single-copy where it can be
+    ctx = g.resources.shm()
+    if ctx is not None:
+        members = g.node_comm.allgather(host)
+        if len(members) != per_node or set(members) != {host}:
+            failures.append(f"shm context spans {members}")
+        want = os.environ.get("BODY_SHM_MODE")
+        if want and ctx.mode_name != want:
+            failures.append(f"shm peers {ctx.mode_name}, expected {want}")
 if raise_on is not None:
     import time
     if world.Get_rank() == int(raise_on):
