@@ -21,6 +21,8 @@ class Facts(NamedTuple):
     default: str              # MPIDP_ALGORITHM: what "auto" means for host arrays
     inline_bytes: int = 0     # shm: largest buffer carried in the control block
     max_segments: int = 0     # shm: most tensors a zero-copy bucket may hold
+    doubling_max_bytes: int = 64 << 10  # MPIDP_DOUBLING_MAX_BYTES
+    one_per_node: bool = False  # every node holds one rank of the group
     nccl: bool = False        # device arrays: NCCL is installed
     shares_gpu: bool = False  # device arrays: this node has more ranks than GPUs
 
@@ -33,17 +35,23 @@ class Algorithm(NamedTuple):
 
 
 # Note [Auto choice]: on one node shm wins at every size from 8 B up (bench/RESULTS.md,
-# "auto"); across nodes, small messages take recursive doubling with the check in the same
-# messages (one network latency between two nodes: Note [Checked in the message] in
-# mpidp/doubling.py), larger ones hier, from MPIDP_HIER_MIN_BYTES (64 KiB, where shm+ring
-# overtake MPI_Allreduce on one node, bench/RESULTS.md "auto"). Without the C extension
-# there is no shm, and so no hier: MPI from there.
+# "auto"). Across nodes (bench/RESULTS.md, "Across nodes": two emulated nodes over TCP, one
+# rank each), below MPIDP_DOUBLING_MAX_BYTES (64 KiB) recursive doubling with the check in the
+# same messages (Note [Checked in the message] in mpidp/doubling.py): 21 us at 8 B and 34-38
+# us at 32 KiB, against 37 us and 52 us for the check followed by MPI_Allreduce; the two tie
+# at 128-512 KiB, and from 64 KiB MPI_Allreduce after the check moves half the bytes of
+# doubling per rank on more nodes. With several ranks on a node, hier from
+# MPIDP_HIER_MIN_BYTES (64 KiB, where shm+ring overtook MPI_Allreduce on one node): its
+# shared-memory step sends one node's sum across instead of each rank's; with one rank per
+# node hier is a plain ring of the nodes, which MPI's own algorithm matched or beat at every
+# size measured, so MPI. Without the C extension: no shm, no hier.
 # Note [Auto choice on GPU]: our ring over NCCL where NCCL is installed and every rank has a
 # GPU of its own (NCCL refuses two ranks on one GPU); otherwise the host path (staged).
 TABLE = (
     Algorithm("shm", HOST, 3, lambda f, n: f.single_node and f.shm),
-    Algorithm("doubling", HOST, 8, lambda f, n: n < f.hier_min_bytes),
-    Algorithm("hier", HOST, 4, lambda f, n: f.shm),
+    Algorithm("doubling", HOST, 8, lambda f, n: n < f.doubling_max_bytes),
+    Algorithm("hier", HOST, 4, lambda f, n: f.shm and not f.one_per_node and
+              n >= f.hier_min_bytes),
     Algorithm("mpi", HOST, 1, lambda f, n: True),
     Algorithm("ring", HOST, 2, None),
     Algorithm("ring", DEVICE, 5, lambda f, n: f.nccl and not f.shares_gpu),

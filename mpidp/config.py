@@ -20,7 +20,8 @@ class Config:
     shm_chunk_bytes: int = 256 << 10   # MPIDP_SHM_CHUNK_BYTES: cache-resident unit of shm
     shm_inline_bytes: int = 4096       # MPIDP_SHM_INLINE_BYTES: carried in the control block
     shm_peers: str = "auto"            # MPIDP_SHM_PEERS: auto | cma | window
-    hier_min_bytes: int = 64 << 10     # MPIDP_HIER_MIN_BYTES: below it, auto uses mpi across nodes
+    hier_min_bytes: int = 64 << 10     # MPIDP_HIER_MIN_BYTES: from it, auto uses hier across nodes
+    doubling_max_bytes: int = 64 << 10  # MPIDP_DOUBLING_MAX_BYTES: below it, auto uses doubling
     emulate_node_size: int = 0         # MPIDP_EMULATE_NODE_SIZE: k > 0 treats k ranks as a node
     timeout_s: float = 180.0           # MPIDP_TIMEOUT_S: Note [Watchdog] in mpidp/watchdog.py
     debug: bool = False                # MPIDP_DEBUG: fingerprint every collective (handshake.py)
@@ -33,7 +34,7 @@ class Config:
 # settings of the algorithms that must be the same on every rank (compared by mpidp.init):
 # ranks that disagree would move data differently, pair the wrong calls or hang
 AGREED = ("algorithm", "ring_piece_bytes", "shm_chunk_bytes", "shm_inline_bytes", "shm_peers",
-          "hier_min_bytes", "emulate_node_size", "debug", "extension", "timeline")
+          "hier_min_bytes", "doubling_max_bytes", "emulate_node_size", "debug", "extension", "timeline")
 
 
 def agreed(cfg: Config) -> tuple:
@@ -90,6 +91,8 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
         kw["shm_peers"] = _parse_choice("MPIDP_SHM_PEERS", v, SHM_PEER_MODES)
     if (v := get("MPIDP_HIER_MIN_BYTES")) is not None:
         kw["hier_min_bytes"] = _parse_int("MPIDP_HIER_MIN_BYTES", v, 0)
+    if (v := get("MPIDP_DOUBLING_MAX_BYTES")) is not None:
+        kw["doubling_max_bytes"] = _parse_int("MPIDP_DOUBLING_MAX_BYTES", v, 0)
     if (v := get("MPIDP_EMULATE_NODE_SIZE")) is not None:
         kw["emulate_node_size"] = _parse_int("MPIDP_EMULATE_NODE_SIZE", v, 0)
     if (v := get("MPIDP_TIMEOUT_S")) is not None:

@@ -67,73 +67,98 @@ def schedule(rank: int, size: int) -> Schedule:
 
 
 class Record:
-    """One rank's view during the exchange: status, its header, the free words of every rank
-    (0 where not yet heard), and the partial result (None: header only)."""
+    """One rank's view during the exchange, kept as the message it sends: a status word, its
+    header, the free words of every rank (0 where not yet heard), then the partial result
+    (none: a header-only exchange). ``out``, the caller's array, receives the result."""
 
-    __slots__ = ("status", "header", "free", "data")
+    __slots__ = ("msg", "words", "data", "out")
 
     def __init__(self, header: Sequence[int], rank: int, size: int,
                  data: Optional[np.ndarray]):
-        self.header = np.asarray(header, np.int64)
-        self.free = np.zeros(size, np.int64)
-        self.free[rank] = self.header[COMPARED]
-        self.status = OK
-        self.data = data
+        n_words = 1 + HEADER_WORDS + size
+        self.msg = np.empty(8 * n_words + (0 if data is None else data.nbytes), np.uint8)
+        self.words = self.msg[:8 * n_words].view(np.int64)
+        self.words[0] = OK
+        self.words[1:1 + HEADER_WORDS] = header
+        self.words[1 + HEADER_WORDS:] = 0
+        self.words[1 + HEADER_WORDS + rank] = header[COMPARED]
+        self.out = data
+        self.data = None
+        if data is not None:
+            self.data = self.msg[8 * n_words:].view(data.dtype)
+            self.data[...] = data.reshape(-1)
+
+    @property
+    def status(self) -> int:
+        return int(self.words[0])
+
+    @status.setter
+    def status(self, value: int) -> None:
+        self.words[0] = value
+
+    @property
+    def free(self) -> np.ndarray:
+        return self.words[1 + HEADER_WORDS:]
+
+    @free.setter
+    def free(self, value) -> None:
+        self.words[1 + HEADER_WORDS:] = value
 
     def pack(self) -> np.ndarray:
-        words = np.concatenate(([self.status], self.header, self.free)).astype(np.int64)
-        if self.status != OK or self.data is None:
-            return words.view(np.uint8)
-        return np.concatenate((words.view(np.uint8), self.data.view(np.uint8).reshape(-1)))
+        return self.msg if self.words[0] == OK else self.msg[:self.words.nbytes]
 
     def merge(self, msg: np.ndarray, mine_first: bool, ops, dtype: int, op: int) -> None:
-        """Merges a peer's packed record into this one (``mine_first``: this rank is the
-        lower, its partial result comes first in the reduction)."""
-        n_words = 1 + HEADER_WORDS + len(self.free)
-        if len(msg) < 8 * n_words:
-            raise ValueError(f"a record of {len(msg)} bytes, {8 * n_words} at least expected")
-        words = msg[:8 * n_words].view(np.int64)
-        status, header, free = words[0], words[1:1 + HEADER_WORDS], words[1 + HEADER_WORDS:]
-        self.free = self.free | free  # each slot is non-zero in its owner's record only
-        payload = msg[8 * n_words:]
-        same = status == OK and (header[:COMPARED] == self.header[:COMPARED]).all()
-        expected = 0 if self.data is None else self.data.nbytes
-        if self.status != OK or not same or len(payload) != expected:
-            self.status = DISAGREE
+        """Merges a peer's record into this one (``mine_first``: this rank is the lower, its
+        partial result comes first in the reduction)."""
+        n = self.words.nbytes
+        if len(msg) < n:
+            raise ValueError(f"a record of {len(msg)} bytes, {n} at least expected")
+        theirs = msg[:n].view(np.int64)
+        free = self.words[1 + HEADER_WORDS:]
+        np.bitwise_or(free, theirs[1 + HEADER_WORDS:], out=free)  # a slot: its owner's only
+        same = theirs[0] == OK and msg[8:8 * (1 + COMPARED)].tobytes() == \
+            self.msg[8:8 * (1 + COMPARED)].tobytes()
+        if self.words[0] != OK or not same or len(msg) != len(self.msg):
+            self.words[0] = DISAGREE
             return
         if self.data is not None and len(self.data):
-            theirs = payload.view(self.data.dtype)
+            peer = msg[n:].view(self.data.dtype)
             if mine_first:
-                ops.reduce_into(self.data, theirs, dtype, op, 1)
-            else:  # theirs first: into a copy of theirs, then back
-                first = theirs.copy()
-                ops.reduce_into(first, self.data, dtype, op, 1)
-                self.data[...] = first
+                ops.reduce_into(self.data, peer, dtype, op, 1)
+            else:  # theirs first: into their copy, then back
+                ops.reduce_into(peer, self.data, dtype, op, 1)
+                self.data[...] = peer
+
+    def deliver(self) -> "Record":
+        """The result into the caller's array, where the exchange agreed."""
+        if self.out is not None and self.words[0] == OK and len(self.data):
+            self.out.reshape(-1)[...] = self.data
+        return self
 
 
 def run(transport, record: Record, ops=None, dtype: int = 0, op: int = 0) -> Record:
     """The exchange for ``record`` over every rank of ``transport``; returns it merged: the
     same status everywhere, every free word, and (if it carried data, status OK) the reduced
-    result, equal on every rank. Every rank must call it."""
+    result, equal on every rank, delivered into the caller's array. Every rank must call
+    it."""
     r = transport.rank
     plan = schedule(r, transport.size)
     if plan.fold_out is not None:
         transport.put(record.pack(), plan.fold_out)
-        return _adopt(record, transport.take(plan.fold_out))
+        return _adopt(record, transport.take(plan.fold_out)).deliver()
     if plan.fold_in is not None:
         record.merge(transport.take(plan.fold_in), True, ops, dtype, op)
     for peer in plan.rounds:
         record.merge(transport.swap(record.pack(), peer), r < peer, ops, dtype, op)
     if plan.fold_in is not None:
         transport.put(record.pack(), plan.fold_in)
-    return record
+    return record.deliver()
 
 
 def _adopt(record: Record, msg: np.ndarray) -> Record:
     """The folded-out rank takes the outcome as its partner sent it."""
-    n_words = 1 + HEADER_WORDS + len(record.free)
-    words = msg[:8 * n_words].view(np.int64)
-    record.status, record.free = int(words[0]), words[1 + HEADER_WORDS:].copy()
-    if record.status == OK and record.data is not None:
-        record.data[...] = msg[8 * n_words:].view(record.data.dtype)
+    n = record.words.nbytes
+    record.words[...] = msg[:n].view(np.int64)
+    if record.words[0] == OK and record.data is not None:
+        record.data[...] = msg[n:].view(record.data.dtype)
     return record

@@ -34,6 +34,8 @@ class Resources:
         self.facts = Facts(
             size=topo.size, single_node=topo.single_node, shm=ext is not None,
             hier_min_bytes=cfg.hier_min_bytes, default=cfg.algorithm,
+            doubling_max_bytes=cfg.doubling_max_bytes,
+            one_per_node=topo.node_count == topo.size,
             inline_bytes=min(cfg.shm_inline_bytes, ext.SHM_INLINE_BYTES) if ext else 0,
             max_segments=ext.SHM_MAX_SEGMENTS if ext else 0)
         self._shm: Optional[ShmContext] = None

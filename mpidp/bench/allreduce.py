@@ -3,14 +3,15 @@ algorithms against MPI_Allreduce and torch.distributed (gloo), out of place and 
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 
 import numpy as np
 
 from .. import files
 from ..algorithms import DEVICE, HOST, NAMES
-from .harness import (Gloo, device_ceiling, memory_ceiling, parse_size, rotation, stats,
-                      sweep, time_per_call)
+from .harness import (Gloo, device_ceiling, link_ceiling, memory_ceiling, parse_size, rotation,
+                      stats, sweep, time_per_call)
 
 ALGORITHMS = tuple(dict.fromkeys(  # mpidp's own (one table) and gloo, the baseline we measure
     NAMES[HOST] + ("gloo",) + NAMES[DEVICE]))
@@ -213,7 +214,7 @@ def table(rows: list, ceiling: dict, nranks: int) -> str:
             f"{'(B)':>10} {'(elements)':>10} {'':>8} {'':>5} {'':>9} | "
             + f"{'time_us':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'of max':>6} | " * 2)
     lines = [head.rstrip(" |")]
-    bound = ceiling["copy_GBps"]
+    bound = ceiling.get("bound_algbw_GBps", ceiling["copy_GBps"])
     for r in rows:
         cells = []
         for mode in ("out_of_place", "in_place"):
@@ -227,8 +228,10 @@ def table(rows: list, ceiling: dict, nranks: int) -> str:
         lines.append(f"{r['size']:>10} {r['count']:>10} {r['type']:>8} {r['redop']:>5} "
                      f"{r['algorithm']:>9} | " + " | ".join(cells))
     busbw = bound * (2 * (nranks - 1) / nranks if nranks > 1 else 1)
+    link = (f"; link between nodes {ceiling['link_GBps']:.2f} GB/s each way (bounds busbw)"
+            if "link_GBps" in ceiling else "")
     lines.append(f"# ceiling: copy {ceiling['copy_GBps']:.2f} GB/s, add {ceiling['add_GBps']:.2f} "
-                 f"GB/s per rank with {nranks} ranks at once; all-reduce bound algbw "
+                 f"GB/s per rank with {nranks} ranks at once{link}; all-reduce bound algbw "
                  f"{bound:.2f} GB/s, busbw {busbw:.2f} GB/s ('of max' = algbw / bound)")
     return "\n".join(lines)
 
@@ -245,8 +248,9 @@ def plot(rows: list, ceiling: dict, nranks: int, path: str) -> None:
         if pts:
             ax.plot(*zip(*pts), marker="o", label=algo)
     factor = 2 * (nranks - 1) / nranks if nranks > 1 else 1
-    ax.axhline(ceiling["copy_GBps"] * factor, color="k", linestyle="--",
-               label=f"memory bound ({ceiling['copy_GBps'] * factor:.1f} GB/s)")
+    bound = ceiling.get("bound_algbw_GBps", ceiling["copy_GBps"]) * factor
+    ax.axhline(bound, color="k", linestyle="--",
+               label=f"{'link' if 'link_GBps' in ceiling else 'memory'} bound ({bound:.1f} GB/s)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("message size (bytes)")
@@ -268,8 +272,11 @@ def main(args) -> int:
     comm = g.comm
     rank, n = comm.Get_rank(), comm.Get_size()
     algos = _algorithms(args)
-    gloo = Gloo(comm) if "gloo" in algos else None
+    host = comm.bcast(socket.gethostname(), root=0) if g.node_count > 1 else "127.0.0.1"
+    gloo = Gloo(comm, host) if "gloo" in algos else None
     ceiling = memory_ceiling(comm) if args.device == "cpu" else device_ceiling(comm)
+    if g.node_count > 1:
+        ceiling.update(link_ceiling(g))
     rows = measure(comm, args, gloo)
     if gloo is not None:
         gloo.close()

@@ -96,13 +96,32 @@ def memory_ceiling(comm, nbytes: int = 256 << 20, iters: int = 5) -> dict:
             "add_GBps": nbytes / add_s.max() / 1e9}
 
 
-class Gloo:
-    """torch.distributed on gloo over loopback: a reference column only."""
+def link_ceiling(g, nbytes: int = 16 << 20, iters: int = 5) -> dict:
+    """The network's bandwidth between nodes, GB/s each way: node 0's and node 1's first
+    ranks swap ``nbytes`` (MPI_Sendrecv, both directions at once), the others wait. Across
+    nodes the link, not memory, bounds an all-reduce: nccl-tests' busbw is then at most this.
+    Collective."""
+    comm = g.comm
+    leaders = [g.node_of.index(k) for k in (0, 1)]
+    peer = {leaders[0]: leaders[1], leaders[1]: leaders[0]}.get(g.rank)
+    a, b = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    call = (lambda i: comm.Sendrecv(a, peer, 77, b, peer, 77)) if peer is not None \
+        else (lambda i: None)
+    t = time_per_call(comm, call, iters, 1)
+    link = nbytes / max(t[leaders[0]], t[leaders[1]]) / 1e9
+    nodes = g.node_count
+    return {"link_bytes": nbytes, "link_GBps": link,
+            "bound_algbw_GBps": link * nodes / (2 * (nodes - 1))}
 
-    def __init__(self, comm):
+
+class Gloo:
+    """torch.distributed on gloo (over loopback on one node; across nodes to ``host``, rank
+    0's host name): a reference column only."""
+
+    def __init__(self, comm, host: str = "127.0.0.1"):
         import torch.distributed as dist
         port = comm.bcast(free_port() if comm.Get_rank() == 0 else None, root=0)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}",
                                 rank=comm.Get_rank(), world_size=comm.Get_size())
         self.dist = dist
 
