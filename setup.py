@@ -5,8 +5,10 @@ setup(
     ext_modules=[
         Extension(
             "mpidp._ext",
-            sources=["csrc/module.c", "csrc/context.c", "csrc/small.c", "csrc/kernels.c", "csrc/fusion.c", "csrc/shm.c"],
-            depends=["csrc/kernels.h", "csrc/fusion.h", "csrc/shm.h", "csrc/binding.h", "csrc/context.h"],
+            sources=["csrc/module.c", "csrc/context.c", "csrc/small.c", "csrc/checked.c",
+                     "csrc/kernels.c", "csrc/fusion.c", "csrc/shm.c"],
+            depends=["csrc/kernels.h", "csrc/fusion.h", "csrc/shm.h", "csrc/binding.h",
+                     "csrc/context.h", "csrc/small.h"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Werror",
                                 "-Wno-unused-parameter", "-Wno-missing-field-initializers"],
         )

@@ -241,7 +241,7 @@ static struct PyModuleDef moduledef = {
 PyMODINIT_FUNC PyInit__ext(void) {
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
-    if (mp_add_shm_context_type(m) < 0) {
+    if (mp_add_shm_context_type(m) < 0 || mp_add_checked_type(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -2,6 +2,7 @@
  * allreduce_array (Note [Small all-reduce in one call]). */
 #include "context.h"
 #include "kernels.h"
+#include "small.h"
 
 /* Note [Small all-reduce in one call]
  * An in-place all-reduce of a small numpy array on one node, the call whose cost is all
@@ -15,7 +16,7 @@
  * which checks, refuses or runs it. */
 static PyObject *s_seq, *s_done, *s_what, *s_sum, *s_avg, *s_min, *s_max;
 
-static int format_dtype(const Py_buffer *v) {
+int mp_format_dtype(const Py_buffer *v) {
     const char *f = v->format ? v->format : "B";
     if (*f == '<' || *f == '=' || *f == '@') f++;
     if (f[1]) return -1;
@@ -29,7 +30,7 @@ static int format_dtype(const Py_buffer *v) {
     }
 }
 
-static int op_of(PyObject *op, int *code, int *average) {
+int mp_op_of(PyObject *op, int *code, int *average) {
     *average = 0;
     if (!PyUnicode_Check(op)) return -1;
     if (op == s_sum || PyUnicode_Compare(op, s_sum) == 0) *code = OP_SUM;
@@ -40,8 +41,7 @@ static int op_of(PyObject *op, int *code, int *average) {
     return 0;
 }
 
-/* board.seq += 1; board.what = header; returns the new seq or -1 with an exception set */
-static long long post(PyObject *board, const int64_t *header) {
+long long mp_post(PyObject *board, const int64_t *header) {
     PyObject *seq = PyObject_GetAttr(board, s_seq);
     if (!seq) return -1;
     long long next = PyLong_AsLongLong(seq);
@@ -62,6 +62,43 @@ static long long post(PyObject *board, const int64_t *header) {
     return bad ? -1 : next;
 }
 
+int mp_small_take(PyObject *x, PyObject *op, Py_ssize_t max_bytes, Py_buffer *v, int *dtype,
+                  int *opc, int *average, Py_hash_t *shape_hash) {
+    if (mp_op_of(op, opc, average) < 0) return 0;
+    if (PyObject_GetBuffer(x, v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    *dtype = mp_format_dtype(v);
+    *shape_hash = *dtype < 0 ? -1 : mp_shape_hash(v);
+    if (*dtype < 0 || v->len > max_bytes || (*average && *dtype >= DT_I32) || *shape_hash == -1) {
+        PyErr_Clear();
+        PyBuffer_Release(v);
+        return 0;
+    }
+    return 1;
+}
+
+Py_hash_t mp_shape_hash(const Py_buffer *v) {
+    PyObject *shape = PyTuple_New(v->ndim);
+    int whole = shape != NULL;
+    for (int i = 0; whole && i < v->ndim; i++) {
+        PyObject *extent = PyLong_FromSsize_t(v->shape[i]);
+        if (!extent) whole = 0;
+        else PyTuple_SET_ITEM(shape, i, extent);
+    }
+    Py_hash_t h = whole ? PyObject_Hash(shape) : -1;
+    Py_XDECREF(shape);
+    return h;
+}
+
+int mp_mark_done(PyObject *board, long long seq) {
+    PyObject *done = PyLong_FromLongLong(seq);
+    int ok = done && PyObject_SetAttr(board, s_done, done) == 0;
+    Py_XDECREF(done);
+    return ok ? 0 : -1;
+}
+
 const char mp_allreduce_array_doc[] =
 "allreduce_array(x, op) -> x, (status, info) or NotImplemented\n\n"
 "The whole in-place all-reduce of a small numpy array, posted on the board given to\n"
@@ -74,30 +111,15 @@ PyObject *mp_ctx_allreduce_array(ShmContext *self, PyObject *const *args, Py_ssi
         PyErr_SetString(PyExc_TypeError, "allreduce_array(x, op) needs set_board first");
         return NULL;
     }
-    int opc, average;
-    if (op_of(args[1], &opc, &average) < 0) Py_RETURN_NOTIMPLEMENTED;
+    int opc, average, dtype;
     Py_buffer v;
-    if (PyObject_GetBuffer(args[0], &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyErr_Clear();
+    Py_hash_t shape_hash;
+    if (!mp_small_take(args[0], args[1], self->inline_bytes, &v, &dtype, &opc, &average,
+                       &shape_hash))
         Py_RETURN_NOTIMPLEMENTED;
-    }
-    int dtype = format_dtype(&v);
-    if (dtype < 0 || v.len > self->inline_bytes || (average && dtype >= DT_I32)) {
-        PyBuffer_Release(&v);
-        Py_RETURN_NOTIMPLEMENTED;
-    }
-    PyObject *shape = PyTuple_New(v.ndim);
-    int whole = shape != NULL;
-    for (int i = 0; whole && i < v.ndim; i++) {
-        PyObject *extent = PyLong_FromSsize_t(v.shape[i]);
-        if (!extent) whole = 0;
-        else PyTuple_SET_ITEM(shape, i, extent);
-    }
-    Py_hash_t shape_hash = whole ? PyObject_Hash(shape) : -1;
-    Py_XDECREF(shape);
     int64_t header[SHM_HEADER_WORDS] = {1 /* ALLREDUCE */, 3 /* shm */, opc + 4 * average,
                                         dtype, (int64_t)(v.len / v.itemsize), shape_hash, 0, 0};
-    long long seq = shape_hash == -1 ? -1 : post(self->board, header);
+    long long seq = mp_post(self->board, header);
     if (seq < 0) { /* nothing entered: the general path takes the call (out of memory) */
         PyErr_Clear();
         PyBuffer_Release(&v);
@@ -116,9 +138,7 @@ PyObject *mp_ctx_allreduce_array(ShmContext *self, PyObject *const *args, Py_ssi
     PyBuffer_Release(&v);
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb); /* the board is marked done whatever enter said */
-    PyObject *done = PyLong_FromLongLong(seq);
-    int marked = done && PyObject_SetAttr(self->board, s_done, done) == 0;
-    Py_XDECREF(done);
+    int marked = mp_mark_done(self->board, seq) == 0;
     if (type) {
         PyErr_Restore(type, value, tb);
         Py_XDECREF(out);

@@ -44,7 +44,8 @@ class Algorithm(NamedTuple):
 # MPIDP_HIER_MIN_BYTES (64 KiB, where shm+ring overtook MPI_Allreduce on one node): its
 # shared-memory step sends one node's sum across instead of each rank's; with one rank per
 # node hier is a plain ring of the nodes, which MPI's own algorithm matched or beat at every
-# size measured, so MPI. Without the C extension: no shm, no hier.
+# size measured, so MPI. Without the C extension: no shm, no hier (on one node too: doubling
+# below MPIDP_DOUBLING_MAX_BYTES, its check and data in one exchange, then MPI).
 # Note [Auto choice on GPU]: our ring over NCCL where NCCL is installed and every rank has a
 # GPU of its own (NCCL refuses two ranks on one GPU); otherwise the host path (staged).
 TABLE = (

@@ -7,6 +7,7 @@ which then exchange their headers once more (MPI_Allgather) to say who called wh
 raise."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import numpy as np
@@ -33,16 +34,24 @@ def exchange(res, hdr: tuple, operation: str, local_error: Optional[BaseExceptio
                          doubling.Record(hdr, topo.rank, topo.size, data), host_kernels,
                          dtype, op)
         return np.asarray(info, np.int64)
-    if ctx is None or topo.local_size == 1:  # every rank in the doubling
+    if ctx is None or res.facts.one_per_node:  # every rank in the doubling (a group-wide
+        # fact: with nodes of unequal sizes a node of one rank still goes through its node)
         record = doubling.Record(hdr, topo.rank, topo.size, data)
         record = doubling.run(_transport(res, topo.comm), record, host_kernels, dtype, op)
     else:
         record = _across_nodes(res, topo, ctx, hdr, operation, data, dtype, op)
     if record.status != doubling.OK:
-        handshake.exchange_mpi(topo.comm, hdr, operation, local_error)  # raises everywhere
-        raise CommunicationError(topo.rank, operation, "the ranks' headers agreed on a second "
-                                 "exchange after disagreeing on the first")
+        disagreed(topo, hdr, operation, local_error)
     return record.free
+
+
+def disagreed(topo, hdr: tuple, operation: str, local_error: Optional[BaseException]) -> None:
+    """After an exchange found a disagreement (every rank did): the headers once more, in one
+    MPI_Allgather, to raise on every rank what each called (``local_error`` on this rank).
+    Does not return."""
+    handshake.exchange_mpi(topo.comm, hdr, operation, local_error)
+    raise CommunicationError(topo.rank, operation, "the ranks' headers agreed on a second "
+                             "exchange after disagreeing on the first")
 
 
 def _across_nodes(res, topo, ctx, hdr, operation, data, dtype, op) -> doubling.Record:
@@ -72,6 +81,33 @@ def _across_nodes(res, topo, ctx, hdr, operation, data, dtype, op) -> doubling.R
     if carry and record.status == doubling.OK:
         data.view(np.uint8).reshape(-1)[...] = out[words.nbytes:]
     return record
+
+
+def c_context(comm, max_bytes: int, board):
+    """The small all-reduce across nodes in one C call (csrc/checked.c, one rank per node), or
+    None where it cannot be made: no C extension, MPI handles that are not C ints, MPI
+    errors that abort rather than return, or the MPI library not found (Note [MPI from C] in
+    csrc/checked.c). Not collective."""
+    import ctypes
+    from mpi4py import MPI  # deferred for cost: import mpidp starts no MPI
+    ext = host_kernels.EXTENSION
+    if ext is None or not hasattr(ext, "CheckedContext") or MPI._sizeof(MPI.Comm) != 4 or \
+            MPI._sizeof(MPI.Datatype) != 4 or comm.Get_errhandler() != MPI.ERRORS_RETURN:
+        return None
+    with open("/proc/self/maps") as maps:
+        libs = sorted({line.split()[-1] for line in maps if "/libmpi" in line.split()[-1]})
+    try:
+        lib = ctypes.CDLL(libs[0], mode=os.RTLD_NOLOAD)
+        fns = tuple(ctypes.cast(getattr(lib, f), ctypes.c_void_p).value
+                    for f in ("MPI_Sendrecv", "MPI_Send", "MPI_Recv"))
+    except (IndexError, OSError, AttributeError):
+        return None
+    def as_int(handle: int) -> int:  # the C int of a handle mpi4py gives as unsigned
+        low = handle & 0xFFFFFFFF
+        return low - (1 << 32) if low >= 1 << 31 else low
+
+    return ext.CheckedContext(fns, as_int(MPI._handleof(comm)), as_int(MPI._handleof(MPI.BYTE)),
+                              comm.Get_rank(), comm.Get_size(), max_bytes, board)
 
 
 def _transport(res, comm) -> MPITransport:

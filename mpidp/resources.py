@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Optional
 
-from . import checked, config, host_kernels, timeline
+from . import checked, config, handshake, host_kernels, timeline
 from .algorithms import HOST, Facts, choose
 from .shm import ShmContext
 from .topology import Topology
@@ -47,8 +47,16 @@ class Resources:
         # in-place all-reduce of a small numpy array, once the node's context exists, where
         # auto means shm and nothing else must see every call (debug headers, the timeline)
         self.fast_allreduce: Optional[Callable] = None
+        self.fast_max_bytes = 0  # the largest array it takes
         self._fast_ok = (topo.size > 1 and choose(HOST, "auto", self.facts, 8).name == "shm"
                          and not cfg.debug and not timeline.ON)
+        self._checked = None  # across nodes, one rank per node: the C call of csrc/checked.c
+        if topo.size > 1 and self.facts.one_per_node and not cfg.debug and not timeline.ON \
+                and choose(HOST, "auto", self.facts, 8).name == "doubling":
+            self._checked = checked.c_context(topo.comm, cfg.doubling_max_bytes - 1, self.board)
+            if self._checked is not None:
+                self.fast_allreduce = self._checked.allreduce_array
+                self.fast_max_bytes = cfg.doubling_max_bytes - 1
 
     def start_watchdog(self, timeout_s: float) -> None:
         """Starts the watching thread (collective; only where there is more than one rank)."""
@@ -67,7 +75,16 @@ class Resources:
             if self._fast_ok:
                 self._shm.c.set_board(self.board)
                 self.fast_allreduce = self._shm.c.allreduce_array
+                self.fast_max_bytes = self.facts.inline_bytes
         return self._shm
+
+    def fast_disagreed(self, done) -> None:
+        """Raises on every rank after ``fast_allreduce`` found that the ranks' inputs disagree
+        (``done``: what it returned)."""
+        if self._checked is not None:
+            checked.disagreed(self.topo, done[1], "allreduce", None)
+        if not self.shm().check(done[0], done[1], "allreduce"):
+            raise handshake.mismatch_error("allreduce", done[1], self.topo.rank)
 
     def exchange(self, hdr: tuple, operation: str, local_error: Optional[BaseException] = None,
                  data=None, dtype: int = 0, op: int = 0):

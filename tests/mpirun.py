@@ -23,13 +23,15 @@ def mpiexec() -> str:
     return found
 
 
-def command(n: int, args: list, cluster=None, per_node: int = 1) -> list:
+def command(n: int, args: list, cluster=None, per_node=1) -> list:
     """``mpiexec -n n python args...``; on an emulated cluster (tests/multinode/cluster.py),
-    run from its head with ``per_node`` ranks on each of its first n / per_node nodes."""
+    run from its head with ``per_node`` ranks on each of its first n / per_node nodes, or
+    with ``per_node`` a Hydra host list ("node0:2,node1:1": nodes of unequal sizes)."""
     if cluster is None:
         return [mpiexec(), "-n", str(n), sys.executable, *map(str, args)]
-    return cluster.head_command([mpiexec(), "-n", str(n), "-ppn", str(per_node), "-hosts",
-                                 ",".join(cluster.names[:n // per_node]), sys.executable,
+    place = ["-hosts", per_node] if isinstance(per_node, str) else \
+        ["-ppn", str(per_node), "-hosts", ",".join(cluster.names[:n // per_node])]
+    return cluster.head_command([mpiexec(), "-n", str(n), *place, sys.executable,
                                  *map(str, args)])
 
 

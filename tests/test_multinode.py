@@ -66,6 +66,17 @@ def test_every_collective_and_algorithm_is_exact_across_nodes(cluster, nodes, pe
                    timeout_s=240), n)
 
 
+def test_nodes_of_unequal_sizes(cluster):
+    """Two ranks on node0, one on node1: the node of one rank still checks through its node
+    (a choice every rank makes alike), so nothing waits for a message sent elsewhere; bad
+    inputs are refused on every rank there too."""
+    hosts = "node0:2,node1:1"
+    assert_ok(body(3, "body_collectives.py", env={"BODY_BIG_COUNT": str(1 << 16)},
+                   cluster=cluster, per_node=hosts, timeout_s=240), 3)
+    assert_ok(body(3, "body_bad_inputs.py", env={"BODY_TRIALS": "8", "MPIDP_TIMEOUT_S": "20"},
+                   cluster=cluster, per_node=hosts, timeout_s=240), 3)
+
+
 def test_ddp_across_nodes_equals_one_process(cluster):
     assert_ok(body(4, "body_ddp.py", cluster=cluster, per_node=2, timeout_s=240), 4)
 

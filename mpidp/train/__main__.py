@@ -11,4 +11,9 @@ try:
 except KeyboardInterrupt as exc:
     end_while_starting(exc)
 
-sys.exit(main())
+code = main()
+# the run is over: a late Ctrl-C or SIGTERM must not interrupt mpidp.shutdown and
+# MPI_Finalize (atexit), where one rank's traceback would leave the others in a collective
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+sys.exit(code)

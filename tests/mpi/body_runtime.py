@@ -41,6 +41,16 @@ else:
     if g.hosts[g.node_index] != host or len(set(names)) != nodes or \
             any((names[q] == host) != (q // per_node == r // per_node) for q in range(len(names))):
         failures.append(f"host names {names}, node map's {g.hosts}")
+    # one rank per node: a small in-place all-reduce is one C call (csrc/checked.c)
+    fast = g.resources.fast_allreduce
+    from mpidp import host_kernels
+    if nodes > 1 and per_node == 1 and host_kernels.EXTENSION is not None:
+        import numpy as np
+        x = np.arange(5, dtype=np.float32) + r
+        want = np.arange(5, dtype=np.float32) * world.Get_size() + sum(range(world.Get_size()))
+        if fast is None or type(fast.__self__).__name__ != "CheckedContext" or \
+                fast(x, "sum") is not x or not np.array_equal(x, want):
+            failures.append(f"the one-call path across nodes: {fast}, got {x}")
     # the shared-memory context spans this node's ranks only, single-copy where it can be
     ctx = g.resources.shm()
     if ctx is not None:

@@ -112,11 +112,16 @@ class Cluster:
         anchor = subprocess.Popen(
             ["unshare", *flags, "--propagation", "private", "--", "sh", "-c",
              setup + "\necho ready\nexec sleep infinity"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            preexec_fn=_die_with_parent)
         line = anchor.stdout.readline()
         if line.strip() != "ready":
             anchor.kill()
-            raise RuntimeError(f"emulated cluster: a node did not start: {anchor.stderr.read()}")
+            anchor.wait()
+            error = anchor.stderr.read()
+            anchor.stdout.close()
+            anchor.stderr.close()
+            raise RuntimeError(f"emulated cluster: a node did not start: {error}")
         return anchor
 
     def _write_ssh(self) -> None:
@@ -173,10 +178,16 @@ class Cluster:
         it sends arrives any more (a power loss, a kernel panic, a cut cable)."""
         if crash:
             self.head_run(f"ip link set v{i} down")
-        victims = [p for p in self.processes(i) if p != self.anchors[i].pid]
-        for pid in victims:
-            _kill(pid)
-        return victims
+        victims: set = set()
+        for _ in range(50):  # until none is left (one may fork while the others die)
+            alive = [p for p in self.processes(i) if p != self.anchors[i].pid]
+            if not alive:
+                break
+            for pid in alive:
+                _kill(pid)
+            victims.update(alive)
+            time.sleep(0.01)
+        return sorted(victims)
 
     def restore_node(self, i: int) -> None:
         """Brings node ``i``'s link back after ``kill_node(i, crash=True)``; every namespace
@@ -212,6 +223,13 @@ class Cluster:
         self.stop()
 
 
+def _die_with_parent() -> None:
+    """In an anchor before it execs: SIGKILL it when the process that made the cluster dies
+    (PR_SET_PDEATHSIG), so that a killed test or bench leaves no namespace behind."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+
 def _pids() -> list:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
@@ -241,6 +259,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if reason:
         print(f"cluster.py: {reason}", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # tear down
     with Cluster(args.nodes, args.rate) as cluster:
         env = dict(os.environ, **cluster.env())
         print(f"cluster.py: {args.nodes} nodes ({', '.join(cluster.names)}), head runs: "
