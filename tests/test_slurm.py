@@ -1,6 +1,8 @@
 """The batch scripts of examples/slurm/ submitted with sbatch to a real single-node Slurm
 cluster (tests/slurm/cluster.py, started and stopped by this module), and srun's commonest
-mistake (no MPI plugin: N independent singletons) refused by the runtime.
+mistake (no MPI plugin: N independent singletons) refused by the runtime; then Slurm across
+two emulated nodes (tests/multinode/cluster.py): srun -N 2, and a batch job across both
+requeued and resumed.
 
 Slurm comes from the distribution's packages (tests/slurm/install.sh, part of the README's
 test command). Without it, or without root, these tests are skipped, except in CI (the CI
@@ -42,13 +44,17 @@ def _cannot_run() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    reason = _cannot_run()
+def _require(reason: str | None, what: str) -> None:
+    """Skips the test for ``reason``, if any; in CI (the CI variable set) fails it instead."""
     if reason is not None:
         if os.environ.get("CI"):
-            pytest.fail(f"CI must run the Slurm test: {reason}", pytrace=False)
+            pytest.fail(f"CI must run {what}: {reason}", pytrace=False)
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    _require(_cannot_run(), "the Slurm test")
     root = Path(tempfile.mkdtemp(prefix="mpidp-slurm-"))
     try:
         with SlurmCluster(root) as c:
@@ -168,3 +174,66 @@ def test_doctor_under_srun(cluster):
     fails = [l for l in out.splitlines() if l.lstrip().startswith("FAIL")]
     assert len(fails) == 1 and "2 independent singletons" in fails[0], out  # said once
     assert "srun --mpi=pmi2" in out, out
+
+
+# ---- across nodes: slurmctld on an emulated cluster's head, a slurmd in each of its nodes ----
+
+@pytest.fixture(scope="module")
+def nodes_cluster():
+    sys.path.insert(0, str(REPO / "tests" / "multinode"))
+    from cluster import Cluster, unavailable
+    _require(_cannot_run() or unavailable(), "the Slurm test across nodes")
+    root = Path(tempfile.mkdtemp(prefix="mpidp-slurm-nodes-"))
+    try:
+        with Cluster(2) as nodes, SlurmCluster(root, nodes=nodes) as c:
+            yield c
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_doctor_under_srun_across_nodes(nodes_cluster):
+    """srun --mpi=pmi2 -N 2: one task on each node, one MPI world across them."""
+    c = nodes_cluster
+    proc = c.run(["srun", "--mpi=pmi2", "--nodes=2", "--ntasks=2", "--time=5", sys.executable,
+                  "-m", "mpidp.doctor"], check=False, timeout_s=JOB_TIMEOUT_S, env=_job_env(),
+                 cwd=c.root)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and ", 0 FAIL," in out, out
+    assert "OK    2 rank(s) on 2 node(s): 1, 1 per node" in out, out
+    assert "2 task(s) on 2 node(s) (node[0-1])" in out, out
+    assert "2 tasks = MPI ranks, SLURM_PROCID = rank on every rank" in out, out
+
+
+def test_batch_script_across_nodes_is_requeued_and_resumes(nodes_cluster):
+    """examples/slurm/mirrored.sbatch with --nodes=2: requeued once its first checkpoint is
+    written (as a pre-empted job is), it runs again under the same job id, finds its
+    checkpoints and resumes from them on both nodes, and completes."""
+    c = nodes_cluster
+    out = c.root / "requeued.out"
+    env = dict(_job_env(), PYTHONPATH=str(REPO / "tests" / "mpi"))  # user_factories
+    job_id = c.run(["sbatch", "--parsable", f"--output={out}", "--open-mode=append",
+                    "--nodes=2", "--ntasks-per-node=1", "--time=5", EXAMPLES / "mirrored.sbatch",
+                    "--epochs", "3", "--dataset", "user_factories:slow_digits",
+                    "--threads-per-rank", "1"], env=env, cwd=c.root).stdout.strip()
+    checkpoints = c.root / "checkpoints" / job_id
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not list(checkpoints.glob("ckpt-*.pt")):
+        assert time.monotonic() < deadline, f"no checkpoint in {JOB_TIMEOUT_S} s\n{c.logs()}"
+        assert _job_state(c, job_id)["JobState"] in ("PENDING", "CONFIGURING", "RUNNING"), \
+            out.read_text(errors="replace")[-4000:]
+        time.sleep(0.1)
+    c.run(["scontrol", "requeue", job_id])
+    while (record := _job_state(c, job_id))["JobState"] not in ("COMPLETED", "FAILED",
+                                                                "CANCELLED", "TIMEOUT"):
+        assert time.monotonic() < deadline, f"job {job_id}: {record['JobState']}\n{c.logs()}"
+        if record["JobState"] == "PENDING" and record.get("Reason") == "BeginTime":
+            # a requeued job may start again only two minutes later: not in a test
+            c.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
+        time.sleep(0.25)
+    output = out.read_text(errors="replace")
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), output[-4000:]
+    assert int(record["Restarts"]) == 1, record
+    summary = _summary(output)
+    assert summary["ranks"] == 2 and summary["resumed_from"], summary
+    assert Path(summary["resumed_from"]).parent == checkpoints, summary
+    assert "mpidp.train: mirrored on 2 rank(s), 2 node(s)" in output, output[-4000:]

@@ -150,10 +150,10 @@ class Cluster:
         return {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(self.ssh),
                 "HYDRA_HOST_FILE": str(self.dir / "hostfile")}
 
-    def head_command(self, argv: Sequence[str]) -> list:
-        """``argv`` run on the head node."""
-        return ["nsenter", "-t", str(self.head.pid), "-n", "-u", "-m", f"--wd={os.getcwd()}", "--",
-                *argv]
+    def head_command(self, argv: Sequence[str], wd=None) -> list:
+        """``argv`` run on the head node, in ``wd`` (default this process's directory)."""
+        return ["nsenter", "-t", str(self.head.pid), "-n", "-u", "-m",
+                f"--wd={wd or os.getcwd()}", "--", *argv]
 
     def head_run(self, script: str) -> None:
         subprocess.run(self.head_command(["sh", "-c", script]), check=True,

@@ -1,6 +1,7 @@
-"""A real single-node Slurm cluster for tests: slurm.conf, state and logs in a private
-directory, slurmctld and slurmd started in the foreground (``-D``) as children of this process
-and stopped by PID. Needs root (jobs run as the submitting user, SlurmUser is root) and the
+"""A real Slurm cluster for tests: slurm.conf, state and logs in a private directory,
+slurmctld and slurmd started in the foreground (``-D``) as children of this process and
+stopped by PID. One node (this machine), or with ``nodes`` (an emulated cluster,
+tests/multinode/cluster.py) slurmctld on its head and a slurmd in each of its nodes. Needs root (jobs run as the submitting user, SlurmUser is root) and the
 Debian packages slurmctld, slurmd, slurm-client (tests/slurm/install.sh installs them).
 
 By hand: ``python tests/slurm/cluster.py DIR`` starts one, prints the SLURM_CONF to export,
@@ -65,7 +66,8 @@ def node_hardware(min_cpus: int = 1) -> str:
 
 
 class SlurmCluster:
-    """One node (this machine, named after its short host name) in one partition ``test``.
+    """One node (this machine, named after its short host name) in one partition ``test``,
+    or with ``nodes`` the nodes of that emulated cluster (tests/multinode/cluster.py).
 
     The node offers at least ``min_cpus`` CPUs to jobs, however many the machine has: Slurm
     refuses more tasks per node than CPUs even with --overcommit, and the examples are tested
@@ -74,12 +76,28 @@ class SlurmCluster:
     ``start()`` returns once the node is idle; ``stop()`` cancels what is still running and
     ends both daemons by PID (always call it: ``with SlurmCluster(dir) as c:`` does)."""
 
-    def __init__(self, root: Path, min_cpus: int = 4):
+    def __init__(self, root: Path, min_cpus: int = 4, nodes=None):
         self.root = Path(root)
         self.min_cpus = min_cpus
         self.conf = self.root / "etc" / "slurm.conf"
         self.node = socket.gethostname().split(".")[0]
         self.procs: dict[str, subprocess.Popen] = {}
+        # an emulated cluster (tests/multinode/cluster.py): slurmctld on its head, a slurmd in
+        # each of its nodes, the clients run on the head
+        self.nodes = nodes
+
+    def _names(self) -> list:
+        return self.nodes.names if self.nodes is not None else [self.node]
+
+    def _wrap(self, argv: list, node: Optional[int] = None, wd=None) -> list:
+        """``argv`` where it runs: this machine, or the emulated cluster's head or ``node``
+        (in ``wd``, default this process's working directory)."""
+        if self.nodes is None:
+            return argv
+        if node is None:
+            return self.nodes.head_command(argv, wd)
+        return ["nsenter", "-t", str(self.nodes.anchors[node].pid), "-n", "-u", "-i", "-m",
+                f"--wd={wd or os.getcwd()}", "--", *argv]
 
     # -- configuration -------------------------------------------------------------------
     def write_config(self) -> None:
@@ -87,11 +105,20 @@ class SlurmCluster:
             (self.root / d).mkdir(parents=True, exist_ok=True)
         ctld_port, slurmd_port = _free_ports(2)
         r = self.root
+        hardware = node_hardware(self.min_cpus)
+        if self.nodes is None:
+            ctld_host = f"{self.node}(127.0.0.1)"
+            node_lines = f"NodeName={self.node} NodeAddr=127.0.0.1 {hardware} State=UNKNOWN"
+        else:
+            ctld_host = "head"
+            node_lines = "\n".join(f"NodeName={name} NodeAddr={self.nodes.address(i)} "
+                                   f"{hardware} State=UNKNOWN"
+                                   for i, name in enumerate(self.nodes.names))
         # Only plugins that need no system set-up: no munge (auth/none), no cgroups
         # (proctrack/linuxproc, task/none), no accounting database.
         self.conf.write_text(f"""\
 ClusterName=mpidptest
-SlurmctldHost={self.node}(127.0.0.1)
+SlurmctldHost={ctld_host}
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SlurmUser=root
@@ -99,11 +126,11 @@ SlurmdUser=root
 AuthType=auth/none
 CredType=cred/none
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool
+SlurmdSpoolDir={r}/spool/%n
 SlurmctldPidFile={r}/run/slurmctld.pid
-SlurmdPidFile={r}/run/slurmd.pid
+SlurmdPidFile={r}/run/slurmd-%n.pid
 SlurmctldLogFile={r}/log/slurmctld.log
-SlurmdLogFile={r}/log/slurmd.log
+SlurmdLogFile={r}/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -119,8 +146,8 @@ SlurmdParameters=config_overrides
 SchedulerType=sched/builtin
 KillWait=5
 MinJobAge=300
-NodeName={self.node} NodeAddr=127.0.0.1 {node_hardware(self.min_cpus)} State=UNKNOWN
-PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
+{node_lines}
+PartitionName=test Nodes={",".join(self._names())} Default=YES MaxTime=INFINITE State=UP
 """)
 
     def env(self) -> dict:
@@ -139,12 +166,17 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         the node is idle; RuntimeError with the daemons' logs if it is not within timeout_s."""
         self.write_config()
         env = self.env()
-        for name, extra in (("slurmctld", ["-i"]), ("slurmd", ["-N", self.node])):
-            log = open(self.root / "log" / f"{name}.stderr", "wb")
+        daemons = [("slurmctld", "slurmctld", ["-i"], None)] + [
+            (f"slurmd-{name}", "slurmd", ["-N", name], i if self.nodes is not None else None)
+            for i, name in enumerate(self._names())]
+        for key, name, extra, node in daemons:
+            if name == "slurmd":
+                (self.root / "spool" / extra[-1]).mkdir(parents=True, exist_ok=True)
+            log = open(self.root / "log" / f"{key}.stderr", "wb")
             # -D: foreground, a child of this process; -i: ignore state from an earlier run
-            self.procs[name] = subprocess.Popen(
-                [_which(name), "-D", "-f", str(self.conf), *extra], stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            self.procs[key] = subprocess.Popen(
+                self._wrap([_which(name), "-D", "-f", str(self.conf), *extra], node),
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 start_new_session=True)
             log.close()
         deadline = time.monotonic() + timeout_s
@@ -152,8 +184,8 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             for name, p in self.procs.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited with {p.returncode}:\n{self.logs()}")
-            state = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.strip()
-            if state == "idle":
+            state = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.split()
+            if state == ["idle"] * len(self._names()):
                 return
             time.sleep(0.5)
         raise RuntimeError(f"the Slurm node did not become idle in {timeout_s} s "
@@ -173,7 +205,7 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
                     time.sleep(0.5)
         except (OSError, subprocess.SubprocessError):
             pass   # the daemons are stopped all the same
-        for name in ("slurmd", "slurmctld"):
+        for name in sorted(self.procs, key=lambda k: k == "slurmctld"):  # slurmd's first
             p = self.procs.get(name)
             if p is None or p.poll() is not None:
                 continue
@@ -202,7 +234,8 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         """Runs a Slurm client program (sbatch, srun, ...) against this cluster."""
         full_env = self.env()
         full_env.update(env or {})
-        return subprocess.run([_which(args[0]) or args[0], *map(str, args[1:])],
+        return subprocess.run(self._wrap([_which(args[0]) or args[0], *map(str, args[1:])],
+                                         wd=cwd),
                               capture_output=True, text=True, timeout=timeout_s, env=full_env,
                               check=check, cwd=cwd)
 
