@@ -16,8 +16,6 @@ from . import doubling, handshake, host_kernels
 from .errors import CommunicationError
 from .transports import MPITransport
 
-_WORD = np.dtype(np.int64).itemsize
-
 
 def exchange(res, hdr: tuple, operation: str, local_error: Optional[BaseException] = None,
              data: Optional[np.ndarray] = None, dtype: int = 0, op: int = 0) -> np.ndarray:
