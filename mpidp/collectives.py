@@ -105,17 +105,14 @@ def refuse(g, kind: int, exc: BaseException) -> None:
 def allreduce(x: Any, op: str = "sum", algorithm: str = "auto"):
     """Reduces ``x`` over every rank and returns the result as a new array or tensor of the
     same type, shape and dtype; ``x`` is unchanged. ``op``: sum, avg, min, max (min and max
-    propagate NaN). ``algorithm``: auto, shm, ring, hier, mpi for host arrays; auto, ring,
-    nccl, staged for device arrays (see README). Every rank must call it."""
+    propagate NaN). ``algorithm``: auto, shm, doubling, hier, mpi, ring for host arrays;
+    auto, ring, nccl, staged for device arrays (see README). Every rank must call it."""
     if algorithm == "auto" and type(x) is np.ndarray:
         g = runtime.group()
         if g.resources.fast_allreduce is not None and x.nbytes <= g.resources.fast_max_bytes:
             y = np.array(x, order="C")  # a copy: the one call reduces it in place
-            done = g.resources.fast_allreduce(y, op)
-            if done is y:
+            if _one_call(g, y, op):
                 return y
-            if done is not NotImplemented:  # the ranks disagreed: raise on every rank
-                g.resources.fast_disagreed(done)
     return _allreduce(x, op, algorithm, False)
 
 
@@ -125,15 +122,23 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
         g = runtime.group()
         fast = g.resources.fast_allreduce  # one C call: csrc/small.c, csrc/checked.c
         view = None if fast is None else x if type(x) is np.ndarray else _numpy_view(x)
-        if view is not None:
-            done = fast(view, op)
-            if done is view:
-                if view is not x:
-                    _increment_version(x)
-                return x
-            if done is not NotImplemented:  # the ranks disagreed: raise on every rank
-                g.resources.fast_disagreed(done)
+        if view is not None and _one_call(g, view, op):
+            if view is not x:
+                _increment_version(x)
+            return x
     return _allreduce(x, op, algorithm, True)
+
+
+def _one_call(g, view: np.ndarray, op: str) -> bool:
+    """The in-place all-reduce of ``view`` as one C call (csrc/small.c on one node,
+    csrc/checked.c across nodes): True when done, False when it declined (nothing done);
+    raises on every rank when the ranks' inputs disagree."""
+    done = g.resources.fast_allreduce(view, op)
+    if done is view:
+        return True
+    if done is not NotImplemented:  # the ranks disagreed: raise on every rank
+        g.resources.fast_disagreed(done)
+    return False
 
 
 def _numpy_view(x: Any):

@@ -159,9 +159,13 @@ class Cluster:
         subprocess.run(self.head_command(["sh", "-c", script]), check=True,
                        capture_output=True, text=True)
 
+    def node_command(self, i: int, argv: Sequence[str], wd=None) -> list:
+        """``argv`` run on node ``i``, in ``wd`` (default this process's directory)."""
+        return ["nsenter", "-t", str(self.anchors[i].pid), "-n", "-u", "-i", "-m",
+                f"--wd={wd or os.getcwd()}", "--", *argv]
+
     def node_run(self, i: int, script: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["nsenter", "-t", str(self.anchors[i].pid), "-n", "-u", "-i",
-                               "-m", "--", "sh", "-c", script], check=True,
+        return subprocess.run(self.node_command(i, ["sh", "-c", script]), check=True,
                               capture_output=True, text=True)
 
     def processes(self, i: Optional[int] = None) -> list:

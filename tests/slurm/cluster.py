@@ -96,8 +96,7 @@ class SlurmCluster:
             return argv
         if node is None:
             return self.nodes.head_command(argv, wd)
-        return ["nsenter", "-t", str(self.nodes.anchors[node].pid), "-n", "-u", "-i", "-m",
-                f"--wd={wd or os.getcwd()}", "--", *argv]
+        return self.nodes.node_command(node, argv, wd)
 
     # -- configuration -------------------------------------------------------------------
     def write_config(self) -> None:
