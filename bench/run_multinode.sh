@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The cross-node all-reduce figures in bench/RESULTS.md ("Across nodes"): an emulated cluster
 # (tests/multinode/cluster.py, root) of 2 nodes with 1 rank each, unshaped and with every link
-# shaped to 1 Gbit/s, and 2 nodes with 2 ranks each (correctness-grade timing on 2 cores);
+# shaped to 1 Gbit/s, and 2 nodes with 2 ranks each, unshaped and at 1 Gbit/s (4 ranks on 2
+# cores: correctness-grade timing below the link-bound sizes);
 # every algorithm and MPI_Allreduce and gloo side by side in one run, medians of 3 repeats.
 # Then the scale model calibrated from these sweeps. Writes bench/out/.
 set -euo pipefail
@@ -21,6 +22,7 @@ sweep() {  # name nodes per-node rate max-size iters
 sweep multinode_2x1 2 1 none 64M 20
 sweep multinode_2x1_1gbit 2 1 1gbit 16M 5
 sweep multinode_2x2 2 2 none 16M 10
+sweep multinode_2x2_1gbit 2 2 1gbit 16M 5
 "$PY" -m mpidp.bench model --calibrate bench/out/multinode_2x1.json \
   --calibrate bench/out/multinode_2x1_1gbit.json --json bench/out/model.json \
   --plot bench/out/model.png | tee bench/out/model.txt

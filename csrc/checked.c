@@ -1,10 +1,12 @@
-/* mpidp._ext.CheckedContext: the in-place all-reduce of a small array across nodes, one rank
- * per node, as one call: recursive doubling over MPI with the collective's check in the same
- * messages (Note [Checked in the message] in mpidp/doubling.py; the same records, tags and
- * schedule as mpidp/doubling.py, so a rank on the Python path, one refusing its input, say,
- * pairs with ranks on this one). */
+/* mpidp._ext.CheckedContext: the in-place all-reduce of an array across nodes, one rank per
+ * node, as one call: recursive doubling over MPI with the collective's check in the same
+ * messages (Note [Checked in the message] in mpidp/doubling.py; up to `inline_bytes` the same
+ * records, tags and schedule as mpidp/doubling.py, so a rank on the Python path, one refusing
+ * its input, say, pairs with ranks on this one), and above that the record alone, then the
+ * data in pipelined chunks (Note [Chunks after the record]). */
 #include "small.h"
 #include "kernels.h"
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,36 +23,69 @@ typedef int (*sendrecv_fn)(const void *, int, int, int, int, void *, int, int, i
                            void *);
 typedef int (*send_fn)(const void *, int, int, int, int, int);
 typedef int (*recv_fn)(void *, int, int, int, int, int, void *);
+typedef int (*isend_fn)(const void *, int, int, int, int, int, int *);
+typedef int (*irecv_fn)(void *, int, int, int, int, int, int *);
+typedef int (*wait_fn)(int *, void *);
 
-enum { REC_OK = 0, REC_DISAGREE = 1, CHECK_TAG = 0x6D63, HEADER_WORDS = 8, COMPARED = 7,
-       MAX_ROUNDS = 31, DOUBLING = 8 /* the algorithm's code, mpidp.algorithms */ };
+/* Note [Chunks after the record]
+ * Above `inline_bytes` the record and the data travel apart. In each round the partners
+ * swap their records without data first (one latency; the check, as for every collective);
+ * only where the merged record agrees — both ranks compute the same verdict from the same
+ * two records — do they swap the data, as `nchunks` messages posted at once (tag DATA_TAG),
+ * each chunk reduced into the caller's array as soon as it has arrived and this rank's own
+ * send of it has completed, while the next chunks are on the wire. No copy in or out of a
+ * record, and the reduction overlaps the transfer, where one whole-message swap could do
+ * neither (it lost to MPI_Allreduce at 64-128 KiB, bench/RESULTS.md). Made only for a power
+ * of two of ranks (no fold; mpidp.resources enables it for two: with more rounds a later
+ * round's disagreement would leave the caller's array partly reduced, where the Python path
+ * reduces a copy). A rank whose array allreduce_array declines takes the general path, which
+ * for an agreeing header runs this same exchange (mpidp.checked.exchange calls `exchange`),
+ * and mpidp.collectives copies a strided array rather than let it be declined: a record
+ * whose data follows never meets a rank that would not take it. */
+enum { REC_OK = 0, REC_DISAGREE = 1, CHECK_TAG = 0x6D63, DATA_TAG = 0x6D64, HEADER_WORDS = 8,
+       COMPARED = 7, MAX_ROUNDS = 31, DOUBLING = 8 /* the algorithm's code, mpidp.algorithms */ };
 
 typedef struct {
     PyObject_HEAD
     sendrecv_fn sendrecv;
     send_fn send;
     recv_fn recv;
+    isend_fn isend;
+    irecv_fn irecv;
+    wait_fn wait;
     int comm, byte_type, rank, size, fold_out, fold_in, nrounds, rounds[MAX_ROUNDS];
-    Py_ssize_t max_bytes, words;
-    int64_t *mine, *theirs; /* two records: (1 + 8 + size) words, then max_bytes of data */
+    Py_ssize_t inline_bytes, max_bytes, chunk_bytes, words;
+    int window;
+    int64_t *mine, *theirs; /* two records: (1 + 8 + size) words, then inline_bytes of data */
+    char *peer_data;        /* window x chunk_bytes: the partner's chunks in flight */
+    int *requests;          /* 2 per chunk in flight: its receive, its send */
     PyObject *board;
 } CheckedContext;
 
 static int checked_init(CheckedContext *self, PyObject *args, PyObject *kw) {
-    unsigned long long sr, sd, rv;
-    int comm, byte_type, rank, size;
-    Py_ssize_t max_bytes;
+    unsigned long long f[6];
+    int comm, byte_type, rank, size, window;
+    Py_ssize_t inline_bytes, max_bytes, chunk_bytes;
     PyObject *board;
-    if (!PyArg_ParseTuple(args, "(KKK)iiiinO", &sr, &sd, &rv, &comm, &byte_type, &rank, &size,
-                          &max_bytes, &board))
+    if (!PyArg_ParseTuple(args, "(KKKKKK)iiiinnniO", &f[0], &f[1], &f[2], &f[3], &f[4], &f[5],
+                          &comm, &byte_type, &rank, &size, &inline_bytes, &max_bytes,
+                          &chunk_bytes, &window, &board))
         return -1;
-    if (size < 2 || rank < 0 || rank >= size || max_bytes < 0 || !sr || !sd || !rv) {
-        PyErr_SetString(PyExc_ValueError, "CheckedContext: bad rank, size, bytes or function");
+    int fns_ok = 1;
+    for (int i = 0; i < 6; i++) fns_ok &= f[i] != 0;
+    if (size < 2 || rank < 0 || rank >= size || inline_bytes < 0 || max_bytes < inline_bytes ||
+        chunk_bytes < 16 || chunk_bytes % 16 || chunk_bytes > INT_MAX || window < 1 ||
+        window > 1024 || !fns_ok) {
+        PyErr_SetString(PyExc_ValueError,
+                        "CheckedContext: bad rank, size, bytes, chunk, window or function");
         return -1;
     }
-    self->sendrecv = (sendrecv_fn)(uintptr_t)sr;
-    self->send = (send_fn)(uintptr_t)sd;
-    self->recv = (recv_fn)(uintptr_t)rv;
+    self->sendrecv = (sendrecv_fn)(uintptr_t)f[0];
+    self->send = (send_fn)(uintptr_t)f[1];
+    self->recv = (recv_fn)(uintptr_t)f[2];
+    self->isend = (isend_fn)(uintptr_t)f[3];
+    self->irecv = (irecv_fn)(uintptr_t)f[4];
+    self->wait = (wait_fn)(uintptr_t)f[5];
     self->comm = comm, self->byte_type = byte_type, self->rank = rank, self->size = size;
     int m = 1;
     while (m * 2 <= size) m *= 2;
@@ -58,13 +93,19 @@ static int checked_init(CheckedContext *self, PyObject *args, PyObject *kw) {
     self->fold_in = rank < m && rank + m < size ? rank + m : -1;
     self->nrounds = 0;
     for (int k = 1; rank < m && k < m; k *= 2) self->rounds[self->nrounds++] = rank ^ k;
-    self->max_bytes = max_bytes;
+    if (m != size) max_bytes = inline_bytes; /* Note [Chunks after the record]: no fold */
+    self->inline_bytes = inline_bytes, self->max_bytes = max_bytes;
+    self->chunk_bytes = chunk_bytes, self->window = window;
     self->words = 1 + HEADER_WORDS + size;
-    size_t bytes = (size_t)self->words * 8 + (size_t)max_bytes;
+    size_t bytes = (size_t)self->words * 8 + (size_t)inline_bytes;
     free(self->mine);
     free(self->theirs);
+    free(self->peer_data);
+    free(self->requests);
     self->mine = malloc(bytes), self->theirs = malloc(bytes);
-    if (!self->mine || !self->theirs) {
+    self->peer_data = malloc((size_t)window * (size_t)chunk_bytes);
+    self->requests = malloc(2 * (size_t)window * sizeof(int));
+    if (!self->mine || !self->theirs || !self->peer_data || !self->requests) {
         PyErr_NoMemory();
         return -1;
     }
@@ -75,6 +116,8 @@ static int checked_init(CheckedContext *self, PyObject *args, PyObject *kw) {
 static void checked_dealloc(CheckedContext *self) {
     free(self->mine);
     free(self->theirs);
+    free(self->peer_data);
+    free(self->requests);
     Py_XDECREF(self->board);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -120,6 +163,80 @@ static void exchange(CheckedContext *self, size_t len, int dtype, int op) {
         self->mine[0] = REC_DISAGREE;
 }
 
+/* Posts chunk i of `len` bytes (its receive into a window slot, its send from `buf`); 0 or
+ * an MPI error code. */
+static int post_chunk(CheckedContext *self, int peer, char *buf, size_t len, size_t i) {
+    size_t chunk = (size_t)self->chunk_bytes, at = i * chunk, n = len - at < chunk ? len - at
+                                                                                    : chunk;
+    int slot = (int)(i % (size_t)self->window), *rq = self->requests + 2 * slot;
+    int rc = self->irecv(self->peer_data + (size_t)slot * chunk, (int)n, self->byte_type, peer,
+                         DATA_TAG, self->comm, &rq[0]);
+    return rc ? rc : self->isend(buf + at, (int)n, self->byte_type, peer, DATA_TAG, self->comm,
+                                 &rq[1]);
+}
+
+/* The data of one round in chunks, `window` of them in flight (Note [Chunks after the
+ * record]): 0, or an MPI error code (every posted request waited for all the same). */
+static int swap_chunks(CheckedContext *self, int peer, char *buf, size_t len, int dtype, int op,
+                       int mine_first) {
+    size_t chunk = (size_t)self->chunk_bytes, item = mp_itemsize(dtype);
+    size_t nchunks = (len + chunk - 1) / chunk, posted = 0;
+    int err = 0;
+    char status[64]; /* MPI_Status, whatever its layout: never read */
+    /* a chunk whose posting failed is not waited for (an MPI error here is a broken
+     * communicator, ended by the watchdog's abort): only what was posted is */
+    while (!err && posted < nchunks && posted < (size_t)self->window)
+        if (!(err = post_chunk(self, peer, buf, len, posted))) posted++;
+    for (size_t i = 0; i < posted; i++) {
+        size_t at = i * chunk, n = len - at < chunk ? len - at : chunk;
+        int slot = (int)(i % (size_t)self->window), *rq = self->requests + 2 * slot;
+        int rc = self->wait(&rq[0], status);
+        rc = self->wait(&rq[1], status) || rc;
+        err = err ? err : rc;
+        if (err) continue;
+        char *x = buf + at, *y = self->peer_data + (size_t)slot * chunk;
+        mp_reduce2(x, mine_first ? x : y, mine_first ? y : x, n / item, dtype, op);
+        if (posted < nchunks && !(err = post_chunk(self, peer, buf, len, posted))) posted++;
+    }
+    return err;
+}
+
+/* Above inline_bytes: in each round the records alone, then (agreed) the data in chunks; the
+ * outcome in mine[0]. */
+static void exchange_chunked(CheckedContext *self, char *buf, size_t len, int dtype, int op) {
+    int n = (int)(self->words * 8), c = self->comm, t = self->byte_type;
+    char status[64];
+    for (int k = 0; k < self->nrounds; k++) {
+        int peer = self->rounds[k];
+        int rc = self->sendrecv(self->mine, n, t, peer, CHECK_TAG, self->theirs, n, t, peer,
+                                CHECK_TAG, c, status);
+        merge(self, rc, self->rank < peer, 0, dtype, op);
+        if (self->mine[0] == REC_OK && swap_chunks(self, peer, buf, len, dtype, op,
+                                                   self->rank < peer))
+            self->mine[0] = REC_DISAGREE;
+    }
+}
+
+/* The exchange of `header` with `len` bytes of `buf` reduced in place (dtype, op), the GIL
+ * released: the data in the records up to inline_bytes, in chunks after them above; the
+ * outcome (REC_OK or REC_DISAGREE) in mine[0], the merged free words after the header. */
+static int64_t run(CheckedContext *self, const int64_t *header, char *buf, size_t len,
+                   int dtype, int op) {
+    int64_t *rec = self->mine;
+    rec[0] = REC_OK;
+    memcpy(rec + 1, header, HEADER_WORDS * 8);
+    memset(rec + 1 + HEADER_WORDS, 0, (size_t)self->size * 8); /* a slot: its owner's only */
+    rec[1 + HEADER_WORDS + self->rank] = header[COMPARED];
+    int inlined = len <= (size_t)self->inline_bytes;
+    if (inlined) memcpy(rec + self->words, buf, len);
+    Py_BEGIN_ALLOW_THREADS
+    if (inlined) exchange(self, len, dtype, op);
+    else exchange_chunked(self, buf, len, dtype, op);
+    if (rec[0] == REC_OK && inlined) memcpy(buf, rec + self->words, len);
+    Py_END_ALLOW_THREADS
+    return rec[0];
+}
+
 static PyObject *checked_allreduce_array(CheckedContext *self, PyObject *const *args,
                                          Py_ssize_t nargs) {
     if (nargs != 2) {
@@ -140,21 +257,15 @@ static PyObject *checked_allreduce_array(CheckedContext *self, PyObject *const *
         PyBuffer_Release(&v);
         Py_RETURN_NOTIMPLEMENTED;
     }
-    int64_t *rec = self->mine;
-    rec[0] = REC_OK;
-    memcpy(rec + 1, header, sizeof(header));
-    memset(rec + 1 + HEADER_WORDS, 0, (size_t)self->size * 8); /* every free word: 0 */
-    memcpy(rec + self->words, v.buf, (size_t)v.len);
-    Py_BEGIN_ALLOW_THREADS
-    exchange(self, (size_t)v.len, dtype, opc);
-    if (rec[0] == REC_OK) {
-        memcpy(v.buf, rec + self->words, (size_t)v.len);
-        if (average) mp_divide(v.buf, (size_t)(v.len / v.itemsize), dtype, self->size);
+    int64_t status = run(self, header, v.buf, (size_t)v.len, dtype, opc);
+    if (status == REC_OK && average) {
+        Py_BEGIN_ALLOW_THREADS
+        mp_divide(v.buf, (size_t)(v.len / v.itemsize), dtype, self->size);
+        Py_END_ALLOW_THREADS
     }
-    Py_END_ALLOW_THREADS
     PyBuffer_Release(&v);
     if (mp_mark_done(self->board, seq) < 0) return NULL;
-    if (rec[0] == REC_OK) return Py_NewRef(args[0]);
+    if (status == REC_OK) return Py_NewRef(args[0]);
     PyObject *words = PyTuple_New(HEADER_WORDS); /* the ranks disagreed: (False, header) */
     for (int i = 0; words && i < HEADER_WORDS; i++) {
         PyObject *w = PyLong_FromLongLong(header[i]);
@@ -164,10 +275,60 @@ static PyObject *checked_allreduce_array(CheckedContext *self, PyObject *const *
     return words ? Py_BuildValue("(ON)", Py_False, words) : NULL;
 }
 
+/* exchange(header, x, dtype, op): mpidp.checked.exchange's data exchange (the header already
+ * published by the caller): `x` (a writable C-contiguous buffer of at most max_bytes) reduced
+ * in place; every rank's free word as a tuple, or None where the ranks disagree. */
+static PyObject *checked_exchange(CheckedContext *self, PyObject *const *args, Py_ssize_t nargs) {
+    int dtype, op;
+    int64_t header[HEADER_WORDS];
+    if (nargs != 4 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != HEADER_WORDS) {
+        PyErr_SetString(PyExc_TypeError, "exchange(header (8 ints), x, dtype, op)");
+        return NULL;
+    }
+    for (int i = 0; i < HEADER_WORDS; i++) {
+        header[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(args[0], i));
+        if (header[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    long d = PyLong_AsLong(args[2]), o = PyLong_AsLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    dtype = (int)d, op = (int)o;
+    Py_buffer v;
+    if (PyObject_GetBuffer(args[1], &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    size_t item = mp_itemsize(dtype);
+    if (v.len > self->max_bytes || !item || (size_t)v.len % item) {
+        PyBuffer_Release(&v);
+        PyErr_Format(PyExc_ValueError, "exchange: %zd bytes of dtype %d (at most %zd)", v.len,
+                     dtype, self->max_bytes);
+        return NULL;
+    }
+    int64_t status = run(self, header, v.buf, (size_t)v.len, dtype, op);
+    PyBuffer_Release(&v);
+    if (status != REC_OK) Py_RETURN_NONE;
+    PyObject *free_words = PyTuple_New(self->size);
+    for (int i = 0; free_words && i < self->size; i++) {
+        PyObject *w = PyLong_FromLongLong(self->mine[1 + HEADER_WORDS + i]);
+        if (!w) Py_CLEAR(free_words);
+        else PyTuple_SET_ITEM(free_words, i, w);
+    }
+    return free_words;
+}
+
+static PyObject *checked_get_max_bytes(CheckedContext *self, void *closure) {
+    return PyLong_FromSsize_t(self->max_bytes);
+}
+
+static PyGetSetDef checked_getset[] = {
+    {"max_bytes", (getter)checked_get_max_bytes, NULL, "the largest array a call takes", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMethodDef checked_methods[] = {
     {"allreduce_array", (PyCFunction)(void (*)(void))checked_allreduce_array, METH_FASTCALL,
      "allreduce_array(x, op) -> x, (False, header) when the ranks disagree, or NotImplemented "
      "when it declines (nothing done, nothing posted)"},
+    {"exchange", (PyCFunction)(void (*)(void))checked_exchange, METH_FASTCALL,
+     "exchange(header, x, dtype, op) -> every rank's free word, or None when the ranks "
+     "disagree: x reduced in place, the header published by the caller"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -176,12 +337,14 @@ static PyTypeObject CheckedContextType = {
     .tp_name = "mpidp._ext.CheckedContext",
     .tp_basicsize = sizeof(CheckedContext),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "CheckedContext((sendrecv, send, recv), comm, byte, rank, size, max_bytes, board): "
-              "the small all-reduce across nodes in one call (csrc/checked.c)",
+    .tp_doc = "CheckedContext((sendrecv, send, recv, isend, irecv, wait), comm, byte, rank, "
+              "size, inline_bytes, max_bytes, chunk_bytes, window, board): the all-reduce "
+              "across nodes in one call (csrc/checked.c)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)checked_init,
     .tp_dealloc = (destructor)checked_dealloc,
     .tp_methods = checked_methods,
+    .tp_getset = checked_getset,
 };
 
 int mp_add_checked_type(PyObject *m) {

@@ -23,6 +23,8 @@ class Facts(NamedTuple):
     max_segments: int = 0     # shm: most tensors a zero-copy bucket may hold
     doubling_max_bytes: int = 64 << 10  # MPIDP_DOUBLING_MAX_BYTES
     one_per_node: bool = False  # every node holds one rank of the group
+    checked_chunks: bool = False  # two nodes of one rank, every rank with the C call of
+    # csrc/checked.c: doubling at any size, the data in chunks after the record
     nccl: bool = False        # device arrays: NCCL is installed
     shares_gpu: bool = False  # device arrays: this node has more ranks than GPUs
 
@@ -38,9 +40,14 @@ class Algorithm(NamedTuple):
 # "auto"). Across nodes (bench/RESULTS.md, "Across nodes": two emulated nodes over TCP, one
 # rank each), below MPIDP_DOUBLING_MAX_BYTES (64 KiB) recursive doubling with the check in the
 # same messages (Note [Checked in the message] in mpidp/doubling.py): 21 us at 8 B and 34-38
-# us at 32 KiB, against 37 us and 52 us for the check followed by MPI_Allreduce; the two tie
-# at 128-512 KiB, and from 64 KiB MPI_Allreduce after the check moves half the bytes of
-# doubling per rank on more nodes. With several ranks on a node, hier from
+# us at 32 KiB, against 37 us and 52 us for the check followed by MPI_Allreduce; from 64 KiB
+# MPI_Allreduce after the check moves half the bytes of doubling per rank on more nodes.
+# Two nodes of one rank each, with the C call on every rank (Facts.checked_chunks): doubling
+# at every size, its data above 64 KiB in pipelined chunks after the records (Note [Chunks
+# after the record] in csrc/checked.c), ahead of MPI_Allreduce from 128 KiB to 32 MiB there
+# (bench/RESULTS.md). On more nodes each rank would send log2(p) whole arrays against the
+# ring's 2(p-1)/p (unmeasured: 4 nodes of one rank do not fit this machine's 2 cores), so
+# there doubling stays below 64 KiB. With several ranks on a node, hier from
 # MPIDP_HIER_MIN_BYTES (64 KiB, where shm+ring overtook MPI_Allreduce on one node): its
 # shared-memory step sends one node's sum across instead of each rank's; with one rank per
 # node hier is a plain ring of the nodes, which MPI's own algorithm matched or beat at every
@@ -50,7 +57,7 @@ class Algorithm(NamedTuple):
 # GPU of its own (NCCL refuses two ranks on one GPU); otherwise the host path (staged).
 TABLE = (
     Algorithm("shm", HOST, 3, lambda f, n: f.single_node and f.shm),
-    Algorithm("doubling", HOST, 8, lambda f, n: n < f.doubling_max_bytes),
+    Algorithm("doubling", HOST, 8, lambda f, n: n < f.doubling_max_bytes or f.checked_chunks),
     Algorithm("hier", HOST, 4, lambda f, n: f.shm and not f.one_per_node and
               n >= f.hier_min_bytes),
     Algorithm("mpi", HOST, 1, lambda f, n: True),

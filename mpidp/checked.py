@@ -32,6 +32,13 @@ def exchange(res, hdr: tuple, operation: str, local_error: Optional[BaseExceptio
                          doubling.Record(hdr, topo.rank, topo.size, data), host_kernels,
                          dtype, op)
         return np.asarray(info, np.int64)
+    if data is not None and res.checked is not None and data.nbytes <= res.checked.max_bytes:
+        # one C call (Note [Chunks after the record] in csrc/checked.c); an array it does
+        # not take travels in the same records on the Python path
+        free = res.checked.exchange(hdr, data, dtype, op)
+        if free is None:
+            disagreed(topo, hdr, operation, local_error)
+        return np.asarray(free, np.int64)
     if ctx is None or res.facts.one_per_node:  # every rank in the doubling (a group-wide
         # fact: with nodes of unequal sizes a node of one rank still goes through its node)
         record = doubling.Record(hdr, topo.rank, topo.size, data)
@@ -53,12 +60,16 @@ def disagreed(topo, hdr: tuple, operation: str, local_error: Optional[BaseExcept
 
 
 def _across_nodes(res, topo, ctx, hdr, operation, data, dtype, op) -> doubling.Record:
-    """The node in shared memory, its leader in the doubling, the outcome back to the node."""
+    """The node in shared memory, its leader in the doubling, the outcome back to the node.
+    The node's sum goes into a copy: a disagreement found across nodes leaves ``data`` as the
+    caller passed it."""
+    node_sum = None if data is None else np.empty_like(data)
     if data is None:
         ok, info = ctx.exchange(hdr, operation)
     else:
-        ok, info = ctx.allreduce(hdr, data, data, dtype, op, 1)
-    record = doubling.Record(hdr, topo.rank, topo.size, data)
+        ok, info = ctx.allreduce(hdr, data, node_sum, dtype, op, 1)
+    record = doubling.Record(hdr, topo.rank, topo.size, node_sum)
+    record.out = data  # the result reaches the caller's array only where every rank agreed
     if not ok:
         record.status = doubling.DISAGREE
     elif info is not None:
@@ -81,23 +92,29 @@ def _across_nodes(res, topo, ctx, hdr, operation, data, dtype, op) -> doubling.R
     return record
 
 
-def c_context(comm, max_bytes: int, board):
-    """The small all-reduce across nodes in one C call (csrc/checked.c, one rank per node), or
-    None where it cannot be made: no C extension, MPI handles that are not C ints, MPI
-    errors that abort rather than return, or the MPI library not found (Note [MPI from C] in
+CHUNK_BYTES, WINDOW = 32 << 10, 8  # Note [Chunks after the record] in csrc/checked.c
+
+
+def c_context(comm, inline_bytes: int, max_bytes: int, board):
+    """The all-reduce across nodes in one C call (csrc/checked.c, one rank per node) of
+    arrays up to ``max_bytes`` (their data in the records up to ``inline_bytes``), or None
+    where it cannot be made: no C extension, MPI handles that are not C ints, MPI errors that
+    abort rather than return, or the MPI library not found (Note [MPI from C] in
     csrc/checked.c). Not collective."""
     import ctypes
     from mpi4py import MPI  # deferred for cost: import mpidp starts no MPI
     ext = host_kernels.EXTENSION
-    if ext is None or not hasattr(ext, "CheckedContext") or MPI._sizeof(MPI.Comm) != 4 or \
-            MPI._sizeof(MPI.Datatype) != 4 or comm.Get_errhandler() != MPI.ERRORS_RETURN:
+    if ext is None or not hasattr(ext, "CheckedContext") or \
+            any(MPI._sizeof(t) != 4 for t in (MPI.Comm, MPI.Datatype, MPI.Request)) or \
+            comm.Get_errhandler() != MPI.ERRORS_RETURN:
         return None
     with open("/proc/self/maps") as maps:
         libs = sorted({line.split()[-1] for line in maps if "/libmpi" in line.split()[-1]})
     try:
         lib = ctypes.CDLL(libs[0], mode=os.RTLD_NOLOAD)
         fns = tuple(ctypes.cast(getattr(lib, f), ctypes.c_void_p).value
-                    for f in ("MPI_Sendrecv", "MPI_Send", "MPI_Recv"))
+                    for f in ("MPI_Sendrecv", "MPI_Send", "MPI_Recv", "MPI_Isend",
+                              "MPI_Irecv", "MPI_Wait"))
     except (IndexError, OSError, AttributeError):
         return None
     def as_int(handle: int) -> int:  # the C int of a handle mpi4py gives as unsigned
@@ -105,7 +122,8 @@ def c_context(comm, max_bytes: int, board):
         return low - (1 << 32) if low >= 1 << 31 else low
 
     return ext.CheckedContext(fns, as_int(MPI._handleof(comm)), as_int(MPI._handleof(MPI.BYTE)),
-                              comm.Get_rank(), comm.Get_size(), max_bytes, board)
+                              comm.Get_rank(), comm.Get_size(), inline_bytes,
+                              max(inline_bytes, max_bytes), CHUNK_BYTES, WINDOW, board)
 
 
 def _transport(res, comm) -> MPITransport:

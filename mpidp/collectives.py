@@ -132,13 +132,22 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
 def _one_call(g, view: np.ndarray, op: str) -> bool:
     """The in-place all-reduce of ``view`` as one C call (csrc/small.c on one node,
     csrc/checked.c across nodes): True when done, False when it declined (nothing done);
-    raises on every rank when the ranks' inputs disagree."""
+    raises on every rank when the ranks' inputs disagree. A strided array goes through a
+    contiguous copy, not the general path: only what every rank's header shows (dtype, op,
+    size) may send a rank there (Note [Chunks after the record] in csrc/checked.c)."""
     done = g.resources.fast_allreduce(view, op)
     if done is view:
         return True
     if done is not NotImplemented:  # the ranks disagreed: raise on every rank
         g.resources.fast_disagreed(done)
-    return False
+    if view.flags.c_contiguous or not view.flags.writeable or \
+            view.nbytes > g.resources.fast_max_bytes:
+        return False
+    tmp = np.ascontiguousarray(view)
+    if not _one_call(g, tmp, op):
+        return False
+    view[...] = tmp
+    return True
 
 
 def _numpy_view(x: Any):

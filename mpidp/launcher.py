@@ -106,3 +106,54 @@ def independent_singletons(size: int, env: Mapping[str, str] | None = None) -> O
     """singleton_launch's finding as one sentence with its fix, or None."""
     found = singleton_launch(size, env)
     return None if found is None else f"{found[0]}; {found[1]}"
+
+
+# Note [PMI-1 lines under srun]: the mpich wheel speaks PMI-1 to Slurm's pmi2 plugin (its
+# PMI-2 client does not start here, even under its own mpiexec). That plugin reads a PMI-1
+# request with a single 1024-byte read, while MPICH cuts its network address into values of up
+# to 1022 characters, sent as `cmd=put kvsname=... key=...-seg-i/n value=...` lines longer than
+# that read whenever a segment has few runs of zeros. The rest of the line is then parsed as a
+# request of its own ("mpi/pmi2: request not begin with 'cmd='" in slurmd's log) and the job
+# hangs in MPI_Init — at random, the more ranks the likelier (twice in some dozens of
+# two-node jobs here, once in CI). UCX's address takes about nine such segments a rank;
+# libfabric's (MPICH's ofi netmod) fits a line of under a hundred characters. So under an srun
+# PMI step, with the mpich wheel (built with both netmods; a site's MPICH may lack ofi) and no
+# netmod chosen, mpidp chooses ofi before MPI starts (mpidp.init, the doctor);
+# MPIR_CVAR_CH4_NETMOD=ucx set by the user wins. On InfiniBand, UCX may be the faster of the
+# two: a site that launches with srun there should use an MPI built for its Slurm.
+NETMOD_VARIABLES = ("MPIR_CVAR_CH4_NETMOD", "MPICH_CH4_NETMOD", "MPIR_PARAM_CH4_NETMOD")
+
+
+def mpi_start_settings(env: Mapping[str, str], mpich_wheel: bool) -> dict:
+    """The variables to set in ``env`` before MPI starts (Note [PMI-1 lines under srun]):
+    MPICH's ofi netmod under an srun step whose PMI is Slurm's pmi2 plugin, with the mpich
+    wheel and no netmod chosen; nothing elsewhere."""
+    view = launcher_view(env)
+    if not mpich_wheel or view is None or view.launcher != "Slurm (PMI2)" \
+            or "PMI_FD" not in env or any(name in env for name in NETMOD_VARIABLES):
+        return {}
+    return {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+
+
+def _mpich_wheel() -> bool:
+    from importlib import metadata
+    try:
+        metadata.version("mpich")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def prepare_mpi_start() -> None:
+    """Sets mpi_start_settings in this process's environment; call before the first ``from
+    mpi4py import MPI``. Later, MPI has read its environment: a warning says what was not
+    set."""
+    settings = mpi_start_settings(os.environ, _mpich_wheel())
+    if settings and "mpi4py.MPI" in sys.modules:
+        import warnings
+        warnings.warn(f"mpidp: MPI started before mpidp.init(), so {settings} was not set "
+                      "(Note [PMI-1 lines under srun] in mpidp/launcher.py): import mpidp and "
+                      "call mpidp.init() before importing mpi4py.MPI, or set it yourself",
+                      RuntimeWarning, stacklevel=3)
+    elif settings:
+        os.environ.update(settings)

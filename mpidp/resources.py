@@ -3,6 +3,7 @@ node's shared-memory context, the transports of the ring, and the facts the algo
 read. Made by ``mpidp.init`` for its group and handed down to every collective."""
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, Callable, Optional
 
@@ -50,13 +51,30 @@ class Resources:
         self.fast_max_bytes = 0  # the largest array it takes
         self._fast_ok = (topo.size > 1 and choose(HOST, "auto", self.facts, 8).name == "shm"
                          and not cfg.debug and not timeline.ON)
-        self._checked = None  # across nodes, one rank per node: the C call of csrc/checked.c
+        self.checked = None  # across nodes, one rank per node: csrc/checked.c's context
         if topo.size > 1 and self.facts.one_per_node and not cfg.debug and not timeline.ON \
                 and choose(HOST, "auto", self.facts, 8).name == "doubling":
-            self._checked = checked.c_context(topo.comm, cfg.doubling_max_bytes - 1, self.board)
-            if self._checked is not None:
-                self.fast_allreduce = self._checked.allreduce_array
-                self.fast_max_bytes = cfg.doubling_max_bytes - 1
+            self._make_checked(cfg)
+
+    def _make_checked(self, cfg: config.Config) -> None:
+        """The C call across nodes, where every rank could make it (agreed: one collective
+        step), taking arrays of any size in chunks between two nodes (Note [Chunks after the
+        record] in csrc/checked.c; Note [Auto choice] in mpidp/algorithms.py)."""
+        from mpi4py import MPI  # deferred for cost, as everywhere
+        topo = self.topo
+        chunks = topo.size == 2
+        inline = cfg.doubling_max_bytes - 1
+        try:  # whatever happens on this rank, the others must hear of it: no raise here
+            ctx = checked.c_context(topo.comm, inline, sys.maxsize if chunks else inline,
+                                    self.board)
+        except Exception:  # noqa: BLE001 - any failure means: the Python path
+            ctx = None
+        if not topo.comm.allreduce(int(ctx is not None), op=MPI.MIN):
+            return  # a rank without it: the Python path everywhere, alike
+        self.checked = ctx
+        self.fast_allreduce = ctx.allreduce_array
+        self.fast_max_bytes = sys.maxsize if chunks else inline
+        self.facts = self.facts._replace(checked_chunks=chunks)
 
     def start_watchdog(self, timeout_s: float) -> None:
         """Starts the watching thread (collective; only where there is more than one rank)."""
@@ -81,7 +99,7 @@ class Resources:
     def fast_disagreed(self, done) -> None:
         """Raises on every rank after ``fast_allreduce`` found that the ranks' inputs disagree
         (``done``: what it returned)."""
-        if self._checked is not None:
+        if self.checked is not None:
             checked.disagreed(self.topo, done[1], "allreduce", None)
         if not self.shm().check(done[0], done[1], "allreduce"):
             raise handshake.mismatch_error("allreduce", done[1], self.topo.rank)

@@ -70,6 +70,7 @@ def init(comm: Any = None) -> Group:
     ``comm`` must call it."""
     global _group
     with _lock:
+        launcher.prepare_mpi_start()  # Note [PMI-1 lines under srun] in mpidp/launcher.py
         from mpi4py import MPI
         if comm is None:
             comm = MPI.COMM_WORLD

@@ -46,6 +46,21 @@ def test_launcher_views():
     assert launcher.launcher_view({**pmi2, "HYDI_CONTROL_FD": "7"}).launcher == "MPICH/Hydra"
 
 
+def test_mpich_under_srun_pmi2_gets_the_ofi_netmod():
+    """Note [PMI-1 lines under srun]: only an srun step served by Slurm's pmi2 plugin, and only
+    where the user chose no netmod."""
+    step = {"PMI_RANK": "0", "PMI_SIZE": "2", "PMI_FD": "11", "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
+    assert launcher.mpi_start_settings(step, True) == {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+    assert launcher.mpi_start_settings(step, False) == {}  # a site's MPICH may lack ofi
+    for chosen in launcher.NETMOD_VARIABLES:
+        assert launcher.mpi_start_settings({**step, chosen: "ucx"}, True) == {}
+    assert launcher.mpi_start_settings({**step, "HYDI_CONTROL_FD": "7"}, True) == {}  # mpiexec
+    no_fd = {k: v for k, v in step.items() if k != "PMI_FD"}
+    assert launcher.mpi_start_settings(no_fd, True) == {}
+    assert launcher.mpi_start_settings({}, True) == {}
+
+
 def test_disagreements_name_singletons():
     v = launcher.LauncherView("Slurm", 3, 4, 1, None)
     problems = launcher.disagreements(v, rank=0, size=1, local_rank=0, local_size=1)

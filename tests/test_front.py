@@ -26,6 +26,7 @@ def test_one_table_names_every_algorithm_once_per_kind_of_array():
     (ONE_NODE, 8, "shm"), (ONE_NODE, 1 << 30, "shm"),
     (TWO_NODES, 8, "doubling"), (TWO_NODES, (64 << 10) - 1, "doubling"),
     (TWO_NODES, 64 << 10, "hier"), (TWO_NODES._replace(one_per_node=True), 64 << 10, "mpi"),
+    (TWO_NODES._replace(one_per_node=True, checked_chunks=True), 1 << 30, "doubling"),
     (TWO_NODES._replace(hier_min_bytes=1 << 20), 64 << 10, "mpi"),
     (ONE_NODE._replace(shm=False), 8, "doubling"),
     (ONE_NODE._replace(shm=False), 1 << 20, "mpi"), (TWO_NODES._replace(shm=False), 1 << 20, "mpi"),

@@ -77,6 +77,16 @@ def test_nodes_of_unequal_sizes(cluster):
                    cluster=cluster, per_node=hosts, timeout_s=240), 3)
 
 
+def test_bad_inputs_between_two_nodes(cluster):
+    """Two nodes of one rank: every all-reduce is one C call, large ones with their data in
+    chunks after the records (Note [Chunks after the record] in csrc/checked.c). Counts that
+    differ, a read-only array on one rank (which the C call declines) and the other bad inputs
+    still raise on every rank, and the next all-reduce is exact."""
+    assert_ok(body(2, "body_bad_inputs.py", env={"BODY_TRIALS": "8", "MPIDP_TIMEOUT_S": "20",
+                                                 "BODY_ALGORITHMS": "auto,doubling,mpi"},
+                   cluster=cluster, per_node=1, timeout_s=120), 2)
+
+
 def test_ddp_across_nodes_equals_one_process(cluster):
     assert_ok(body(4, "body_ddp.py", cluster=cluster, per_node=2, timeout_s=240), 4)
 

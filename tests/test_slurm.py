@@ -70,40 +70,51 @@ def _job_env() -> dict:
             "PYTHONUNBUFFERED": "1"}
 
 
+def _tail(path: Path, chars: int = 4000) -> str:
+    """The end of a job's output file, for a failure message."""
+    try:
+        return f"--- {path.name}\n" + path.read_text(errors="replace")[-chars:]
+    except OSError as exc:
+        return f"--- {path.name}: {exc}"
+
+
 def _job_state(c: SlurmCluster, job_id: str) -> dict:
     out = c.run(["scontrol", "show", "job", "-o", job_id]).stdout
     return dict(w.split("=", 1) for w in out.split() if "=" in w)
 
 
-@pytest.fixture(scope="module")
-def jobs(cluster):
-    """Submits every example script at once (each small: one node, 1 epoch), waits for all,
-    and returns script -> (scontrol's job record, the job's output)."""
-    c = cluster
-    ids = {}
-    for script, (ranks, _) in JOBS.items():
-        out = c.root / f"{script}.out"
-        # submitted from the cluster's directory (the jobs' working directory); options on
-        # the command line override the script's #SBATCH lines: one node, a few ranks
-        ids[script] = c.run(["sbatch", "--parsable", f"--output={out}",
-                             "--nodes=1", f"--ntasks-per-node={ranks}", "--time=5",
-                             EXAMPLES / script, *TRAIN_FLAGS], env=_job_env(),
-                            cwd=c.root).stdout.strip()
+def _submit_and_wait(c: SlurmCluster, jobs: dict) -> dict:
+    """Submits every job of ``jobs`` (name -> sbatch's arguments) at once from the cluster's
+    directory (the jobs' working directory), waits for all, and returns name -> (scontrol's
+    job record, the job's output)."""
+    ids = {name: c.run(["sbatch", "--parsable", f"--output={c.root / name}.out", *args],
+                       env=_job_env(), cwd=c.root).stdout.strip()
+           for name, args in jobs.items()}
     deadline = time.monotonic() + JOB_TIMEOUT_S
     records = {}
     while len(records) < len(ids):
-        for script, job_id in ids.items():
-            if script not in records:
+        for name, job_id in ids.items():
+            if name not in records:
                 record = _job_state(c, job_id)
                 if record["JobState"] not in ("PENDING", "CONFIGURING", "RUNNING",
                                               "COMPLETING"):
-                    records[script] = record
+                    records[name] = record
         if time.monotonic() > deadline:
-            pending = {s: _job_state(c, i)["JobState"] for s, i in ids.items()
-                       if s not in records}
-            pytest.fail(f"jobs not done in {JOB_TIMEOUT_S} s: {pending}\n{c.logs()}")
+            pending = {n: _job_state(c, i)["JobState"] for n, i in ids.items()
+                       if n not in records}
+            tails = "\n".join(_tail(c.root / f"{n}.out") for n in pending)
+            pytest.fail(f"jobs not done in {JOB_TIMEOUT_S} s: {pending}\n{tails}\n{c.logs()}")
         time.sleep(0.25)
-    return {s: (records[s], (c.root / f"{s}.out").read_text(errors="replace")) for s in ids}
+    return {n: (records[n], (c.root / f"{n}.out").read_text(errors="replace")) for n in ids}
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster):
+    """Every example script at once (each small: one node, 1 epoch): script -> (record,
+    output). Options on the command line override the scripts' #SBATCH lines."""
+    return _submit_and_wait(cluster, {
+        script: ["--nodes=1", f"--ntasks-per-node={ranks}", "--time=5", EXAMPLES / script,
+                 *TRAIN_FLAGS] for script, (ranks, _) in JOBS.items()})
 
 
 def _summary(output: str) -> dict:
@@ -202,6 +213,8 @@ def test_doctor_under_srun_across_nodes(nodes_cluster):
     assert "OK    2 rank(s) on 2 node(s): 1, 1 per node" in out, out
     assert "2 task(s) on 2 node(s) (node[0-1])" in out, out
     assert "2 tasks = MPI ranks, SLURM_PROCID = rank on every rank" in out, out
+    # Note [PMI-1 lines under srun]: UCX's address would not fit Slurm's PMI-1 reads
+    assert "MPICH netmod ofi (MPIR_CVAR_CH4_NETMOD)" in out, out
 
 
 def test_batch_script_across_nodes_is_requeued_and_resumes(nodes_cluster):
@@ -218,14 +231,16 @@ def test_batch_script_across_nodes_is_requeued_and_resumes(nodes_cluster):
     checkpoints = c.root / "checkpoints" / job_id
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while not list(checkpoints.glob("ckpt-*.pt")):
-        assert time.monotonic() < deadline, f"no checkpoint in {JOB_TIMEOUT_S} s\n{c.logs()}"
+        assert time.monotonic() < deadline, \
+            f"no checkpoint in {JOB_TIMEOUT_S} s\n{_tail(out)}\n{c.logs()}"
         assert _job_state(c, job_id)["JobState"] in ("PENDING", "CONFIGURING", "RUNNING"), \
-            out.read_text(errors="replace")[-4000:]
+            _tail(out)
         time.sleep(0.1)
     c.run(["scontrol", "requeue", job_id])
     while (record := _job_state(c, job_id))["JobState"] not in ("COMPLETED", "FAILED",
                                                                 "CANCELLED", "TIMEOUT"):
-        assert time.monotonic() < deadline, f"job {job_id}: {record['JobState']}\n{c.logs()}"
+        assert time.monotonic() < deadline, \
+            f"job {job_id}: {record['JobState']}\n{_tail(out)}\n{c.logs()}"
         if record["JobState"] == "PENDING" and record.get("Reason") == "BeginTime":
             # a requeued job may start again only two minutes later: not in a test
             c.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
@@ -237,3 +252,23 @@ def test_batch_script_across_nodes_is_requeued_and_resumes(nodes_cluster):
     assert summary["ranks"] == 2 and summary["resumed_from"], summary
     assert Path(summary["resumed_from"]).parent == checkpoints, summary
     assert "mpidp.train: mirrored on 2 rank(s), 2 node(s)" in output, output[-4000:]
+
+
+def test_the_other_batch_scripts_across_nodes(nodes_cluster):
+    """ps.sbatch (its server, the last rank, on the second node) and mpiexec.sbatch (Hydra's
+    mpiexec inside the allocation, starting its proxies through Slurm) with --nodes=2, one
+    task on each node, both at once: each completes as one world across the two nodes."""
+    c = nodes_cluster
+    done = _submit_and_wait(c, {
+        script: ["--nodes=2", "--ntasks-per-node=1", "--time=5", EXAMPLES / script,
+                 *TRAIN_FLAGS] for script in ("ps.sbatch", "mpiexec.sbatch")})
+    for script, strategy in (("ps.sbatch", "ps"), ("mpiexec.sbatch", "mirrored")):
+        record, output = done[script]
+        assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), output[-4000:]
+        summary = _summary(output)
+        assert summary["ranks"] == 2 and summary["strategy"] == strategy, summary
+        assert f"mpidp.train: {strategy} on 2 rank(s), 2 node(s)" in output, output[-4000:]
+        for r in range(2):
+            assert f"[rank {r}] epoch   1/1" in output, output[-4000:]
+    ps = _summary(done["ps.sbatch"][1])
+    assert (ps["workers"], ps["servers"]) == (1, 1), ps

@@ -17,6 +17,7 @@ import importlib.metadata
 import sys
 import threading
 
+from .. import launcher
 from ..abort import abort_job
 from . import leftovers, probes, verdicts
 from .findings import (FAIL, Finding, Raised, Skipped, exit_code, format_findings,
@@ -100,6 +101,7 @@ def main(argv=None) -> int:
             print(found.path)
         return 0
     try:
+        launcher.prepare_mpi_start()
         from mpi4py import MPI
         world = MPI.COMM_WORLD
     except Exception as exc:

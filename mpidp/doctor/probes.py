@@ -20,7 +20,8 @@ ALLREDUCE_COUNTS = (5, 1 << 16)  # float32: 20 B (inline in shm) and 256 KiB (sl
 SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS",
                    "SLURM_NPROCS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_NUM_NODES",
                    "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
-                   "SLURM_CPUS_PER_TASK", "HYDI_CONTROL_FD", "OMPI_COMM_WORLD_SIZE")
+                   "SLURM_CPUS_PER_TASK", "HYDI_CONTROL_FD", "OMPI_COMM_WORLD_SIZE",
+                   "MPIR_CVAR_CH4_NETMOD")
 
 
 class SkipProbe(Exception):

@@ -368,5 +368,9 @@ def verdict_slurm(values: list) -> list:
                                        f"{rank_list(wrong)}" if wrong else ""),
                               "launch exactly one MPI rank per srun task: srun --mpi=pmi2 -n "
                               "N python -m ...")]
-    return out + [Finding(OK, f"srun step {job}.{e0.get('SLURM_STEP_ID', '?')}: {size} tasks "
-                              "= MPI ranks, SLURM_PROCID = rank on every rank")]
+    out.append(Finding(OK, f"srun step {job}.{e0.get('SLURM_STEP_ID', '?')}: {size} tasks "
+                           "= MPI ranks, SLURM_PROCID = rank on every rank"))
+    if e0.get("MPIR_CVAR_CH4_NETMOD"):  # Note [PMI-1 lines under srun] in mpidp/launcher.py
+        out.append(Finding(INFO, f"MPICH netmod {e0['MPIR_CVAR_CH4_NETMOD']} "
+                                 "(MPIR_CVAR_CH4_NETMOD)"))
+    return out

@@ -1,8 +1,9 @@
 """Run under mpiexec at any world size: no silent wrong answer. Bad input on some ranks — a
-read-only array, a sparse tensor, a wrong dtype or type, a bad op, root or algorithm — raises
-on every rank (its own error where it is bad, MismatchError elsewhere) and the next collective
-is exact; a randomized round of such calls with a seeded generator; NaN through min and max on
-every algorithm; an in-place collective on a tensor autograd saved is refused by backward.
+read-only array, counts that differ, a sparse tensor, a wrong dtype or type, a bad op, root or
+algorithm — raises on every rank (its own error where it is bad, MismatchError elsewhere) and
+the next collective is exact; a randomized round of such calls with a seeded generator; NaN
+through min and max on every algorithm; an in-place collective on a tensor autograd saved is
+refused by backward.
 Prints 'ok <rank>' at the end."""
 import os
 import sys
@@ -61,6 +62,15 @@ for count in (4, 300_000):
         check_everyone_raised(exc, rank in bad_ranks, f"read-only[{count}] on {bad_ranks}")
         expect(np.all(keep == 2.0), f"read-only[{count}]: an unrelated array was written")
         check_next_is_exact(f"after read-only[{count}]")
+
+# ---- counts that differ across ranks, small and large (across nodes the large ones travel
+# after their records: Note [Chunks after the record] in csrc/checked.c) ----------------------
+for count in (1000, 12_000, 150_000):  # 12_000 vs 24_000 floats: 48 KiB in the records
+    x = np.ones(count * (2 if rank == n - 1 else 1), np.float32)  # against 96 KiB after them
+    exc = outcome(lambda: mpidp.allreduce_(x))
+    expect(isinstance(exc, MismatchError), f"counts differ [{count}]: {exc!r}")
+    expect(np.all(x == 1), f"counts differ [{count}]: the refused array was written")
+    check_next_is_exact(f"after counts that differ [{count}]", 150_000)
 
 # ---- a sparse tensor on the last rank ---------------------------------------------------------
 dense = torch.arange(6, dtype=torch.float32) + rank
