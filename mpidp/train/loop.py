@@ -121,6 +121,17 @@ class StoppedOnSignal(Exception):
         self.signum, self.path = signum, path
 
 
+
+def _arrive(comm) -> None:
+    """Returns once every rank of ``comm`` has called it: MPI_Ibarrier polled from Python, so
+    a Ctrl-C or SIGTERM to this rank raises here while it waits (Note [Interrupted run] in
+    cli.py). A blocking MPI call would hold the signal until the others came, and they may be
+    ending on the same signal: the job would then end with another rank's line, rank 0's
+    withheld (seen in CI: rank 0 in the checkpoint's MPI_Gather, rank 1 already stopped)."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.0002)
+
 class Trainer:
     """Trains a model with the settings of ``python -m mpidp.train`` (TrainSettings, or the
     same names as keywords). ``fit`` is collective: every rank calls it with the same model
@@ -371,6 +382,8 @@ class _Run:
         state, rank 0 writes (and keeps its path in ``checkpoint``; others keep None)."""
         s, g = self.settings, self.g
         with collective(g, "checkpoint: gathering every rank's RNG state"):
+            if g.size > 1:
+                _arrive(g.comm)
             rng = g.comm.gather(checkpoint.rng_state(), root=0) if g.size > 1 \
                 else [checkpoint.rng_state()]
         optimizer = self.strategy.optimizer_state()  # collective for ps (servers hold it)
