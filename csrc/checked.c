@@ -163,11 +163,16 @@ static void exchange(CheckedContext *self, size_t len, int dtype, int op) {
         self->mine[0] = REC_DISAGREE;
 }
 
+/* The length of chunk i of `len` bytes. */
+static size_t chunk_length(const CheckedContext *self, size_t len, size_t i) {
+    size_t chunk = (size_t)self->chunk_bytes, at = i * chunk;
+    return len - at < chunk ? len - at : chunk;
+}
+
 /* Posts chunk i of `len` bytes (its receive into a window slot, its send from `buf`); 0 or
  * an MPI error code. */
 static int post_chunk(CheckedContext *self, int peer, char *buf, size_t len, size_t i) {
-    size_t chunk = (size_t)self->chunk_bytes, at = i * chunk, n = len - at < chunk ? len - at
-                                                                                    : chunk;
+    size_t chunk = (size_t)self->chunk_bytes, at = i * chunk, n = chunk_length(self, len, i);
     int slot = (int)(i % (size_t)self->window), *rq = self->requests + 2 * slot;
     int rc = self->irecv(self->peer_data + (size_t)slot * chunk, (int)n, self->byte_type, peer,
                          DATA_TAG, self->comm, &rq[0]);
@@ -188,7 +193,7 @@ static int swap_chunks(CheckedContext *self, int peer, char *buf, size_t len, in
     while (!err && posted < nchunks && posted < (size_t)self->window)
         if (!(err = post_chunk(self, peer, buf, len, posted))) posted++;
     for (size_t i = 0; i < posted; i++) {
-        size_t at = i * chunk, n = len - at < chunk ? len - at : chunk;
+        size_t at = i * chunk, n = chunk_length(self, len, i);
         int slot = (int)(i % (size_t)self->window), *rq = self->requests + 2 * slot;
         int rc = self->wait(&rq[0], status);
         rc = self->wait(&rq[1], status) || rc;
@@ -237,6 +242,17 @@ static int64_t run(CheckedContext *self, const int64_t *header, char *buf, size_
     return rec[0];
 }
 
+/* A tuple of the `n` ints at `words`, or NULL with an exception set. */
+static PyObject *int_tuple(const int64_t *words, int n) {
+    PyObject *t = PyTuple_New(n);
+    for (int i = 0; t && i < n; i++) {
+        PyObject *w = PyLong_FromLongLong(words[i]);
+        if (!w) Py_CLEAR(t);
+        else PyTuple_SET_ITEM(t, i, w);
+    }
+    return t;
+}
+
 static PyObject *checked_allreduce_array(CheckedContext *self, PyObject *const *args,
                                          Py_ssize_t nargs) {
     if (nargs != 2) {
@@ -266,12 +282,7 @@ static PyObject *checked_allreduce_array(CheckedContext *self, PyObject *const *
     PyBuffer_Release(&v);
     if (mp_mark_done(self->board, seq) < 0) return NULL;
     if (status == REC_OK) return Py_NewRef(args[0]);
-    PyObject *words = PyTuple_New(HEADER_WORDS); /* the ranks disagreed: (False, header) */
-    for (int i = 0; words && i < HEADER_WORDS; i++) {
-        PyObject *w = PyLong_FromLongLong(header[i]);
-        if (!w) Py_CLEAR(words);
-        else PyTuple_SET_ITEM(words, i, w);
-    }
+    PyObject *words = int_tuple(header, HEADER_WORDS); /* disagreed: (False, header) */
     return words ? Py_BuildValue("(ON)", Py_False, words) : NULL;
 }
 
@@ -304,13 +315,7 @@ static PyObject *checked_exchange(CheckedContext *self, PyObject *const *args, P
     int64_t status = run(self, header, v.buf, (size_t)v.len, dtype, op);
     PyBuffer_Release(&v);
     if (status != REC_OK) Py_RETURN_NONE;
-    PyObject *free_words = PyTuple_New(self->size);
-    for (int i = 0; free_words && i < self->size; i++) {
-        PyObject *w = PyLong_FromLongLong(self->mine[1 + HEADER_WORDS + i]);
-        if (!w) Py_CLEAR(free_words);
-        else PyTuple_SET_ITEM(free_words, i, w);
-    }
-    return free_words;
+    return int_tuple(self->mine + 1 + HEADER_WORDS, self->size);
 }
 
 static PyObject *checked_get_max_bytes(CheckedContext *self, void *closure) {

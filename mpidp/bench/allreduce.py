@@ -229,7 +229,8 @@ def table(rows: list, ceiling: dict, nranks: int) -> str:
                      f"{r['algorithm']:>9} | " + " | ".join(cells))
     busbw = bound * (2 * (nranks - 1) / nranks if nranks > 1 else 1)
     link = (f"; link between nodes {ceiling['link_GBps']:.2f} GB/s each way (bounds busbw; "
-            f"one message {ceiling.get('link_one_message_GBps', 0):.2f}, 32 KiB pieces "
+            f"one message {ceiling.get('link_one_message_GBps', 0):.2f}, "
+            f"{ceiling.get('link_piece_bytes', 0) >> 10} KiB pieces "
             f"{ceiling.get('link_pieces_GBps', 0):.2f})" if "link_GBps" in ceiling else "")
     lines.append(f"# ceiling: copy {ceiling['copy_GBps']:.2f} GB/s, add {ceiling['add_GBps']:.2f} "
                  f"GB/s per rank with {nranks} ranks at once{link}; all-reduce bound algbw "

@@ -123,7 +123,8 @@ def link_ceiling(g, nbytes: int = 16 << 20, iters: int = 5, piece: int = 32 << 1
     link = max(rates)
     nodes = g.node_count
     return {"link_bytes": nbytes, "link_GBps": link, "link_one_message_GBps": rates[0],
-            "link_pieces_GBps": rates[1], "bound_algbw_GBps": link * nodes / (2 * (nodes - 1))}
+            "link_piece_bytes": piece, "link_pieces_GBps": rates[1],
+            "bound_algbw_GBps": link * nodes / (2 * (nodes - 1))}
 
 
 class Gloo:
