@@ -16,11 +16,17 @@ FORWARD_S = 1.0
 
 
 def abort_job(message: str, code: int) -> None:
-    """Writes ``message`` to stderr, waits for the launcher to forward it, and aborts every
-    rank of MPI_COMM_WORLD with exit code ``code``. Does not return."""
+    """Writes ``message`` to stderr (Note [The process's own stderr]), waits for the
+    launcher to forward it, and aborts every rank of MPI_COMM_WORLD with exit code ``code``.
+    Does not return."""
     try:
-        sys.stderr.write(message)
-        sys.stderr.flush()
+        for stream in dict.fromkeys((sys.stderr, sys.__stderr__)):
+            if stream is not None:
+                try:
+                    stream.write(message)
+                    stream.flush()
+                except (OSError, ValueError):  # a closed or broken stream: try the next
+                    pass
         time.sleep(FORWARD_S)
     finally:
         from mpi4py import MPI

@@ -76,11 +76,21 @@ def error_header(kind: int, exc: BaseException) -> tuple:
     return (kind, 0, 0, 0, 0, 0, ERR_TYPE if isinstance(exc, TypeError) else ERR_VALUE, 0)
 
 
-def other_header(name: str) -> tuple:
-    """The header of an object collective called ``name`` (Note [Debug fingerprints])."""
+# element types of the torch.distributed backend's operations (mpidp.dist), by name: word 3
+# of an OTHER header holds 1 + an index into this table, 0 for none
+OTHER_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
+                "float32", "float64", "complex64", "complex128", "uint16", "uint32", "uint64")
+
+
+def other_header(name: str, op: int = 0, dtype: int = 0, count: int = 0,
+                 error: int = ERR_NONE) -> tuple:
+    """The header of an object collective called ``name`` (Note [Debug fingerprints]), or of
+    an operation of the torch.distributed backend: ``op`` (0, or 1 + its root: the name says
+    which reduction), ``dtype`` (0 or 1 + an index into OTHER_DTYPES) and element ``count`` must
+    agree too."""
     crc = zlib.crc32(name.encode())
     _OTHER_NAMES[crc] = name
-    return (OTHER, 0, 0, 0, 0, crc, ERR_NONE, 0)
+    return (OTHER, 0, op, dtype, count, crc, error, 0)
 
 
 def call_site() -> str:
@@ -106,6 +116,12 @@ def describe(h: Sequence[int], modes: bool = False) -> str:
     name = KIND_NAMES.get(kind, f"collective kind {kind}")
     if kind == OTHER:
         what = _OTHER_NAMES.get(shape, f"object collective {shape:#x}")
+        if error:
+            what += " with an input it rejected"
+        elif 0 < dtype <= len(OTHER_DTYPES):
+            what += f" {OTHER_DTYPES[dtype - 1]}[{count}]"
+        if op and not error:
+            what += f" root={op - 1}"
     elif error:
         what = f"{name} with an input it rejected"
     else:

@@ -4,6 +4,8 @@ rank dies of an uncaught exception."""
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
 import socket
 import sys
 import threading
@@ -59,6 +61,17 @@ def _check_agreed_settings(comm: Any, cfg: config.Config) -> None:
 
 _group: Optional[Group] = None
 _lock = threading.Lock()
+# Note [Sub-groups]: the group a thread's collectives run on while it is inside ``using``
+_current: contextvars.ContextVar = contextvars.ContextVar("mpidp_group", default=None)
+_subgroups: list = []  # made by ``subgroup``, freed by ``shutdown`` before the group
+
+# Note [Sub-groups]
+# A torch.distributed ``new_group`` (mpidp.dist) is a Group of its own over a communicator of
+# some of the group's ranks: its own topology, shared memory, watchdog and board. mpidp's
+# collectives read their group from ``group()``, which is the group made by ``init`` unless
+# the calling thread is inside ``using(g)``. Sub-groups are freed at shutdown, before the
+# group, in the order they were made (the same order on every member, as Group.free is
+# collective over the sub-group).
 
 
 def init(comm: Any = None) -> Group:
@@ -115,6 +128,10 @@ def shutdown() -> None:
         if _group is not None:
             from mpi4py import MPI
             if not MPI.Is_finalized():
+                for sub in _subgroups:
+                    sub.resources.stop_users()
+                    sub.free()
+                _subgroups.clear()
                 _group.resources.stop_users()  # Note [Stopping the users first]
                 records = None
                 if timeline.ON:
@@ -125,9 +142,40 @@ def shutdown() -> None:
             _group = None
 
 
+def subgroup(ranks) -> Group:
+    """A Group of the ranks ``ranks`` (ranks of the group made by ``init``, in the order
+    given) with its own watchdog: Note [Sub-groups]. Collective over those ranks only; this
+    rank must be one of them."""
+    g = group()
+    ranks = [int(r) for r in ranks]
+    if g.rank not in ranks:
+        raise ValueError(f"rank {g.rank} is not one of the sub-group's ranks {ranks}")
+    comm = g.user_comm.Create_group(g.user_comm.Get_group().Incl(ranks))
+    cfg = config.get()
+    sub = Group(comm, cfg)
+    sub.resources.start_watchdog(cfg.timeout_s)
+    with _lock:
+        _subgroups.append(sub)
+    return sub
+
+
+@contextlib.contextmanager
+def using(g: Group):
+    """mpidp's collectives called by this thread inside the block run on ``g`` (a sub-group:
+    Note [Sub-groups])."""
+    token = _current.set(g)
+    try:
+        yield g
+    finally:
+        _current.reset(token)
+
+
 def group() -> Group:
-    """The group made by ``init``; NotInitializedError before it."""
-    g = _group
+    """The group this thread's collectives run on: the one made by ``init``, or the
+    sub-group of an enclosing ``using``; NotInitializedError before ``init``."""
+    g = _current.get()
+    if g is None:
+        g = _group
     if g is None:
         raise NotInitializedError("call mpidp.init() on every rank before using mpidp")
     return g

@@ -37,11 +37,13 @@ def command(n: int, args: list, cluster=None, per_node=1) -> list:
 
 def run(n: int, args: list, env: dict | None = None, timeout_s: float = 240, cluster=None,
         per_node: int = 1) -> subprocess.CompletedProcess:
-    """Runs ``python args...`` on n ranks (``command``); a hang fails the test at timeout_s
+    """Runs ``python args...`` on n ranks (``command``) with ``env`` over this process's
+    environment (a value None unsets the variable); a hang fails the test at timeout_s
     instead of CI."""
     full_env = dict(os.environ)
     full_env.update(cluster.env() if cluster is not None else {})
     full_env.update(env or {})
+    full_env = {k: v for k, v in full_env.items() if v is not None}  # None: unset it
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     cmd = command(n, args, cluster, per_node)
     try:

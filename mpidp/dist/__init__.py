@@ -1,0 +1,140 @@
+"""mpidp as a torch.distributed backend: ``dist.init_process_group("mpidp")`` under mpiexec,
+mpirun or srun, with no MASTER_ADDR, no port and no socket of mpidp's own, runs torch's
+collectives — and torch's DDP, ZeroRedundancyOptimizer, torchmetrics, Lightning — on mpidp's
+(mpidp.dist.group, mpidp.dist.ops).
+
+The backend is registered when torch is imported (the ``torch.backends`` entry point torch
+loads unless TORCH_DEVICE_BACKEND_AUTOLOAD=0) and by ``import mpidp.dist``; registering
+imports nothing but this module and starts nothing: MPI starts when the first process group
+is made.
+
+Note [Rendezvous over MPI]
+torch finds its store by the init method: ``env://`` by default, which reads MASTER_ADDR and
+MASTER_PORT and opens a TCPStore. Under an MPI launcher nothing of that is needed: rank and
+world size are MPI's, and the store is served over MPI (mpidp.dist.store). So registering also
+adds the ``mpidp://`` init method, and makes ``env://`` fall back to it where MASTER_ADDR is
+not set and an MPI launcher started the process (or mpidp is already initialised); with
+MASTER_ADDR set, as Lightning and torchrun-style launchers set it, ``env://`` is torch's own
+(taking rank and world size from the MPI launcher where RANK and WORLD_SIZE are not set).
+torch has no public way to extend ``env://``, so the fallback replaces its entry in torch's
+table of rendezvous handlers, keeping the original for every other case."""
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from datetime import timedelta
+from typing import Any, Optional
+from urllib.parse import parse_qs, urlparse
+
+BACKEND = "mpidp"
+_registered = False
+
+
+def register() -> None:
+    """Registers the "mpidp" backend and the ``mpidp://`` init method with torch.distributed
+    (idempotent; this process only)."""
+    global _registered
+    if _registered:
+        return
+    import torch.distributed as dist  # deferred for cost: this module is torch's plugin
+    # the module (torch.distributed's attribute of that name is the function)
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True,
+                                      devices=["cpu", "cuda"])
+    if "mpidp" not in rdzv._rendezvous_handlers:
+        dist.register_rendezvous_handler("mpidp", _mpi_rendezvous)
+    env = rdzv._rendezvous_handlers.get("env")
+    if env is not None and not getattr(env, "mpidp_fallback", False):
+        rdzv._rendezvous_handlers["env"] = _env_or_mpi(env)
+    _registered = True
+
+
+def autoload() -> None:
+    """torch's ``torch.backends`` entry point: registers the backend and never raises (an
+    error here would fail ``import torch``)."""
+    try:
+        register()
+    except Exception as exc:  # noqa: BLE001 - anything: torch must still import
+        warnings.warn(f"mpidp: the torch.distributed backend was not registered: {exc}; "
+                      "call mpidp.dist.register() to see why", RuntimeWarning, stacklevel=2)
+
+
+def _create(opts, backend_options):
+    from .group import create  # deferred for cost: registering imports no collective
+    return create(opts, backend_options)
+
+
+def _launched_by_mpi() -> bool:
+    from .. import launcher, runtime  # deferred for cost, as above
+    return runtime.is_initialized() or launcher.launcher_view() is not None
+
+
+def _env_or_mpi(original):
+    def handler(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):
+        if "MASTER_ADDR" not in os.environ and _launched_by_mpi():
+            return _mpi_rendezvous(url, timeout=timeout, **kwargs)
+        return original(_with_launcher_rank(url), timeout=timeout, **kwargs)
+    handler.mpidp_fallback = True
+    return handler
+
+
+def _with_launcher_rank(url: str) -> str:
+    """``url`` with the MPI launcher's rank and world size where neither it nor RANK and
+    WORLD_SIZE give them: under mpiexec or srun, MASTER_ADDR and MASTER_PORT suffice."""
+    from .. import launcher  # deferred for cost, as above
+    parts = urlparse(url)
+    query = parse_qs(parts.query)
+    view = launcher.launcher_view()
+    if view is None or view.rank is None or view.size is None:
+        return url
+    extra = [f"{name}={value}" for name, env, value in (
+        ("rank", "RANK", view.rank), ("world_size", "WORLD_SIZE", view.size))
+        if name not in query and env not in os.environ]
+    if not extra:
+        return url
+    return parts._replace(query="&".join(filter(None, [parts.query] + extra))).geturl()
+
+
+def _mpi_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):
+    """Yields (store, rank, world size) of mpidp's group, starting it (Note [Rendezvous over
+    MPI]); a rank or world size in ``url`` must be MPI's."""
+    from .. import runtime  # deferred for cost, as above
+    from .store import MPIStore
+    g = runtime.init()
+    query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
+    for name, mine in (("rank", g.rank), ("world_size", g.size)):
+        if name in query and int(query[name]) not in (-1, mine):
+            raise ValueError(f"init_process_group: {name}={query[name]} but MPI says "
+                             f"{mine}; under an MPI launcher leave rank and world_size out")
+    comm = g.user_comm.Dup()
+    store = MPIStore(comm, timeout)
+
+    def stop(timeout_s: float) -> bool:
+        from mpi4py import MPI  # deferred for cost, as everywhere in mpidp
+        ended = store.close(timeout_s)
+        if ended and comm != MPI.COMM_NULL:
+            comm.Free()
+        return ended
+    g.resources.add_user(stop)
+    yield store, g.rank, g.size
+    raise RuntimeError("the mpidp:// rendezvous runs once per process")
+
+
+def monitored_barrier(group: Any = None, timeout: Optional[timedelta] = None,
+                      wait_all_ranks: bool = False) -> None:
+    """torch.distributed.monitored_barrier for the mpidp backend (torch's own accepts gloo
+    only): rank 0 raises a RuntimeError naming the rank (with ``wait_all_ranks`` every rank)
+    that did not arrive within ``timeout``. Every rank of ``group`` (default: the default
+    group) calls it."""
+    import torch.distributed as dist  # deferred for cost, as above
+    from .group import ProcessGroup
+    pg = dist.distributed_c10d._get_default_group() if group is None else group
+    if not isinstance(pg, ProcessGroup):
+        raise TypeError(f"monitored_barrier: {pg!r} is not a process group of the mpidp "
+                        "backend; torch.distributed.monitored_barrier serves gloo's")
+    pg.monitored_barrier(timeout, wait_all_ranks)
+
+
+autoload()

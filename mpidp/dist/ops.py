@@ -1,0 +1,387 @@
+"""The operations of the torch.distributed backend with torch's semantics, on one mpidp group:
+all-reduce, reduce-scatter and reduce through mpidp's collectives where they have the op and
+the dtype; the rest — every other op and dtype, broadcast, the all-gathers, gather, scatter,
+the all-to-alls, barrier — as MPI calls on the tensors' bytes after the same header check
+(Note [Operations beyond mpidp's collectives]). Each function is one collective: every rank of
+the group calls it, in the same order (mpidp.dist.group's communication thread does).
+
+Note [Operations beyond mpidp's collectives]
+A reduction mpidp's kernels do not have (PRODUCT, the bitwise ops, the dtypes other than
+float16, bfloat16, float32, float64, int32 and int64, AVG of a complex tensor) gathers every
+rank's tensor and reduces the stack in rank order on each rank with torch: the same bits on
+every rank, exact for integers, at the cost of n copies of the tensor in memory — these are
+small, rare tensors (flags, counters, masks) in data-parallel training. Every operation first
+exchanges a header (mpidp.handshake.other_header: the operation's name with its reduction,
+root, dtype and element count), so ranks that call different operations, or the same one with
+different sizes, raise a MismatchError on every rank instead of moving wrong bytes or hanging;
+a rank whose own input is bad joins that exchange with an error code (as
+mpidp.collectives.refuse does)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import numpy as np
+import torch
+
+from .. import collectives, handshake
+from ..errors import MismatchError
+
+RED = torch.distributed.ReduceOp.RedOpType
+_NAMES = {RED.SUM: "SUM", RED.AVG: "AVG", RED.PRODUCT: "PRODUCT", RED.MIN: "MIN",
+          RED.MAX: "MAX", RED.BAND: "BAND", RED.BOR: "BOR", RED.BXOR: "BXOR"}
+_MPIDP_OPS = {RED.SUM: "sum", RED.AVG: "avg", RED.MIN: "min", RED.MAX: "max"}
+_MPIDP_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                           torch.int32, torch.int64))
+_BITWISE = frozenset((RED.BAND, RED.BOR, RED.BXOR))
+OPERATIONS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+              "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter",
+              "all_to_all", "all_to_all_single", "barrier")
+for _name in OPERATIONS:  # every rank can name what another rank called (handshake.describe)
+    handshake.other_header(_name)
+    for _op in _NAMES.values():
+        handshake.other_header(f"{_name} {_op}")
+
+
+def reduce_name(op) -> str:
+    """The name of torch ReduceOp ``op`` (a ReduceOp or its RedOpType); ValueError for one the
+    backend does not have (PREMUL_SUM)."""
+    kind = getattr(op, "op", op)
+    if kind not in _NAMES:
+        raise ValueError(f"the mpidp backend has no reduction {kind!r}; it has "
+                         + ", ".join(_NAMES.values()))
+    return _NAMES[kind]
+
+
+def _dtype_word(t: torch.Tensor) -> int:
+    name = str(t.dtype).removeprefix("torch.")
+    return handshake.OTHER_DTYPES.index(name) + 1 if name in handshake.OTHER_DTYPES else 0
+
+
+@contextlib.contextmanager
+def checked(g, name: str, t=None, count: int = 0, root=None, validate=None):
+    """The body of operation ``name`` as the group's next collective under the watchdog,
+    after the header check (Note [Operations beyond mpidp's collectives]); ``validate()``
+    runs first, and an exception it raises is raised on this rank, a MismatchError on the
+    others. Yields every rank's free word (nothing here)."""
+    b = g.board
+    op = 0 if root is None else int(root) + 1
+    try:
+        try:
+            if validate is not None:
+                validate()
+        except Exception as exc:
+            if g.size > 1:
+                err = handshake.ERR_TYPE if isinstance(exc, TypeError) else handshake.ERR_VALUE
+                g.resources.exchange(b.publish(handshake.other_header(name, error=err)), name,
+                                     exc)
+            raise
+        hdr = b.publish(handshake.other_header(
+            name, op, 0 if t is None else _dtype_word(t), count))
+        if g.size > 1:
+            g.resources.exchange(hdr, name)
+        yield
+    finally:
+        b.done = b.seq
+
+
+def check_root(root, size: int) -> None:
+    collectives.check_root(root, size)
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of contiguous CPU tensor ``t`` as a numpy array sharing its memory."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class Staged:
+    """A contiguous CPU tensor standing for ``t`` (``t`` itself where it is one); ``done()``
+    copies it back into ``t`` after an operation wrote it."""
+
+    def __init__(self, t: torch.Tensor, read: bool = True):
+        self.t = t
+        plain = t.device.type == "cpu" and t.is_contiguous()
+        self.host = t if plain else (t.detach().to("cpu").contiguous() if read else
+                                     torch.empty(t.shape, dtype=t.dtype))
+        self.bytes = _bytes(self.host.detach())
+
+    def done(self) -> None:
+        if self.host is not self.t:
+            with torch.no_grad():
+                self.t.copy_(self.host)
+
+
+def _stacked_reduce(stack: torch.Tensor, kind) -> torch.Tensor:
+    """Reduces ``stack`` (rank, ...) along dimension 0 in rank order with op ``kind``."""
+    if stack.dtype == torch.bool:  # as torch's backends: sum and max are or, product and min and
+        kind = {RED.SUM: RED.BOR, RED.MAX: RED.BOR, RED.PRODUCT: RED.BAND,
+                RED.MIN: RED.BAND}.get(kind, kind)
+    if kind in _BITWISE:
+        fn = {RED.BAND: torch.bitwise_and, RED.BOR: torch.bitwise_or,
+              RED.BXOR: torch.bitwise_xor}[kind]
+        return functools.reduce(fn, stack.unbind(0))
+    if kind == RED.MIN:
+        return functools.reduce(torch.minimum, stack.unbind(0))
+    if kind == RED.MAX:
+        return functools.reduce(torch.maximum, stack.unbind(0))
+    if kind == RED.PRODUCT:
+        return functools.reduce(torch.mul, stack.unbind(0))
+    total = functools.reduce(torch.add, stack.unbind(0))
+    return total / stack.shape[0] if kind == RED.AVG else total
+
+
+def _check_op_dtype(kind, t: torch.Tensor) -> None:
+    if kind in _BITWISE and (t.is_floating_point() or t.is_complex()):
+        raise TypeError(f"{_NAMES[kind]} needs an integer or bool tensor, got {t.dtype}")
+    if kind == RED.AVG and not (t.is_floating_point() or t.is_complex()):
+        raise TypeError(f"AVG needs a floating tensor, got {t.dtype}: use SUM and divide")
+    if t.is_complex() and kind in (RED.MIN, RED.MAX):
+        raise TypeError(f"{_NAMES[kind]} has no meaning for complex tensors ({t.dtype})")
+
+
+def _native(kind, t: torch.Tensor) -> bool:
+    return kind in _MPIDP_OPS and t.dtype in _MPIDP_DTYPES and not (
+        kind == RED.AVG and not t.is_floating_point())
+
+
+def _gathered(g, staged: Staged) -> torch.Tensor:
+    """Every rank's tensor (the same shape everywhere), stacked in rank order."""
+    out = torch.empty((g.size,) + tuple(staged.host.shape), dtype=staged.host.dtype)
+    g.comm.Allgather(staged.bytes, _bytes(out))
+    return out
+
+
+def all_reduce(g, t: torch.Tensor, op) -> None:
+    """torch.distributed.all_reduce of ``t`` in place with ReduceOp ``op``."""
+    name = reduce_name(op)
+    kind = getattr(op, "op", op)
+    if _native(kind, t):
+        collectives.allreduce_(t.detach(), _MPIDP_OPS[kind])
+        return
+    with checked(g, f"all_reduce {name}", t, t.numel(),
+                 validate=lambda: _check_op_dtype(kind, t)):
+        staged = Staged(t)
+        result = _stacked_reduce(_gathered(g, staged), kind) if g.size > 1 else staged.host
+        with torch.no_grad():
+            staged.host.copy_(result)
+        staged.done()
+
+
+def reduce(g, t: torch.Tensor, root: int, op) -> None:
+    """torch.distributed.reduce: ``t`` at ``root`` holds the reduction afterwards."""
+    name = reduce_name(op)
+    kind = getattr(op, "op", op)
+    if _native(kind, t):
+        collectives.reduce_(t.detach(), root, _MPIDP_OPS[kind])
+        return
+    with checked(g, f"reduce {name}", t, t.numel(), root,
+                 validate=lambda: (check_root(root, g.size), _check_op_dtype(kind, t))):
+        staged = Staged(t)
+        if g.size == 1:
+            return
+        everyone = torch.empty((g.size,) + tuple(t.shape), dtype=t.dtype) if g.rank == root \
+            else None
+        g.comm.Gather(staged.bytes, None if everyone is None else _bytes(everyone), root=root)
+        if everyone is not None:
+            with torch.no_grad():
+                staged.host.copy_(_stacked_reduce(everyone, kind))
+            staged.done()
+
+
+def reduce_scatter_tensor(g, out: torch.Tensor, x: torch.Tensor, op) -> None:
+    """torch.distributed.reduce_scatter_tensor: ``out`` gets this rank's block (``x``'s
+    numel / size elements, in rank order) of the reduction of ``x``."""
+    name = reduce_name(op)
+    kind = getattr(op, "op", op)
+
+    def validate():
+        if x.dtype != out.dtype:
+            raise TypeError(f"reduce_scatter_tensor: input dtype {x.dtype} and output dtype "
+                            f"{out.dtype} differ")
+        if x.numel() != out.numel() * g.size:
+            raise ValueError(f"reduce_scatter_tensor: the input has {x.numel()} elements; it "
+                             f"needs the output's {out.numel()} times the group's {g.size}")
+        _check_op_dtype(kind, x)
+
+    if _native(kind, x) and out.device == x.device:
+        try:
+            validate()
+        except Exception as exc:
+            collectives.refuse(g, handshake.REDUCE_SCATTER, exc)
+            raise
+        block = collectives.reduce_scatter(x.detach().reshape(g.size, -1), _MPIDP_OPS[kind])
+        with torch.no_grad():
+            out.copy_(block.reshape(out.shape))
+        return
+    with checked(g, f"reduce_scatter_tensor {name}", x, x.numel(), validate=validate):
+        staged = Staged(x)
+        stack = _gathered(g, staged).reshape(g.size, g.size, -1)[:, g.rank]
+        with torch.no_grad():
+            out.copy_(_stacked_reduce(stack, kind).reshape(out.shape))
+
+
+def broadcast(g, t: torch.Tensor, root: int) -> None:
+    """torch.distributed.broadcast: every rank's ``t`` holds root's afterwards."""
+    with checked(g, "broadcast", t, t.numel(), root, validate=lambda: check_root(root, g.size)):
+        staged = Staged(t, read=g.rank == root)
+        g.comm.Bcast(staged.bytes, root=root)
+        staged.done()
+
+
+def all_gather_into_tensor(g, out: torch.Tensor, x: torch.Tensor) -> None:
+    """torch.distributed.all_gather_into_tensor: ``out`` holds every rank's ``x`` back to
+    back in rank order."""
+    def validate():
+        if x.dtype != out.dtype or out.numel() != x.numel() * g.size:
+            raise ValueError(f"all_gather_into_tensor: the output ({out.dtype}, {out.numel()} "
+                             f"elements) must hold the group's {g.size} inputs of {x.dtype}, "
+                             f"{x.numel()} elements")
+
+    with checked(g, "all_gather_into_tensor", x, x.numel(), validate=validate):
+        src, dst = Staged(x), Staged(out, read=False)
+        g.comm.Allgather(src.bytes, dst.bytes)
+        dst.done()
+
+
+def gather_all(g, outs, x: torch.Tensor) -> None:
+    """torch.distributed.all_gather: ``outs[r]`` holds rank r's ``x``."""
+    with checked(g, "all_gather", x, x.numel(),
+                 validate=lambda: _check_list("all_gather", outs, x, g.size)):
+        everyone = _gathered(g, Staged(x))
+        with torch.no_grad():
+            for o, row in zip(outs, everyone):
+                o.copy_(row.reshape(o.shape))
+
+
+def reduce_scatter_list(g, out: torch.Tensor, ins, op) -> None:
+    """torch.distributed.reduce_scatter: ``out`` gets the reduction of every rank's
+    ``ins[rank]``."""
+    try:
+        _check_list("reduce_scatter", ins, out, g.size)
+    except Exception as exc:
+        with checked(g, "reduce_scatter", out, validate=functools.partial(_raise, exc)):
+            pass
+    reduce_scatter_tensor(g, out, torch.stack([i.detach().reshape(out.shape) for i in ins]),
+                          op)
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+def gather(g, outs, x: torch.Tensor, root: int) -> None:
+    """torch.distributed.gather: at ``root``, ``outs[r]`` holds rank r's ``x``."""
+    def validate():
+        check_root(root, g.size)
+        if g.rank == root:
+            _check_list("gather", outs, x, g.size)
+
+    with checked(g, "gather", x, x.numel(), root, validate=validate):
+        src = Staged(x)
+        everyone = torch.empty((g.size,) + tuple(src.host.shape), dtype=x.dtype) \
+            if g.rank == root else None
+        g.comm.Gather(src.bytes, None if everyone is None else _bytes(everyone), root=root)
+        if everyone is not None:
+            with torch.no_grad():
+                for o, row in zip(outs, everyone):
+                    o.copy_(row)
+
+
+def scatter(g, out: torch.Tensor, ins, root: int) -> None:
+    """torch.distributed.scatter: ``out`` gets root's ``ins[rank]``."""
+    def validate():
+        check_root(root, g.size)
+        if g.rank == root:
+            _check_list("scatter", ins, out, g.size)
+
+    with checked(g, "scatter", out, out.numel(), root, validate=validate):
+        dst = Staged(out, read=False)
+        send = torch.stack([i.detach().to("cpu") for i in ins]) if g.rank == root else None
+        g.comm.Scatter(None if send is None else _bytes(send.contiguous()), dst.bytes, root=root)
+        dst.done()
+
+
+def _check_list(what: str, tensors, like: torch.Tensor, size: int) -> None:
+    if len(tensors) != size:
+        raise ValueError(f"{what}: the list has {len(tensors)} tensors; the group has {size} "
+                         "ranks")
+    for i, t in enumerate(tensors):
+        if t.dtype != like.dtype or t.numel() != like.numel():
+            raise ValueError(f"{what}: tensor {i} ({t.dtype}, {t.numel()} elements) differs "
+                             f"from this rank's ({like.dtype}, {like.numel()} elements)")
+
+
+def all_to_all_single(g, out: torch.Tensor, x: torch.Tensor, out_splits, in_splits) -> None:
+    """torch.distributed.all_to_all_single: rank r's block j of ``x`` (rows ``in_splits[j]``
+    of dimension 0, equal blocks without splits) becomes rank j's block r of ``out``."""
+    row_bytes = [0]
+
+    def validate():
+        if x.dtype != out.dtype:
+            raise TypeError(f"all_to_all_single: input dtype {x.dtype} and output dtype "
+                            f"{out.dtype} differ")
+        rows = x.shape[0] if x.dim() else 1
+        row_bytes[0] = x.numel() // max(rows, 1) * x.element_size()
+        for t, splits, what in ((x, in_splits, "input"), (out, out_splits, "output")):
+            n = t.shape[0] if t.dim() else 1
+            if splits and (len(splits) != g.size or sum(splits) != n or min(splits) < 0):
+                raise ValueError(f"all_to_all_single: {what} split sizes {list(splits)} do "
+                                 f"not split its {n} rows among {g.size} ranks")
+            if not splits and n % g.size:
+                raise ValueError(f"all_to_all_single: the {what}'s {n} rows do not split "
+                                 f"evenly among {g.size} ranks; pass split sizes")
+
+    with checked(g, "all_to_all_single", x, validate=validate):
+        def counts(t, splits):
+            n = t.shape[0] if t.dim() else 1
+            rows = list(splits) if splits else [n // g.size] * g.size
+            return [r * row_bytes[0] for r in rows]
+        send, recv = counts(x, in_splits), counts(out, out_splits)
+        _alltoallv(g, Staged(x), send, Staged(out, read=False), recv)
+
+
+def all_to_all(g, outs, ins) -> None:
+    """torch.distributed.all_to_all: ``ins[j]`` goes to rank j's ``outs[rank]``."""
+    def validate():
+        if len(outs) != g.size or len(ins) != g.size:
+            raise ValueError(f"all_to_all: {len(ins)} inputs and {len(outs)} outputs; the "
+                             f"group has {g.size} ranks")
+        if len({t.dtype for t in list(outs) + list(ins)}) > 1:
+            raise TypeError("all_to_all: the tensors' dtypes differ")
+
+    with checked(g, "all_to_all", ins[0] if len(ins) else None, validate=validate):
+        src = Staged(torch.cat([t.detach().to("cpu").reshape(-1) for t in ins]))
+        dst = Staged(torch.empty(sum(t.numel() for t in outs), dtype=outs[0].dtype),
+                      read=False)
+        _alltoallv(g, src, [t.numel() * t.element_size() for t in ins], dst,
+                   [t.numel() * t.element_size() for t in outs])
+        offset = 0
+        with torch.no_grad():
+            for o in outs:
+                o.copy_(dst.host[offset:offset + o.numel()].reshape(o.shape))
+                offset += o.numel()
+
+
+def _alltoallv(g, src: Staged, send: list, dst: Staged, recv: list) -> None:
+    """MPI_Alltoallv of bytes after checking that what each rank sends each other is what
+    that one expects (a disagreement raises on every rank, naming the pairs)."""
+    from mpi4py import MPI  # deferred for cost, as everywhere in mpidp
+    sent = np.array(send, np.int64)
+    announced = np.empty_like(sent)
+    g.comm.Alltoall(sent, announced)
+    wrong = [f"rank {j} sends {int(a)} bytes, rank {g.rank} expects {r}"
+             for j, (a, r) in enumerate(zip(announced, recv)) if a != r]
+    if g.comm.allreduce(len(wrong), op=MPI.SUM):
+        raise MismatchError(f"rank {g.rank}: all_to_all: the ranks' split sizes do not "
+                            "agree" + (": " + "; ".join(wrong) if wrong else
+                                       " (between other ranks); every rank raises this error"))
+    displs = lambda c: [sum(c[:i]) for i in range(len(c))]  # noqa: E731
+    g.comm.Alltoallv([src.bytes, (send, displs(send))], [dst.bytes, (recv, displs(recv))])
+    dst.done()
+
+
+def barrier(g) -> None:
+    """torch.distributed.barrier: the header exchange is itself a barrier (every rank hears
+    every rank's header before any leaves)."""
+    with checked(g, "barrier"):
+        pass
