@@ -11,8 +11,12 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from . import collectives, runtime, timeline
+from . import collectives, runtime, sync_bn, timeline
+from .comm_thread import call_in_order, check_thread_level, communicate, reduce_bucket, stop
+from .ddp_args import validate
+from .dist import process_group_for_join
 from .errors import MpidpError
 from .fingerprint import check_same_buckets, check_same_model
 from .buckets import BucketBase
@@ -29,15 +33,6 @@ FIRST_BUCKET_CAP_BYTES = 1 << 20  # PyTorch DDP's first bucket (Note [Bucket ord
 # launch strictly in index order (a ready bucket waits for the ones before it), so every rank
 # issues the same all-reduces in the same order whatever its thread timing.
 
-# Note [Communication thread]
-# One thread per DistributedDataParallel reduces the buckets one after another — on one node
-# a zero-copy all-reduce of the gradients where they lie (Note [Zero-copy buckets] in
-# fusion.py), elsewhere pack -> all-reduce (sum) -> unpack with the division by the number of
-# ranks fused into the unpack — while autograd goes on computing gradients in the main
-# thread; the C calls release the GIL. Only that thread calls MPI while backward runs, and the
-# main thread waits for it before it calls MPI again, so MPI_THREAD_SERIALIZED suffices
-# (checked at construction; mpidp.init asks for MULTIPLE).
-
 # Note [Gradients as bucket views]
 # By default gradients are packed into the bucket, all-reduced as a sum, and unpacked with the
 # division fused into the copy. With gradient_as_bucket_view=True (torch's flag) each .grad
@@ -47,43 +42,20 @@ FIRST_BUCKET_CAP_BYTES = 1 << 20  # PyTorch DDP's first bucket (Note [Bucket ord
 # autograd made fresh tensors (zero_grad's default set_to_none=True).
 
 
-def _communicate(tasks: queue.SimpleQueue, results: queue.SimpleQueue, board) -> None:
-    """The communication thread's loop: one task per bucket, one result (None, or the
-    exception) per task. The watchdog's ``board`` says which bucket is being reduced."""
-    while True:
-        task = tasks.get()
-        if task is None:
-            return
-        bucket, sources, destinations, algorithm, position = task
-        board.context = ("DDP gradient bucket {} of {}", *position)
-        t0, error = time.perf_counter(), None
-        try:
-            if destinations is None:  # gradients are bucket views: average in place
-                bucket.pack(sources, skip_own_slots=True)
-                bucket.allreduce_("avg", algorithm)
-            else:
-                bucket.reduce_(sources, destinations, "avg", algorithm)
-        except BaseException as exc:  # reported by the main thread at the end of backward
-            error = exc
-        board.context = None
-        results.put((error, time.perf_counter() - t0))
+# Note [Uneven inputs]
+# torch's Join (``with Join([model]):``, ``with model.join():``) lets ranks that ran out of
+# batches shadow the others' collectives until every rank has: at each forward a rank that
+# has not joined says so in an all-reduce on torch.distributed's default group (started on
+# the mpidp backend if it is not; waited for at once, so that it comes before the forward's
+# own collectives on every rank), and a joined rank answers it and then makes, from the main
+# thread, the collectives of one iteration: the buffer broadcast, each bucket's all-reduce
+# with zero gradients (so the average stays over the initial world size, torch's
+# divide_by_initial_world_size=True), the used-parameter count (every parameter counted as
+# used) and, once, the bucket rebuild. At the end the last rank to join broadcasts its
+# parameters and buffers, so every rank ends with the same model, as torch's DDP does.
 
 
-def _stop(tasks: queue.SimpleQueue, thread: threading.Thread, timeout_s: float) -> bool:
-    """Ends the communication thread after the task it is in (shutdown closed the context
-    its waits are in first: Note [Stopping the users first] in mpidp/resources.py) and joins
-    it; True once it has ended. Buckets still queued are dropped: nobody waits for them."""
-    while not tasks.empty():
-        try:
-            tasks.get_nowait()
-        except queue.Empty:
-            break
-    tasks.put(None)
-    thread.join(timeout_s)
-    return not thread.is_alive()
-
-
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(torch.nn.Module, Joinable):
     """Wraps ``module`` for synchronous data-parallel training, as ``torch.nn.parallel.
     DistributedDataParallel`` does: construct it on every rank after ``mpidp.init()``; after
     each ``loss.backward()`` every gradient holds its average over the ranks.
@@ -101,18 +73,22 @@ class DistributedDataParallel(torch.nn.Module):
     ``output_device`` (None, or the module's one device: on a GPU the buckets stay on it,
     mpidp.gpu), ``dim=0``, ``process_group=None``, ``static_graph``
     (a hint, no effect here); ``gradient_as_bucket_view`` as torch's (Note [Gradients as
-    bucket views])."""
+    bucket views]).
+    ``torch.nn.SyncBatchNorm`` layers in ``module`` become mpidp.SyncBatchNorm (on any device;
+    Note [Synchronised batch statistics] in mpidp/sync_bn.py); one bound to a process group
+    of its own is refused."""
 
     def __init__(self, module: torch.nn.Module, device_ids: Any = None,
                  output_device: Any = None, dim: int = 0, broadcast_buffers: bool = True,
                  process_group: Any = None, bucket_cap_mb: Optional[float] = 25,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, algorithm: str = "auto"):
-        super().__init__()
-        _validate(module, device_ids, output_device, dim, process_group, bucket_cap_mb,
+        torch.nn.Module.__init__(self)
+        Joinable.__init__(self)
+        validate(module, device_ids, output_device, dim, process_group, bucket_cap_mb,
                   algorithm)
         g = runtime.group()
-        _check_thread_level()
+        check_thread_level()
         self.module = module
         self.broadcast_buffers = bool(broadcast_buffers)
         self.find_unused_parameters = bool(find_unused_parameters)
@@ -124,6 +100,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._module_buffers = list(module.buffers())
+        self.sync_batchnorm_layers = sync_bn.adopt(module, self._reduce_in_order)
         check_same_model(g, module, "DistributedDataParallel")
         broadcast_tensors_([p.detach() for p in module.parameters()] + self._module_buffers, 0)
         self._size = g.size
@@ -164,6 +141,10 @@ class DistributedDataParallel(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if self._in_backward:
             raise MpidpError("forward called while the previous backward is still reducing")
+        if torch.is_grad_enabled():
+            work = Join.notify_join_context(self)  # Note [Uneven inputs]
+            if work is not None:
+                work.wait()
         if self.broadcast_buffers and self._module_buffers and self._size > 1 \
                 and torch.is_grad_enabled():
             broadcast_tensors_(self._module_buffers, 0)
@@ -180,6 +161,49 @@ class DistributedDataParallel(torch.nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
+    # ---- uneven inputs: torch's Join (Note [Uneven inputs]) ---------------------------------
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """torch's ``DistributedDataParallel.join``: ``with model.join(): <training loop>``
+        lets ranks with fewer batches finish (Note [Uneven inputs]). Only
+        ``divide_by_initial_world_size=True`` (torch's default) is supported."""
+        if not divide_by_initial_world_size:
+            raise ValueError("divide_by_initial_world_size=False is not supported: mpidp "
+                             "averages over the initial world size while ranks join")
+        return Join([self], enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        if not kwargs.get("divide_by_initial_world_size", True):
+            raise ValueError("divide_by_initial_world_size=False is not supported")
+        if self.sync_batchnorm_layers:
+            raise ValueError(f"Join: the SyncBatchNorm layers {self.sync_batchnorm_layers} "
+                             "cannot be shadowed by a rank without a batch; give every rank "
+                             "the same number of batches instead")
+        return _JoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._params[0].device if self._params else torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return process_group_for_join()
+
+    def _shadow_iteration(self) -> None:
+        """A joined rank's part of one iteration of the others (Note [Uneven inputs])."""
+        if self.broadcast_buffers and self._module_buffers and self._size > 1:
+            broadcast_tensors_(self._module_buffers, 0)
+        if self._size > 1:
+            for bucket in self._buckets:  # zero gradients
+                none = [None] * len(bucket.indices)
+                reduce_bucket(bucket, none, None if self.gradient_as_bucket_view else none,
+                              self.algorithm)
+            collectives.allreduce_(np.ones(len(self._params), np.int32), "sum",
+                                   "auto" if self._on_gpu else self.algorithm)
+        if not self._rebuilt:
+            self._rebuild()
+
     def _start_backward(self) -> None:
         self._in_backward = True
         self._ready = [False] * len(self._params)
@@ -188,13 +212,24 @@ class DistributedDataParallel(torch.nn.Module):
         self._order: list = []
         if self._thread is None:
             g = runtime.group()
-            self._thread = threading.Thread(target=_communicate, daemon=True,
+            self._thread = threading.Thread(target=communicate, daemon=True,
                                             args=(self._tasks, self._results, g.board),
                                             name="mpidp-ddp-comm")
             self._thread.start()
             # Note [Stopping the users first] in mpidp/resources.py
-            g.resources.add_user(functools.partial(_stop, self._tasks, self._thread))
+            g.resources.add_user(functools.partial(stop, self._tasks, self._thread))
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _reduce_in_order(self, t: torch.Tensor) -> None:
+        """A SyncBatchNorm layer's all-reduce (sum, in place): during backward on the
+        communication thread after the buckets launched before it, so every rank makes its
+        collectives in one order (Note [Communication thread]); otherwise here."""
+        if self._size == 1:
+            return
+        if not self._in_backward or self._thread is None:
+            collectives.allreduce_(t, "sum")
+            return
+        call_in_order(self._tasks, lambda: collectives.allreduce_(t, "sum"))
 
     def _mark_ready(self, i: int, param: torch.Tensor) -> None:
         """Gradient hook: parameter i's gradient is final for this backward."""
@@ -303,44 +338,19 @@ class DistributedDataParallel(torch.nn.Module):
         self._rebuilt = True
 
 
-def _validate(module, device_ids, output_device, dim, process_group, bucket_cap_mb, algorithm):
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    home = {p.device for p in module.parameters()}
-    if len(home) > 1:
-        raise ValueError(f"the module's parameters are on several devices ({sorted(map(str, home))});"
-                         " one rank's replica lives on one device")
-    for what, value in (("device_ids", device_ids), ("output_device", output_device)):
-        devices = value if isinstance(value, (list, tuple)) else [value]
-        if what == "device_ids" and len(devices) > 1:
-            raise ValueError(f"device_ids={value!r}: one device per rank (as torch's DDP for a "
-                             "single-device module)")
-        for d in devices:
-            if d is None:
-                continue
-            dev = torch.device(f"cuda:{d}" if isinstance(d, int) else d)
-            here = next(iter(home), None)
-            if here is not None and (dev.type != here.type or
-                                     dev.index is not None and dev.index != here.index):
-                raise ValueError(f"{what}={value!r}: the module's parameters are on "
-                                 f"{next(iter(home))}; move the module there first "
-                                 "(module.to(device)), as with torch's DDP")
-    if dim != 0:
-        raise ValueError(f"dim={dim!r}: only dim=0 is supported (as torch's default)")
-    if process_group is not None:
-        raise ValueError("process_group: pass the communicator to mpidp.init(comm) instead")
-    if bucket_cap_mb is not None and (not isinstance(bucket_cap_mb, (int, float))
-                                      or isinstance(bucket_cap_mb, bool)
-                                      or not bucket_cap_mb > 0):
-        raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
-    collectives.check_algorithm(algorithm, any(p.is_cuda for p in module.parameters()))
+class _JoinHook(JoinHook):
+    def __init__(self, ddp: DistributedDataParallel):
+        self.ddp = ddp
 
+    def main_hook(self) -> None:
+        self.ddp._shadow_iteration()
 
-def _check_thread_level() -> None:
-    """Note [Communication thread]: SERIALIZED or better."""
-    from mpi4py import MPI
-    level = MPI.Query_thread()
-    if level < MPI.THREAD_SERIALIZED:
-        raise MpidpError(f"DistributedDataParallel needs MPI_THREAD_SERIALIZED or better; "
-                         f"MPI was initialised with level {level} (let mpidp.init() start MPI,"
-                         " or call MPI.Init_thread(MPI.THREAD_MULTIPLE) yourself)")
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """The last rank to join broadcasts its model (the highest such rank)."""
+        ddp = self.ddp
+        if ddp._size == 1:
+            return
+        last = np.array([runtime.rank() if is_last_joiner else -1], np.int64)
+        collectives.allreduce_(last, "max")
+        broadcast_tensors_([p.detach() for p in ddp.module.parameters()]
+                           + ddp._module_buffers, int(last[0]))

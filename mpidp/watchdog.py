@@ -332,6 +332,22 @@ def _lost_nodes(silent: tuple, node_of: Sequence[int], hosts: Sequence[str]) -> 
     return lines
 
 
+def _uneven_inputs(answered: dict) -> list:
+    """A hint where some ranks wait in an all-reduce (a gradient's) while others have left
+    their training loop (in mpidp's shutdown, or in no operation): uneven inputs."""
+    reducing = sorted(r for r, s in answered.items()
+                      if s["in"] and str(s["what"]).startswith("allreduce"))
+    left = sorted(r for r, s in answered.items()
+                  if (s["in"] and str(s["what"]).startswith("shutdown")) or
+                  not (s["in"] or s["pin"]))
+    if not reducing or not left:
+        return []
+    return [f"  uneven inputs? in an all-reduce: {_ranks(reducing)}; gone from it (in "
+            f"shutdown or their own code): {_ranks(left)}. If ranks have different numbers "
+            "of batches, wrap the training loop in `with model.join():` (torch's Join, for "
+            "mpidp's DistributedDataParallel and torch's on the mpidp backend)"]
+
+
 def report(me: int, lane: int, states: dict, size: int, timeout_s: float, grace_s: float,
            asked: bool, node_of: Sequence[int] = (), hosts: Sequence[str] = ()) -> str:
     """The report of rank ``me``, whose lane ``lane`` stalled, from the states of the ranks
@@ -364,6 +380,7 @@ def report(me: int, lane: int, states: dict, size: int, timeout_s: float, grace_
         if silent:
             lines.append(f"  no answer: {_ranks(list(silent))}")
     lines += _lost_nodes(silent, node_of, hosts)
+    lines += _uneven_inputs(answered)
     if not asked:
         lines.append("  other ranks were not asked: MPI runs below MPI_THREAD_MULTIPLE, so the "
                      "watchdog thread cannot query them")

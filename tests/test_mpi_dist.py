@@ -2,7 +2,9 @@
 tests/mpi/body_dist_faults.py): every collective exact at n = 1, 2, 3, torch's DDP, ZeRO and
 checkpoint on it; the rendezvous without MASTER_ADDR (over MPI), with mpidp://, and with
 torch's env:// where a launcher set MASTER_ADDR; a stall and an uncaught exception with
-torch.distributed initialised."""
+torch.distributed initialised; SyncBatchNorm and uneven inputs (torch's Join) in mpidp's
+DistributedDataParallel and in torch's on the backend (tests/mpi/body_syncbn.py,
+tests/mpi/body_join.py, tests/mpi/body_uneven.py)."""
 import re
 import socket
 
@@ -56,3 +58,22 @@ def test_stall_through_the_backend_is_named_by_the_watchdog():
     assert re.search(r"mpidp: watchdog: rank 0 of 2 on \S+: collective #\d+, allreduce "
                      r"float32\[4\] op=sum algorithm=\w+, has not completed after \d+ s", out), out
     assert "not arrived: rank 1" in out, out
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_sync_batchnorm_equals_batchnorm_on_the_whole_batch(n):
+    assert_ok(body(n, "body_syncbn.py", env=NO_MASTER), n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_join_with_uneven_inputs_ends_as_torch_ddp_on_gloo(n):
+    assert_ok(body(n, "body_join.py", env=NO_MASTER), n)
+
+
+def test_uneven_inputs_without_join_are_named_by_the_watchdog():
+    proc = body(2, "body_uneven.py", env={"MPIDP_TIMEOUT_S": "3"}, timeout_s=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 124, out
+    assert re.search(r"uneven inputs\? in an all-reduce: rank 1; gone from it \(in shutdown "
+                     r"or their own code\): rank 0\. If ranks have different numbers of "
+                     r"batches, wrap the training loop in `with model.join\(\):`", out), out

@@ -122,6 +122,17 @@ def _mpi_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwar
     raise RuntimeError("the mpidp:// rendezvous runs once per process")
 
 
+def process_group_for_join():
+    """torch.distributed's default group, which torch's Join all-reduces on, started on the
+    mpidp backend (over mpidp's group) where torch.distributed is not initialised yet
+    (Note [Uneven inputs] in mpidp/mirrored.py). Every rank calls it."""
+    import torch.distributed as dist  # deferred for cost, as above
+    if not dist.is_initialized():
+        register()
+        dist.init_process_group(BACKEND, init_method="mpidp://")
+    return dist.distributed_c10d._get_default_group()
+
+
 def monitored_barrier(group: Any = None, timeout: Optional[timedelta] = None,
                       wait_all_ranks: bool = False) -> None:
     """torch.distributed.monitored_barrier for the mpidp backend (torch's own accepts gloo

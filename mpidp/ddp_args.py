@@ -1,0 +1,40 @@
+"""The arguments of DistributedDataParallel (mpidp.mirrored), checked at its construction as
+torch's DDP takes them."""
+from __future__ import annotations
+
+import torch
+
+from . import collectives
+
+
+def validate(module, device_ids, output_device, dim, process_group, bucket_cap_mb, algorithm):
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    home = {p.device for p in module.parameters()}
+    if len(home) > 1:
+        raise ValueError(f"the module's parameters are on several devices ({sorted(map(str, home))});"
+                         " one rank's replica lives on one device")
+    for what, value in (("device_ids", device_ids), ("output_device", output_device)):
+        devices = value if isinstance(value, (list, tuple)) else [value]
+        if what == "device_ids" and len(devices) > 1:
+            raise ValueError(f"device_ids={value!r}: one device per rank (as torch's DDP for a "
+                             "single-device module)")
+        for d in devices:
+            if d is None:
+                continue
+            dev = torch.device(f"cuda:{d}" if isinstance(d, int) else d)
+            here = next(iter(home), None)
+            if here is not None and (dev.type != here.type or
+                                     dev.index is not None and dev.index != here.index):
+                raise ValueError(f"{what}={value!r}: the module's parameters are on "
+                                 f"{next(iter(home))}; move the module there first "
+                                 "(module.to(device)), as with torch's DDP")
+    if dim != 0:
+        raise ValueError(f"dim={dim!r}: only dim=0 is supported (as torch's default)")
+    if process_group is not None:
+        raise ValueError("process_group: pass the communicator to mpidp.init(comm) instead")
+    if bucket_cap_mb is not None and (not isinstance(bucket_cap_mb, (int, float))
+                                      or isinstance(bucket_cap_mb, bool)
+                                      or not bucket_cap_mb > 0):
+        raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+    collectives.check_algorithm(algorithm, any(p.is_cuda for p in module.parameters()))

@@ -1,0 +1,70 @@
+"""Run under mpiexec at any world size, rank r with r + 1 batches (uneven inputs): mpidp's
+DistributedDataParallel under ``with model.join():`` and torch's DDP on the "mpidp" backend
+under ``with Join([model]):`` end with the same parameters as torch's DDP with Join on gloo
+(the reference), on every rank. Prints 'ok <rank>'."""
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join
+
+import mpidp
+
+torch.set_num_threads(1)
+mpidp.init()
+rank, n = mpidp.rank(), mpidp.size()
+failures = []
+
+
+def expect(cond, what):
+    if not cond:
+        failures.append(what)
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+gen = torch.Generator().manual_seed(rank + 10)
+batches = [(torch.randint(-2, 3, (4, 5), generator=gen).float(),
+            torch.randint(0, 3, (4,), generator=gen)) for _ in range(rank + 1)]
+
+
+def train(ddp, context):
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    with context:
+        for x, y in batches:
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+    return [p.detach().clone() for p in ddp.parameters()]
+
+
+# mpidp's DDP with torch's Join, before torch.distributed is initialised (join() starts it)
+model = mpidp.DistributedDataParallel(net(), bucket_cap_mb=0.0001)
+ours = train(model, model.join())
+expect(dist.is_initialized() and dist.get_backend() == "mpidp", "join() started the backend")
+
+model = nn.parallel.DistributedDataParallel(net())  # torch's DDP on the mpidp backend
+theirs = train(model, Join([model]))
+
+gloo = dist.new_group(backend="gloo")
+model = nn.parallel.DistributedDataParallel(net(), process_group=gloo)
+reference = train(model, Join([model]))
+
+for what, got in (("mpidp DDP with Join", ours), ("torch DDP on mpidp with Join", theirs)):
+    for a, b in zip(got, reference):
+        expect(torch.allclose(a, b, rtol=1e-5, atol=1e-6),
+               f"{what}: differs from gloo's by {(a - b).abs().max().item():.2e}")
+    flat = torch.cat([p.reshape(-1) for p in got])
+    everyone = [torch.empty_like(flat) for _ in range(n)]
+    dist.all_gather(everyone, flat)
+    expect(all(torch.equal(e, flat) for e in everyone), f"{what}: ranks differ")
+
+if failures:
+    print(f"rank {rank}: " + "\n".join(failures), flush=True)
+    sys.exit(1)
+dist.destroy_process_group()
+print(f"ok {rank}", flush=True)
