@@ -142,6 +142,28 @@ def test_example_batch_script_trains(cluster, jobs, script):
         assert checkpoint.is_file() and summary["resumed_from"] is None, summary
 
 
+def test_torch_distributed_batch_scripts(cluster):
+    """examples/slurm/lightning.sbatch and torch_ddp.sbatch: Lightning's Trainer and a plain
+    torch-DDP script on the mpidp backend, two srun tasks, as they are."""
+    env = dict(_job_env(), EXAMPLES_DIR=str(REPO / "examples"))
+    ids = {script: cluster.run(["sbatch", "--parsable", f"--output={cluster.root / script}.out",
+                                "--nodes=1", "--ntasks-per-node=2", "--time=5",
+                                EXAMPLES / script, "--epochs", "1"],
+                               env=env, cwd=cluster.root).stdout.strip()
+           for script in ("lightning.sbatch", "torch_ddp.sbatch")}
+    expected = {"lightning.sbatch": "backend mpidp: 2 ranks, train_accuracy",
+                "torch_ddp.sbatch": "epoch 1/1: 2 ranks, loss"}
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    for script, job_id in ids.items():
+        while (record := _job_state(cluster, job_id))["JobState"] in (
+                "PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            assert time.monotonic() < deadline, _tail(cluster.root / f"{script}.out")
+            time.sleep(0.25)
+        output = (cluster.root / f"{script}.out").read_text(errors="replace")
+        assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), output[-4000:]
+        assert expected[script] in output, output[-4000:]
+
+
 def test_srun_without_mpi_plugin_is_refused(cluster):
     """srun without --mpi=pmi2 (MpiDefault=none here) starts 2 worlds of 1 rank: the
     training tool refuses with one line and exit code 2, mpidp.init() raises LaunchError."""

@@ -7,7 +7,8 @@ the group calls it, in the same order (mpidp.dist.group's communication thread d
 
 Note [Operations beyond mpidp's collectives]
 A reduction mpidp's kernels do not have (PRODUCT, the bitwise ops, the dtypes other than
-float16, bfloat16, float32, float64, int32 and int64, AVG of a complex tensor) gathers every
+float16, bfloat16, float32, float64, int32 and int64, AVG of an integer tensor — the sum
+divided with truncation, as NCCL does — or of a complex one) gathers every
 rank's tensor and reduces the stack in rank order on each rank with torch: the same bits on
 every rank, exact for integers, at the cost of n copies of the tensor in memory — these are
 small, rare tensors (flags, counters, masks) in data-parallel training. Every operation first
@@ -127,14 +128,18 @@ def _stacked_reduce(stack: torch.Tensor, kind) -> torch.Tensor:
     if kind == RED.PRODUCT:
         return functools.reduce(torch.mul, stack.unbind(0))
     total = functools.reduce(torch.add, stack.unbind(0))
-    return total / stack.shape[0] if kind == RED.AVG else total
+    if kind != RED.AVG:
+        return total
+    if total.is_floating_point() or total.is_complex():
+        return total / stack.shape[0]
+    return torch.div(total, stack.shape[0], rounding_mode="trunc")  # NCCL's integer AVG
 
 
 def _check_op_dtype(kind, t: torch.Tensor) -> None:
     if kind in _BITWISE and (t.is_floating_point() or t.is_complex()):
         raise TypeError(f"{_NAMES[kind]} needs an integer or bool tensor, got {t.dtype}")
-    if kind == RED.AVG and not (t.is_floating_point() or t.is_complex()):
-        raise TypeError(f"AVG needs a floating tensor, got {t.dtype}: use SUM and divide")
+    if kind == RED.AVG and t.dtype == torch.bool:
+        raise TypeError("AVG has no meaning for bool tensors")
     if t.is_complex() and kind in (RED.MIN, RED.MAX):
         raise TypeError(f"{_NAMES[kind]} has no meaning for complex tensors ({t.dtype})")
 

@@ -79,6 +79,8 @@ for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.float32,
              (R.MAX, everyone.max(0).values), (R.PRODUCT, everyone.prod(0).to(dtype))]
     if floating:
         cases.append((R.AVG, (everyone.double().sum(0) / n).to(dtype)))
+    elif dtype != torch.uint8:  # integers: the sum divided with truncation, as NCCL's AVG
+        cases.append((R.AVG, torch.div(-everyone.sum(0), n, rounding_mode="trunc").to(dtype)))
     else:
         cases += [(R.BAND, everyone[0].clone()), (R.BOR, everyone[0].clone()),
                   (R.BXOR, everyone[0].clone())]
@@ -88,8 +90,10 @@ for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.float32,
             cases[-1][1].bitwise_xor_(everyone[r])
     for op, expected in cases:
         t = values(rank, dtype)
+        if op == R.AVG and not floating:
+            t = -t  # negative sums: the division truncates toward zero
         dist.all_reduce(t, op=op)
-        if op == R.AVG:
+        if op == R.AVG and floating:
             expect(torch.allclose(t.double(), expected.double(), rtol=1e-2),
                    f"all_reduce AVG {dtype}")
         else:
@@ -101,8 +105,8 @@ c = torch.tensor([1 + 1j * rank], dtype=torch.complex64)
 dist.all_reduce(c)
 equal(c, torch.tensor([n + 1j * (n * (n - 1) // 2)], dtype=torch.complex64), "complex SUM")
 raises(TypeError, lambda: dist.all_reduce(torch.ones(2), op=R.BAND), "BAND on floats", "BAND")
-raises(TypeError, lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=R.AVG),
-       "AVG on integers", "AVG")
+raises(TypeError, lambda: dist.all_reduce(torch.ones(2, dtype=torch.bool), op=R.AVG),
+       "AVG on bool", "AVG")
 strided = torch.arange(12, dtype=torch.float32).reshape(3, 4)[:, 1]
 dist.all_reduce(strided)
 equal(strided, torch.tensor([1.0, 5.0, 9.0]) * n, "all_reduce of a strided view")
