@@ -129,14 +129,16 @@ def link_ceiling(g, nbytes: int = 16 << 20, iters: int = 5, piece: int = 32 << 1
 
 class Gloo:
     """torch.distributed on gloo (over loopback on one node; across nodes to ``host``, rank
-    0's host name): a reference column only."""
+    0's host name): a reference column only. With ``backend_group``, ``mpidp_group`` is a
+    group of every rank on the mpidp torch.distributed backend (mpidp.dist)."""
 
-    def __init__(self, comm, host: str = "127.0.0.1"):
+    def __init__(self, comm, host: str = "127.0.0.1", backend_group: bool = False):
         import torch.distributed as dist
         port = comm.bcast(free_port() if comm.Get_rank() == 0 else None, root=0)
         dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}",
                                 rank=comm.Get_rank(), world_size=comm.Get_size())
         self.dist = dist
+        self.mpidp_group = dist.new_group(backend="mpidp") if backend_group else None
 
     def allreduce_(self, tensor, op: str):
         d = self.dist

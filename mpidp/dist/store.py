@@ -10,8 +10,9 @@ message to rank 0 with tag REQUEST: int64 words (operation, reply tag, number of
 field's length) and the fields' bytes; the answer comes back on the reply tag the client chose,
 so a client that gave up waiting (its timeout) never takes a later answer for another request.
 ``get`` and ``wait`` for keys not yet set are answered when a ``set``, ``add`` or
-``compare_set`` makes them. The thread ends at mpidp's shutdown (Note [Stopping the users
-first] in mpidp/resources.py)."""
+``compare_set`` makes them. Rank 0's thread polls with sleeps that grow to SERVER_IDLE_S while
+nothing comes (MPICH's blocking MPI_Probe would spin a core for the whole job); it ends at
+mpidp's shutdown (Note [Stopping the users first] in mpidp/resources.py)."""
 from __future__ import annotations
 
 import itertools
@@ -25,7 +26,8 @@ import torch.distributed as dist
 
 SET, GET, ADD, COMPARE_SET, CHECK, WAIT, DELETE, NUM_KEYS, STOP = range(9)
 REQUEST = 1
-POLL_S = 0.0005
+POLL_S = 0.0005       # a waiting client's poll interval
+SERVER_IDLE_S = 0.01  # the longest sleep of an idle server between polls
 
 
 def _encode(op: int, reply_tag: int, fields) -> np.ndarray:
@@ -148,7 +150,10 @@ def _serve(comm) -> None:
 
     while True:
         sending[:] = [s for s in sending if not s[0].Test()]
-        comm.Probe(source=MPI.ANY_SOURCE, tag=REQUEST, status=status)
+        idle_s = POLL_S
+        while not comm.Iprobe(source=MPI.ANY_SOURCE, tag=REQUEST, status=status):
+            time.sleep(idle_s)  # not MPI_Probe: MPICH's blocking calls spin on a core
+            idle_s = min(2 * idle_s, SERVER_IDLE_S)
         message = np.empty(status.Get_count(MPI.BYTE), np.uint8)
         source = status.Get_source()
         comm.Recv([message, MPI.BYTE], source=source, tag=REQUEST)
