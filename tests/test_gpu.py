@@ -1,7 +1,8 @@
 """Tier 3, on a GPU (marked ``gpu``; skipped with the reason where CuPy or a device is
 missing): our kernels against the host kernels bit for bit, at aligned and misaligned
 offsets; multi-tensor pack and unpack; the ring on device buffers for n virtual ranks; and
-under mpiexec every collective and DDP with device arrays (tests/mpi/body_gpu.py).
+under mpiexec every collective and DDP with device arrays (tests/mpi/body_gpu.py), and the
+torch.distributed backend with CUDA tensors (tests/mpi/body_dist_gpu.py).
 Without a GPU the tier-1 tests of the same code run instead: tests/test_gpu_kernels.py."""
 import threading
 
@@ -158,3 +159,8 @@ def test_collectives_and_ddp_on_one_rank():
 
 def test_collectives_and_ddp_on_two_ranks_sharing_the_gpu():
     assert_ok(body(2, "body_gpu.py", timeout_s=600), 2)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_torch_distributed_backend_with_cuda_tensors(n):
+    assert_ok(body(n, "body_dist_gpu.py", env={"MASTER_ADDR": None}, timeout_s=600), n)

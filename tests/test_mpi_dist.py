@@ -77,3 +77,11 @@ def test_uneven_inputs_without_join_are_named_by_the_watchdog():
     assert re.search(r"uneven inputs\? in an all-reduce: rank 1; gone from it \(in shutdown "
                      r"or their own code\): rank 0\. If ranks have different numbers of "
                      r"batches, wrap the training loop in `with model.join\(\):`", out), out
+
+
+def test_monitored_barrier_names_the_late_rank():
+    proc = body(2, "body_dist_faults.py", env=NO_MASTER, extra=["monitored"], timeout_s=60)
+    assert_ok(proc, 2)
+    assert "caught 0: Ranks 1 failed to pass monitoredBarrier in 1 s" in proc.stdout, proc.stdout
+    assert "caught 1: rank 1: monitored barrier: rank 0 did not release it within 2 s" in \
+        proc.stdout, proc.stdout

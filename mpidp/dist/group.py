@@ -179,6 +179,20 @@ class ProcessGroup(dist.ProcessGroup):
         return "mpidp"
 
     def _run(self, fn, result) -> dist.Work:
+        """``fn`` (the operation) queued on the group's thread; a Work that completes with
+        ``result`` (the output tensors). CUDA outputs: the caller's stream is synchronised
+        first (the inputs are ready before the thread reads them) and the device after
+        (the outputs are ready when the Work completes)."""
+        devices = _cuda_devices(result)
+        if devices:
+            for d in devices:
+                torch.cuda.current_stream(d).synchronize()
+            operation = fn
+
+            def fn():
+                operation()
+                for d in devices:
+                    torch.cuda.synchronize(d)
         if self._thread is None:  # one rank: nothing to wait for
             with runtime.using(self.g):
                 fn()
@@ -335,6 +349,19 @@ class ProcessGroup(dist.ProcessGroup):
                                          f"{staged.bytes.nbytes}")
             staged.done()
         return P2PWork(self.g, request, ("receive from rank {} (tag {})", peer, tag), finish)
+
+
+def _cuda_devices(tensors) -> list:
+    """The CUDA devices of the tensors in ``tensors`` (nested lists too)."""
+    found, todo = set(), [tensors]
+    while todo:
+        t = todo.pop()
+        if isinstance(t, torch.Tensor):
+            if t.is_cuda:
+                found.add(t.device)
+        elif isinstance(t, (list, tuple)):
+            todo.extend(t)
+    return sorted(found, key=str)
 
 
 def _poll(requests: list, timeout_s: float) -> bool:
