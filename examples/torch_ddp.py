@@ -6,8 +6,8 @@ launcher; rank and world size come from MPI, no MASTER_ADDR is needed:
     mpiexec -n 2 python examples/torch_ddp.py
     srun --mpi=pmi2 -n 4 python examples/torch_ddp.py     (or sbatch examples/slurm/torch_ddp.sbatch)
 
-``--backend gloo`` runs it on torch's gloo instead (gloo needs MASTER_ADDR, MASTER_PORT,
-RANK and WORLD_SIZE, as torchrun sets them); ``--out FILE``: rank 0 saves the final weights."""
+``--backend gloo`` runs it on torch's gloo instead (under an MPI launcher its rendezvous, too,
+goes through mpidp's store over MPI); ``--out FILE``: rank 0 saves the final weights."""
 import argparse
 
 import torch

@@ -6,7 +6,13 @@ Note [Forwarding before abort]
 MPI_Abort makes Hydra tear the job down at once, and what a rank wrote to stderr just
 before may still sit in the pipes between the rank, its proxy and mpiexec; Hydra drops it,
 now and then (seen in this project's tests as an empty stderr from a job that did abort).
-A second's pause after the flush lets the launcher forward the message first."""
+A second's pause after the flush lets the launcher forward the message first.
+
+Note [The process's own stderr]
+A framework may have swapped ``sys.stderr`` for a buffer it prints after the exception hook
+returns: torch.distributed's hook does so to prefix each line with the rank. An abort never
+returns, so the message also goes to the process's own stderr (``sys.__stderr__``), the one
+the launcher forwards."""
 from __future__ import annotations
 
 import sys

@@ -79,7 +79,9 @@ def error_header(kind: int, exc: BaseException) -> tuple:
 # element types of the torch.distributed backend's operations (mpidp.dist), by name: word 3
 # of an OTHER header holds 1 + an index into this table, 0 for none
 OTHER_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
-                "float32", "float64", "complex64", "complex128", "uint16", "uint32", "uint64")
+                "float32", "float64", "complex64", "complex128", "uint16", "uint32", "uint64",
+                "complex32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                "float8_e5m2fnuz", "float8_e8m0fnu")
 
 
 def other_header(name: str, op: int = 0, dtype: int = 0, count: int = 0,

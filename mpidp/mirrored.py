@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import collectives, runtime, sync_bn, timeline
@@ -47,8 +48,9 @@ FIRST_BUCKET_CAP_BYTES = 1 << 20  # PyTorch DDP's first bucket (Note [Bucket ord
 # batches shadow the others' collectives until every rank has: at each forward a rank that
 # has not joined says so in an all-reduce on torch.distributed's default group (started on
 # the mpidp backend if it is not; waited for at once, so that it comes before the forward's
-# own collectives on every rank), and a joined rank answers it and then makes, from the main
-# thread, the collectives of one iteration: the buffer broadcast, each bucket's all-reduce
+# own collectives on every rank) and whether it will reduce gradients (not inside no_sync);
+# a joined rank answers both and then makes, from the main thread, the collectives of one
+# iteration: the buffer broadcast and, where the others reduce, each bucket's all-reduce
 # with zero gradients (so the average stays over the initial world size, torch's
 # divide_by_initial_world_size=True), the used-parameter count (every parameter counted as
 # used) and, once, the bucket rebuild. At the end the last rank to join broadcasts its
@@ -107,6 +109,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._on_gpu = any(p.is_cuda for p in self._params)
         self._build(tuple(reversed(range(len(self._params)))))  # Note [Bucket order]
         self._rebuilt = False
+        self._order: list = []  # Note [Bucket order]: the ready order of the first backward
         self._in_backward = False
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
@@ -145,6 +148,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             work = Join.notify_join_context(self)  # Note [Uneven inputs]
             if work is not None:
                 work.wait()
+                self._syncing_ranks(int(self.require_backward_grad_sync))
         if self.broadcast_buffers and self._module_buffers and self._size > 1 \
                 and torch.is_grad_enabled():
             broadcast_tensors_(self._module_buffers, 0)
@@ -190,18 +194,26 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def join_process_group(self):
         return process_group_for_join()
 
+    def _syncing_ranks(self, mine: int) -> int:
+        """How many ranks will reduce gradients in this iteration (not in ``no_sync``): an
+        all-reduce on the Join's group, to which a joined rank adds 0."""
+        flag = torch.tensor([mine], dtype=torch.int64, device=self.join_device)
+        dist.all_reduce(flag, group=self.join_process_group)
+        return int(flag.item())
+
     def _shadow_iteration(self) -> None:
         """A joined rank's part of one iteration of the others (Note [Uneven inputs])."""
+        syncing = self._syncing_ranks(0) > 0
         if self.broadcast_buffers and self._module_buffers and self._size > 1:
             broadcast_tensors_(self._module_buffers, 0)
-        if self._size > 1:
+        if self._size > 1 and syncing:
             for bucket in self._buckets:  # zero gradients
                 none = [None] * len(bucket.indices)
                 reduce_bucket(bucket, none, None if self.gradient_as_bucket_view else none,
                               self.algorithm)
             collectives.allreduce_(np.ones(len(self._params), np.int32), "sum",
                                    "auto" if self._on_gpu else self.algorithm)
-        if not self._rebuilt:
+        if not self._rebuilt and syncing:
             self._rebuild()
 
     def _start_backward(self) -> None:

@@ -66,8 +66,11 @@ _current: contextvars.ContextVar = contextvars.ContextVar("mpidp_group", default
 _subgroups: list = []  # made by ``subgroup``, freed by ``shutdown`` before the group
 
 # Note [Sub-groups]
-# A torch.distributed ``new_group`` (mpidp.dist) is a Group of its own over a communicator of
-# some of the group's ranks: its own topology, shared memory, watchdog and board. mpidp's
+# Every torch.distributed group of the mpidp backend (mpidp.dist), the default one too, is a
+# Group of its own over a communicator of some or all of the group's ranks: its own topology,
+# shared memory, watchdog and board — so torch's asynchronous operations, on their group's
+# thread, never share an order with mpidp's own collectives (its DDP's thread, the user's
+# calls), which would then differ between ranks. mpidp's
 # collectives read their group from ``group()``, which is the group made by ``init`` unless
 # the calling thread is inside ``using(g)``. Sub-groups are freed at shutdown, before the
 # group, in the order they were made (the same order on every member, as Group.free is

@@ -13,7 +13,8 @@ Who all-reduces: the layer's ``reduce`` where a data-parallel wrapper set one (m
 DistributedDataParallel orders these calls with its gradient buckets on its communication
 thread: Note [Communication thread] in mpidp/comm_thread.py); else torch.distributed on the
 layer's process group where torch.distributed is initialised (its own order, on any backend);
-else mpidp's all-reduce. In eval mode (with running statistics) nothing is communicated."""
+else mpidp's all-reduce. In eval mode nothing is communicated (as with torch's): the running
+statistics, or without them this rank's batch."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -92,10 +93,10 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        use_batch = self.training or self.running_mean is None
-        if not use_batch:
-            return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
-                                self.bias, False, 0.0, self.eps)
+        if not self.training:  # running statistics, or this rank's batch: no communication,
+            return F.batch_norm(input, self.running_mean, self.running_var,  # as torch's
+                                self.weight, self.bias, self.running_mean is None, 0.0,
+                                self.eps)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)

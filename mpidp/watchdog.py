@@ -333,19 +333,18 @@ def _lost_nodes(silent: tuple, node_of: Sequence[int], hosts: Sequence[str]) -> 
 
 
 def _uneven_inputs(answered: dict) -> list:
-    """A hint where some ranks wait in an all-reduce (a gradient's) while others have left
-    their training loop (in mpidp's shutdown, or in no operation): uneven inputs."""
+    """A hint where some ranks wait in an all-reduce (a gradient's) while others have
+    finished (in mpidp's shutdown): uneven inputs."""
     reducing = sorted(r for r, s in answered.items()
                       if s["in"] and str(s["what"]).startswith("allreduce"))
-    left = sorted(r for r, s in answered.items()
-                  if (s["in"] and str(s["what"]).startswith("shutdown")) or
-                  not (s["in"] or s["pin"]))
-    if not reducing or not left:
+    done = sorted(r for r, s in answered.items()
+                  if s["in"] and str(s["what"]).startswith("shutdown"))
+    if not reducing or not done:
         return []
-    return [f"  uneven inputs? in an all-reduce: {_ranks(reducing)}; gone from it (in "
-            f"shutdown or their own code): {_ranks(left)}. If ranks have different numbers "
-            "of batches, wrap the training loop in `with model.join():` (torch's Join, for "
-            "mpidp's DistributedDataParallel and torch's on the mpidp backend)"]
+    return [f"  uneven inputs? in an all-reduce: {_ranks(reducing)}; finished (in mpidp's "
+            f"shutdown): {_ranks(done)}. If ranks have different numbers of batches, wrap the "
+            "training loop in `with model.join():` (torch's Join, for mpidp's "
+            "DistributedDataParallel and torch's on the mpidp backend)"]
 
 
 def report(me: int, lane: int, states: dict, size: int, timeout_s: float, grace_s: float,

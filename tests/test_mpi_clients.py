@@ -47,3 +47,10 @@ def test_torch_ddp_example_runs_as_it_is(tmp_path):
     assert "epoch 2/2: 2 ranks, loss" in stdout, stdout
     weights = torch.load(tmp_path / "w.pt", weights_only=True)
     assert "1.running_mean" in weights  # the SyncBatchNorm layer's statistics
+
+
+def test_gloo_under_mpiexec_rendezvous_over_mpi_without_master_addr():
+    """Under an MPI launcher env:// falls back to mpidp's store over MPI for any backend."""
+    stdout = _ran(run(2, [EXAMPLES / "torch_ddp.py", "--backend", "gloo", "--epochs", "1"],
+                      env=NO_MASTER))
+    assert "epoch 1/1: 2 ranks, loss" in stdout, stdout

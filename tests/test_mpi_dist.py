@@ -74,9 +74,9 @@ def test_uneven_inputs_without_join_are_named_by_the_watchdog():
     proc = body(2, "body_uneven.py", env={"MPIDP_TIMEOUT_S": "3"}, timeout_s=60)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 124, out
-    assert re.search(r"uneven inputs\? in an all-reduce: rank 1; gone from it \(in shutdown "
-                     r"or their own code\): rank 0\. If ranks have different numbers of "
-                     r"batches, wrap the training loop in `with model.join\(\):`", out), out
+    assert re.search(r"uneven inputs\? in an all-reduce: rank 1; finished \(in mpidp's "
+                     r"shutdown\): rank 0\. If ranks have different numbers of batches, "
+                     r"wrap the training loop in `with model.join\(\):`", out), out
 
 
 def test_monitored_barrier_names_the_late_rank():

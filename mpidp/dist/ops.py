@@ -54,6 +54,13 @@ def reduce_name(op) -> str:
     return _NAMES[kind]
 
 
+def _reduction(op) -> tuple:
+    """(RedOpType, name) of ``op``, without raising: an op the backend lacks is refused
+    inside the operation's check (``reduce_name`` in its validate), on every rank."""
+    kind = getattr(op, "op", op)
+    return kind, _NAMES.get(kind, "unsupported")
+
+
 def _dtype_word(t: torch.Tensor) -> int:
     name = str(t.dtype).removeprefix("torch.")
     return handshake.OTHER_DTYPES.index(name) + 1 if name in handshake.OTHER_DTYPES else 0
@@ -66,11 +73,11 @@ def checked(g, name: str, t=None, count: int = 0, root=None, validate=None):
     runs first, and an exception it raises is raised on this rank, a MismatchError on the
     others. Yields every rank's free word (nothing here)."""
     b = g.board
-    op = 0 if root is None else int(root) + 1
     try:
         try:
             if validate is not None:
                 validate()
+            op = 0 if root is None else int(root) + 1
         except Exception as exc:
             if g.size > 1:
                 err = handshake.ERR_TYPE if isinstance(exc, TypeError) else handshake.ERR_VALUE
@@ -158,13 +165,12 @@ def _gathered(g, staged: Staged) -> torch.Tensor:
 
 def all_reduce(g, t: torch.Tensor, op) -> None:
     """torch.distributed.all_reduce of ``t`` in place with ReduceOp ``op``."""
-    name = reduce_name(op)
-    kind = getattr(op, "op", op)
+    kind, name = _reduction(op)
     if _native(kind, t):
         collectives.allreduce_(t.detach(), _MPIDP_OPS[kind])
         return
     with checked(g, f"all_reduce {name}", t, t.numel(),
-                 validate=lambda: _check_op_dtype(kind, t)):
+                 validate=lambda: (reduce_name(op), _check_op_dtype(kind, t))):
         staged = Staged(t)
         result = _stacked_reduce(_gathered(g, staged), kind) if g.size > 1 else staged.host
         with torch.no_grad():
@@ -174,13 +180,13 @@ def all_reduce(g, t: torch.Tensor, op) -> None:
 
 def reduce(g, t: torch.Tensor, root: int, op) -> None:
     """torch.distributed.reduce: ``t`` at ``root`` holds the reduction afterwards."""
-    name = reduce_name(op)
-    kind = getattr(op, "op", op)
+    kind, name = _reduction(op)
     if _native(kind, t):
         collectives.reduce_(t.detach(), root, _MPIDP_OPS[kind])
         return
     with checked(g, f"reduce {name}", t, t.numel(), root,
-                 validate=lambda: (check_root(root, g.size), _check_op_dtype(kind, t))):
+                 validate=lambda: (reduce_name(op), check_root(root, g.size),
+                                   _check_op_dtype(kind, t))):
         staged = Staged(t)
         if g.size == 1:
             return
@@ -196,10 +202,10 @@ def reduce(g, t: torch.Tensor, root: int, op) -> None:
 def reduce_scatter_tensor(g, out: torch.Tensor, x: torch.Tensor, op) -> None:
     """torch.distributed.reduce_scatter_tensor: ``out`` gets this rank's block (``x``'s
     numel / size elements, in rank order) of the reduction of ``x``."""
-    name = reduce_name(op)
-    kind = getattr(op, "op", op)
+    kind, name = _reduction(op)
 
     def validate():
+        reduce_name(op)
         if x.dtype != out.dtype:
             raise TypeError(f"reduce_scatter_tensor: input dtype {x.dtype} and output dtype "
                             f"{out.dtype} differ")
@@ -289,7 +295,7 @@ def gather(g, outs, x: torch.Tensor, root: int) -> None:
         if everyone is not None:
             with torch.no_grad():
                 for o, row in zip(outs, everyone):
-                    o.copy_(row)
+                    o.copy_(row.reshape(o.shape))
 
 
 def scatter(g, out: torch.Tensor, ins, root: int) -> None:
@@ -301,7 +307,8 @@ def scatter(g, out: torch.Tensor, ins, root: int) -> None:
 
     with checked(g, "scatter", out, out.numel(), root, validate=validate):
         dst = Staged(out, read=False)
-        send = torch.stack([i.detach().to("cpu") for i in ins]) if g.rank == root else None
+        send = torch.stack([i.detach().to("cpu").reshape(-1) for i in ins]) \
+            if g.rank == root else None
         g.comm.Scatter(None if send is None else _bytes(send.contiguous()), dst.bytes, root=root)
         dst.done()
 
@@ -327,6 +334,11 @@ def all_to_all_single(g, out: torch.Tensor, x: torch.Tensor, out_splits, in_spli
                             f"{out.dtype} differ")
         rows = x.shape[0] if x.dim() else 1
         row_bytes[0] = x.numel() // max(rows, 1) * x.element_size()
+        out_rows = out.shape[0] if out.dim() else 1
+        if out.numel() // max(out_rows, 1) * out.element_size() != row_bytes[0] and \
+                out.numel() and x.numel():
+            raise ValueError(f"all_to_all_single: the input's rows {tuple(x.shape[1:])} and "
+                             f"the output's {tuple(out.shape[1:])} differ")
         for t, splits, what in ((x, in_splits, "input"), (out, out_splits, "output")):
             n = t.shape[0] if t.dim() else 1
             if splits and (len(splits) != g.size or sum(splits) != n or min(splits) < 0):
@@ -376,7 +388,11 @@ def _alltoallv(g, src: Staged, send: list, dst: Staged, recv: list) -> None:
     g.comm.Alltoall(sent, announced)
     wrong = [f"rank {j} sends {int(a)} bytes, rank {g.rank} expects {r}"
              for j, (a, r) in enumerate(zip(announced, recv)) if a != r]
-    if g.comm.allreduce(len(wrong), op=MPI.SUM):
+    if sum(recv) > dst.bytes.nbytes or sum(send) > src.bytes.nbytes:  # cannot pass validate
+        wrong.append(f"rank {g.rank}'s buffers are smaller than its split sizes")
+    count = np.array([len(wrong)], np.int64)
+    g.comm.Allreduce(MPI.IN_PLACE, count, op=MPI.SUM)
+    if count[0]:
         raise MismatchError(f"rank {g.rank}: all_to_all: the ranks' split sizes do not "
                             "agree" + (": " + "; ".join(wrong) if wrong else
                                        " (between other ranks); every rank raises this error"))

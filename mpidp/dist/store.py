@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 SET, GET, ADD, COMPARE_SET, CHECK, WAIT, DELETE, NUM_KEYS, STOP = range(9)
 REQUEST = 1
+ERROR = b"\0mpidp-store-error:"  # an answer starting so is an error for the client to raise
 POLL_S = 0.0005       # a waiting client's poll interval
 SERVER_IDLE_S = 0.01  # the longest sleep of an idle server between polls
 
@@ -80,6 +81,9 @@ class MPIStore(dist.Store):
             time.sleep(POLL_S)
         answer = bytearray(status.Get_count(MPI.BYTE))
         self.comm.Recv([answer, MPI.BYTE], source=0, tag=tag)
+        if answer.startswith(ERROR):
+            raise ValueError(f"mpidp store: {_NAMES[op]}: "
+                             f"{answer[len(ERROR):].decode(errors='replace')}")
         return bytes(answer)
 
     def set(self, key, value) -> None:
@@ -160,7 +164,10 @@ def _serve(comm) -> None:
         op, tag, fields = _decode(message)
         if op == STOP:
             return
-        answer = _apply(keys, op, fields)
+        try:
+            answer = _apply(keys, op, fields)
+        except ValueError as exc:  # a value ``add`` cannot count with: the client raises it
+            answer = ERROR + str(exc).encode()
         if answer is None:
             pending.append((source, tag, op, fields))
         else:

@@ -65,6 +65,8 @@ if rank == n - 1:
 store.wait(["late"], timedelta(seconds=60))
 expect(store.get("late") == b"here", "store wait")
 dist.barrier()
+raises(ValueError, lambda: store.add(f"key{rank}", 1), "add to a value that is no number",
+       "mpidp store: add")
 if rank == 0:
     expect(store.compare_set("cas", "", "first") == b"first", "compare_set on a missing key")
     expect(store.compare_set("cas", "other", "second") == b"first", "compare_set refused")
@@ -196,6 +198,16 @@ chained = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(
     lambda fut: fut.value()[0] * 2)
 equal(chained.wait(), torch.full((3,), 2.0 * n), "future then")
 
+
+def reduce_again(fut):  # as torch's PowerSGD hook: a collective waited for in a callback
+    t = fut.value()[0] + 1
+    dist.all_reduce(t, async_op=True).get_future().wait()
+    return t
+
+
+equal(dist.all_reduce(torch.ones(2), async_op=True).get_future().then(reduce_again).wait(),
+      torch.full((2,), float(n * (n + 1))), "a collective waited for inside a callback")
+
 # ---- point-to-point ------------------------------------------------------------------------
 if n > 1:
     right, left = (rank + 1) % n, (rank - 1) % n
@@ -243,6 +255,9 @@ if n > 1:
     op = R.PRODUCT if rank == 0 else R.SUM
     raises(MismatchError, lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=op),
            "different ops")
+    raises(ValueError, lambda: dist.all_to_all_single(
+        torch.empty(n, dtype=torch.int64), torch.zeros(n, 2, dtype=torch.int64)),
+        "all_to_all_single with rows of different sizes", "rows")
     send = torch.zeros(n + (rank == 0), dtype=torch.int64)
     raises(Exception, lambda: dist.all_to_all_single(
         torch.empty(n, dtype=torch.int64), send,

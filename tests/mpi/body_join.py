@@ -32,13 +32,19 @@ batches = [(torch.randint(-2, 3, (4, 5), generator=gen).float(),
             torch.randint(0, 3, (4,), generator=gen)) for _ in range(rank + 1)]
 
 
-def train(ddp, context):
+def train(ddp, context, accumulate=False):
+    """SGD over this rank's batches; with ``accumulate`` every other batch's gradient is
+    accumulated in no_sync and reduced with the next one's."""
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     with context:
-        for x, y in batches:
-            opt.zero_grad()
+        for k, (x, y) in enumerate(batches):
+            if accumulate and k % 2 == 0:
+                with ddp.no_sync():
+                    nn.functional.cross_entropy(ddp(x), y).backward()
+                continue
             nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
+            opt.zero_grad()
     return [p.detach().clone() for p in ddp.parameters()]
 
 
@@ -46,6 +52,8 @@ def train(ddp, context):
 model = mpidp.DistributedDataParallel(net(), bucket_cap_mb=0.0001)
 ours = train(model, model.join())
 expect(dist.is_initialized() and dist.get_backend() == "mpidp", "join() started the backend")
+model = mpidp.DistributedDataParallel(net(), bucket_cap_mb=0.0001)
+ours_accumulated = train(model, model.join(), accumulate=True)
 
 model = nn.parallel.DistributedDataParallel(net())  # torch's DDP on the mpidp backend
 theirs = train(model, Join([model]))
@@ -53,8 +61,13 @@ theirs = train(model, Join([model]))
 gloo = dist.new_group(backend="gloo")
 model = nn.parallel.DistributedDataParallel(net(), process_group=gloo)
 reference = train(model, Join([model]))
+model = nn.parallel.DistributedDataParallel(net(), process_group=gloo)
+reference_accumulated = train(model, Join([model]), accumulate=True)
 
-for what, got in (("mpidp DDP with Join", ours), ("torch DDP on mpidp with Join", theirs)):
+for what, got, reference in (
+        ("mpidp DDP with Join", ours, reference),
+        ("mpidp DDP with Join and no_sync", ours_accumulated, reference_accumulated),
+        ("torch DDP on mpidp with Join", theirs, reference)):
     for a, b in zip(got, reference):
         expect(torch.allclose(a, b, rtol=1e-5, atol=1e-6),
                f"{what}: differs from gloo's by {(a - b).abs().max().item():.2e}")

@@ -1,0 +1,153 @@
+"""Point-to-point for the torch.distributed backend — send, receive (also from any source) and
+the monitored barrier — on a communicator of the group's own, apart from mpidp's collective
+messages; waits are watched by the watchdog's one-sided lane."""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..errors import CommunicationError
+from . import ops
+
+POLL_S = 0.001
+
+
+class P2PWork(dist.Work):
+    """A send or receive: MPI's request, completed by ``wait`` under the watchdog's
+    one-sided lane; ``finish(status)`` runs after it (a receive's copy and size check)."""
+
+    def __init__(self, g, request, what: tuple, finish=None):
+        super().__init__()
+        self.g, self.request, self.what, self.finish = g, request, what, finish
+        self.source = -1
+        self._lock = threading.Lock()
+
+    def _complete(self) -> None:
+        from mpi4py import MPI  # deferred for cost, as everywhere in mpidp
+        with self._lock:
+            if self.request is None:
+                return
+            status = MPI.Status()
+            with self.g.board.waiting(self.what):
+                self.request.Wait(status)
+            self.request = None
+            self.source = status.Get_source()
+            if self.finish is not None:
+                self.finish(status)
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        self._complete()
+        return True
+
+    def is_completed(self) -> bool:
+        with self._lock:
+            return self.request is None or bool(self.request.Test())
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def _source_rank(self) -> int:  # torch's recv from any source asks it
+        self._complete()
+        return self.source
+
+    def get_future(self) -> torch.futures.Future:
+        f = torch.futures.Future()
+
+        def complete():
+            try:
+                self._complete()
+            except BaseException as exc:  # noqa: BLE001 - handed to the future
+                f.set_exception(exc)
+            else:
+                f.set_result(None)
+        threading.Thread(target=complete, daemon=True).start()
+        return f
+
+
+def tag_limit() -> int:
+    """Tags 0 .. tag_limit() - 1 are the user's; the highest MPI tag is the monitored
+    barrier's."""
+    from mpi4py import MPI  # deferred for cost, as above
+    return MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+
+
+def post(g, comm, tensors, peer: int, tag: int, send: bool) -> P2PWork:
+    """A send of ``tensors[0]`` to ``peer`` (or a receive into it from ``peer``, any source
+    with MPI.ANY_SOURCE) with ``tag`` on ``comm``; ValueError for a bad call. This rank
+    only: the peer posts the matching call."""
+    from mpi4py import MPI  # deferred for cost, as above
+    if len(tensors) != 1:
+        raise ValueError(f"the mpidp backend sends one tensor per call, got {len(tensors)}")
+    if not 0 <= tag < tag_limit():
+        raise ValueError(f"tag {tag} is out of the backend's range 0..{tag_limit() - 1}")
+    if peer != MPI.ANY_SOURCE:
+        ops.check_root(peer, g.size)
+    staged = ops.Staged(tensors[0], read=send)
+    if send:
+        request = comm.Isend(staged.bytes, dest=peer, tag=tag)
+        return P2PWork(g, request, ("send to rank {} (tag {})", peer, tag),
+                       lambda status: staged)  # keeps the staged bytes alive until sent
+    request = comm.Irecv(staged.bytes, source=peer, tag=tag)
+
+    def finish(status):
+        got = status.Get_count(MPI.BYTE)
+        if got != staged.bytes.nbytes:
+            raise CommunicationError(g.rank, "recv", f"rank {status.Get_source()} sent {got} "
+                                     f"bytes, the tensor holds {staged.bytes.nbytes}")
+        staged.done()
+    return P2PWork(g, request, ("receive from rank {} (tag {})", peer, tag), finish)
+
+
+def monitored_barrier(g, comm, timeout_s: float, wait_all_ranks: bool) -> None:
+    """Rank 0 waits up to ``timeout_s`` for every rank and raises a RuntimeError naming the
+    first rank that did not come (every such rank with ``wait_all_ranks``); the others raise
+    when rank 0 does not release them within twice that time."""
+    if g.size == 1:
+        return
+    tag = tag_limit()
+    token = np.zeros(1, np.uint8)
+    if g.rank != 0:
+        comm.Isend(token, dest=0, tag=tag).Wait()
+        release = comm.Irecv(token, source=0, tag=tag)
+        if not _poll([release], 2 * timeout_s):
+            _cancel([release])
+            raise RuntimeError(f"rank {g.rank}: monitored barrier: rank 0 did not release it "
+                               f"within {2 * timeout_s:g} s")
+        return
+    buffers = [np.zeros(1, np.uint8) for _ in range(g.size)]
+    arrivals = [comm.Irecv(buffers[r], source=r, tag=tag) for r in range(1, g.size)]
+    if not _poll(arrivals, timeout_s):
+        missing = [r for r, a in enumerate(arrivals, 1) if not a.Test()]
+        _cancel(arrivals)
+        shown = missing if wait_all_ranks else missing[:1]
+        raise RuntimeError(f"Ranks {', '.join(map(str, shown))} failed to pass "
+                           f"monitoredBarrier in {timeout_s:g} s")
+    for r in range(1, g.size):
+        comm.Isend(token, dest=r, tag=tag).Wait()
+
+
+def _cancel(requests: list) -> None:
+    """Cancels the requests not yet complete and completes the cancellation."""
+    from mpi4py import MPI  # deferred for cost, as above
+    for r in requests:
+        if r != MPI.REQUEST_NULL:
+            r.Cancel()
+            r.Wait()
+
+
+def _poll(requests: list, timeout_s: float) -> bool:
+    """True once every request of ``requests`` completed (each then MPI.REQUEST_NULL), False
+    after ``timeout_s``."""
+    from mpi4py import MPI  # deferred for cost, as above
+    deadline = time.monotonic() + timeout_s
+    while not MPI.Request.Testall(requests):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_S)
+    return True

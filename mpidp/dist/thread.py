@@ -1,0 +1,131 @@
+"""The communication thread of a torch.distributed group of the mpidp backend and the Work it
+completes (Note [One communication thread per group]).
+
+Note [One communication thread per group]
+Every collective of a group, asynchronous or not, is queued to the group's one thread, which
+runs them in the order they were called — the order every rank calls them in — under the
+group's watchdog; its Work completes (its future is set, its wait returns or raises) when the
+operation has. A synchronous call is the same call followed by ``wait``. The caller's tensors
+must stay untouched until then, as with any torch backend. An operation that raises on the
+thread raises from ``wait`` and from the future; the thread goes on with the next one (a
+disagreement raises on every rank alike, so the ranks stay in step). A future's callbacks run
+on the thread that completes it, this one: an operation such a callback submits (torch's
+PowerSGD and quantisation hooks submit and wait there) runs at once, in its place in the
+order, where queueing it behind the callback would wait forever."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import runtime
+
+POLL_S = 0.001  # a wait with a timeout polls the future this often
+
+
+class Work(dist.Work):
+    """A collective's Work: complete when its future is; ``wait`` raises what the
+    operation raised (torch's future-wrapping Work would only log it)."""
+
+    def __init__(self, future: torch.futures.Future):
+        super().__init__()
+        self.future = future
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        if timeout is not None and timeout.total_seconds() > 0:
+            deadline = time.monotonic() + timeout.total_seconds()
+            while not self.future.done():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"mpidp: the operation did not complete within "
+                                       f"{timeout.total_seconds():g} s")
+                time.sleep(POLL_S)
+        self.future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.future.done()
+
+    def is_success(self) -> bool:
+        return self.future.done() and self.exception() is None
+
+    def exception(self):
+        try:
+            self.future.value()
+        except Exception as exc:  # noqa: BLE001 - returned, as torch's Work returns it
+            return exc
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def result(self):
+        return self.future.value()
+
+
+def run_now(fn: Callable[[], None], result) -> Work:
+    """``fn`` run here; its Work, completed (or failed)."""
+    f = torch.futures.Future()
+    _complete(f, fn, result)
+    return Work(f)
+
+
+def _complete(f: torch.futures.Future, fn: Callable[[], None], result) -> None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+        f.set_exception(exc)
+    else:
+        f.set_result(result)
+
+
+class CommThread:
+    """One group's thread (Note [One communication thread per group]); stopped by mpidp's
+    shutdown, which then runs ``after_stop`` (Note [Stopping the users first] in
+    mpidp/resources.py)."""
+
+    def __init__(self, g, name: str, after_stop: Callable[[], None]):
+        self.g = g
+        self.after_stop = after_stop
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"mpidp-dist-{name}", daemon=True)
+        self.thread.start()
+        g.resources.add_user(self.stop)
+
+    def submit(self, fn: Callable[[], None], result) -> Work:
+        if threading.current_thread() is self.thread:  # from a future's callback
+            return run_now(fn, result)
+        f = torch.futures.Future()
+        self.tasks.put((fn, f, result))
+        return Work(f)
+
+    def _run(self) -> None:
+        with runtime.using(self.g):
+            while True:
+                task = self.tasks.get()
+                if task is None:
+                    return
+                fn, f, result = task
+                _complete(f, fn, result)
+
+    def stop(self, timeout_s: float) -> bool:
+        """Ends the thread after the operation it is in; operations still queued fail
+        (nobody can run them now). True once it has ended."""
+        while True:
+            try:
+                task = self.tasks.get_nowait()
+            except queue.Empty:
+                break
+            if task is not None:
+                task[1].set_exception(RuntimeError("mpidp was shut down before this operation "
+                                                   "ran"))
+        self.tasks.put(None)
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            return False
+        self.after_stop()
+        return True
