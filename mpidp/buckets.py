@@ -118,6 +118,12 @@ class Bucket(BucketBase):
             return [a.flat for a in arrays]
         return None
 
+    def torch_flat(self, dtype: Any) -> Any:
+        """The whole buffer as a 1-D torch tensor of torch dtype ``dtype`` (the bucket's)."""
+        import torch  # deferred for cost: buckets also serve numpy callers
+        t = torch.from_numpy(self.flat)
+        return t.view(dtype) if t.dtype != dtype else t
+
     def torch_view(self, position: int, like: Any) -> Any:
         """A torch tensor shaped and typed as ``like`` that is the slot at ``position``."""
         import torch

@@ -35,8 +35,9 @@ def reduce_bucket(bucket, sources: Sequence[Any], destinations: Optional[Sequenc
 
 
 def communicate(tasks: queue.SimpleQueue, results: queue.SimpleQueue, board) -> None:
-    """The communication thread's loop: one task per bucket, one result (None, or the
-    exception) per task. The watchdog's ``board`` says which bucket is being reduced."""
+    """The communication thread's loop: one task per bucket — (bucket, sources,
+    destinations, ``reduce(bucket, sources, destinations)``, its position) — one result
+    (None, or the exception) per task. The watchdog's ``board`` says which bucket is being reduced."""
     while True:
         task = tasks.get()
         if task is None:
@@ -44,11 +45,11 @@ def communicate(tasks: queue.SimpleQueue, results: queue.SimpleQueue, board) -> 
         if callable(task):  # a SyncBatchNorm layer's all-reduce, in its place in the order
             task()
             continue
-        bucket, sources, destinations, algorithm, position = task
+        bucket, sources, destinations, reduce, position = task
         board.context = ("DDP gradient bucket {} of {}", *position)
         t0, error = time.perf_counter(), None
         try:
-            reduce_bucket(bucket, sources, destinations, algorithm)
+            reduce(bucket, sources, destinations)
         except BaseException as exc:  # reported by the main thread at the end of backward
             error = exc
         board.context = None

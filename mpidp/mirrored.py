@@ -7,7 +7,7 @@ import functools
 import queue
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import collectives, runtime, sync_bn, timeline
+from .comm_hooks import check_hook, run_hook
 from .comm_thread import call_in_order, check_thread_level, communicate, reduce_bucket, stop
 from .ddp_args import validate
 from .dist import process_group_for_join
@@ -109,6 +110,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._on_gpu = any(p.is_cuda for p in self._params)
         self._build(tuple(reversed(range(len(self._params)))))  # Note [Bucket order]
         self._rebuilt = False
+        self._hook: Optional[tuple] = None  # (state, hook): Note [Communication hooks]
         self._order: list = []  # Note [Bucket order]: the ready order of the first backward
         self._in_backward = False
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
@@ -126,6 +128,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._buckets = plan([p.detach() for p in self._params], self.bucket_cap_bytes, first,
                              order) if self._params else []
         check_same_buckets(runtime.group(), self._buckets, "DistributedDataParallel")
+        self._bucket_index = {id(b): k for k, b in enumerate(self._buckets)}
+        self._hook_buffers: dict = {}  # Note [Communication hooks]
         self._bucket_of = [0] * len(self._params)
         self._slots = [None] * len(self._params)  # Note [Gradients as bucket views]
         for b, bucket in enumerate(self._buckets):
@@ -164,6 +168,17 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """torch's ``register_comm_hook``: every bucket is averaged by ``hook(state, bucket)``
+        (a future of the averaged flat tensor) instead of mpidp's all-reduce (Note
+        [Communication hooks] in mpidp/comm_hooks.py). Once, before the first backward."""
+        check_hook(state, hook)
+        if self._hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once")
+        if self.comm_stats["steps"] or self._in_backward:
+            raise RuntimeError("register_comm_hook must be called before the first backward")
+        self._hook = (state, hook)
 
     # ---- uneven inputs: torch's Join (Note [Uneven inputs]) ---------------------------------
 
@@ -209,8 +224,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if self._size > 1 and syncing:
             for bucket in self._buckets:  # zero gradients
                 none = [None] * len(bucket.indices)
-                reduce_bucket(bucket, none, None if self.gradient_as_bucket_view else none,
-                              self.algorithm)
+                self._reduce(bucket, none, None if self.gradient_as_bucket_view else none)
             collectives.allreduce_(np.ones(len(self._params), np.int32), "sum",
                                    "auto" if self._on_gpu else self.algorithm)
         if not self._rebuilt and syncing:
@@ -268,7 +282,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def _launch(self, bucket: BucketBase) -> None:
         if timeline.ON:
             timeline.instant("bucket ready", {"bucket": self._next, "bytes": bucket.nbytes})
-        if self._size == 1 and not self.gradient_as_bucket_view:
+        if self._size == 1 and not self.gradient_as_bucket_view and self._hook is None:
             self._results.put((None, 0.0))  # one rank: each gradient already is the average
             return
         params = [self._params[i] for i in bucket.indices]
@@ -277,8 +291,19 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         dests = None if self.gradient_as_bucket_view else \
             [p.grad if self._ready[i] else None for i, p in zip(bucket.indices, params)]
         bucket.capture_stream()  # on a GPU: the stream these gradients were produced on
-        self._tasks.put((bucket, sources, dests, self.algorithm,
+        self._tasks.put((bucket, sources, dests, self._reduce,
                          (self._next + 1, len(self._buckets))))
+
+    def _reduce(self, bucket: BucketBase, sources: list, destinations) -> None:
+        """Averages one bucket (collective): mpidp's all-reduce, or the communication hook
+        (Note [Communication hooks] in mpidp/comm_hooks.py)."""
+        if self._hook is None:
+            reduce_bucket(bucket, sources, destinations, self.algorithm)
+            return
+        k = self._bucket_index[id(bucket)]
+        run_hook(*self._hook, bucket, sources, destinations,
+                 [self._params[i] for i in bucket.indices], k, k == len(self._buckets) - 1,
+                 self._hook_buffers)
 
     @timeline.traced("wait for buckets")
     def _finish_backward(self) -> None:

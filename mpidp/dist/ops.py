@@ -98,8 +98,10 @@ def check_root(root, size: int) -> None:
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
-    """The bytes of contiguous CPU tensor ``t`` as a numpy array sharing its memory."""
-    return t.reshape(-1).view(torch.uint8).numpy()
+    """The bytes of contiguous CPU tensor ``t`` as a numpy array sharing its memory (through
+    DLPack: torch's ``.numpy()`` would make the tensor's storage unresizable for good, which
+    torch's backends never do and hooks such as batched PowerSGD rely on)."""
+    return np.from_dlpack(t.reshape(-1).view(torch.uint8))
 
 
 class Staged:
@@ -167,7 +169,10 @@ def all_reduce(g, t: torch.Tensor, op) -> None:
     """torch.distributed.all_reduce of ``t`` in place with ReduceOp ``op``."""
     kind, name = _reduction(op)
     if _native(kind, t):
-        collectives.allreduce_(t.detach(), _MPIDP_OPS[kind])
+        plain = t.device.type == "cpu" and t.is_contiguous() and t.dtype != torch.bfloat16
+        # a numpy view through DLPack keeps the storage resizable (_bytes)
+        collectives.allreduce_(np.from_dlpack(t.detach()) if plain else t.detach(),
+                               _MPIDP_OPS[kind])
         return
     with checked(g, f"all_reduce {name}", t, t.numel(),
                  validate=lambda: (reduce_name(op), _check_op_dtype(kind, t))):

@@ -85,6 +85,11 @@ class DeviceBucket(BucketBase):
             return
         ops.pack(self.flat, views)
 
+    def torch_flat(self, dtype: Any) -> Any:
+        """The whole buffer as a 1-D torch tensor of torch dtype ``dtype`` (the bucket's)."""
+        t = sys.modules["torch"].from_dlpack(self.flat)
+        return t.view(dtype) if t.dtype != dtype else t
+
     def torch_view(self, position: int, like: Any) -> Any:
         """A torch tensor shaped and typed as ``like`` that is the slot at ``position``."""
         torch = sys.modules["torch"]
