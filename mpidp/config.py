@@ -9,6 +9,7 @@ from .algorithms import HOST, NAMES
 
 ALGORITHMS = NAMES[HOST]
 SHM_PEER_MODES = ("auto", "cma", "window")
+AUDIT_ACTIONS = ("raise", "warn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,12 +30,15 @@ class Config:
     require_extension: bool = False    # MPIDP_REQUIRE_EXTENSION (default: on when CI is set)
     extension: bool = True             # MPIDP_EXTENSION: 0 runs without the C extension (tests)
     timeline: str = ""                 # MPIDP_TIMELINE: a Chrome-trace JSON file ("": off)
+    audit_every: int = 0               # MPIDP_AUDIT_EVERY: DDP's replica audit (0: off)
+    audit_action: str = "raise"        # MPIDP_AUDIT_ACTION: raise | warn (Note [Replica audit])
 
 
 # settings of the algorithms that must be the same on every rank (compared by mpidp.init):
 # ranks that disagree would move data differently, pair the wrong calls or hang
 AGREED = ("algorithm", "ring_piece_bytes", "shm_chunk_bytes", "shm_inline_bytes", "shm_peers",
-          "hier_min_bytes", "doubling_max_bytes", "emulate_node_size", "debug", "extension", "timeline")
+          "hier_min_bytes", "doubling_max_bytes", "emulate_node_size", "debug", "extension", "timeline",
+          "audit_every", "audit_action")
 
 
 def agreed(cfg: Config) -> tuple:
@@ -108,6 +112,10 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
         kw["abort_on_exception"] = _parse_bool("MPIDP_ABORT_ON_EXCEPTION", v)
     if (v := get("MPIDP_TIMELINE")) is not None:
         kw["timeline"] = v.strip()
+    if (v := get("MPIDP_AUDIT_EVERY")) is not None:
+        kw["audit_every"] = _parse_int("MPIDP_AUDIT_EVERY", v, 0)
+    if (v := get("MPIDP_AUDIT_ACTION")) is not None:
+        kw["audit_action"] = _parse_choice("MPIDP_AUDIT_ACTION", v, AUDIT_ACTIONS)
     if (v := get("MPIDP_EXTENSION")) is not None:
         kw["extension"] = _parse_bool("MPIDP_EXTENSION", v)
     v = get("MPIDP_REQUIRE_EXTENSION")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import collectives
+from .config import AUDIT_ACTIONS
 
 
 def validate(module, device_ids, output_device, dim, process_group, bucket_cap_mb, algorithm):
@@ -38,3 +39,15 @@ def validate(module, device_ids, output_device, dim, process_group, bucket_cap_m
                                       or not bucket_cap_mb > 0):
         raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
     collectives.check_algorithm(algorithm, any(p.is_cuda for p in module.parameters()))
+
+
+def check_audit(every, action) -> tuple:
+    """(every, action) of the replica audit (Note [Replica audit] in mpidp/audit.py), checked:
+    ``every`` a whole number of steps >= 0 (0: off), ``action`` raise or warn."""
+    if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+        raise ValueError(f"audit_every must be a whole number of steps >= 0 (0: off), "
+                         f"got {every!r}")
+    if action not in AUDIT_ACTIONS:
+        raise ValueError(f"audit_action must be one of {', '.join(AUDIT_ACTIONS)}, "
+                         f"got {action!r}")
+    return every, action

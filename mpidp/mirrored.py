@@ -7,6 +7,7 @@ import functools
 import queue
 import threading
 import time
+import warnings
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -14,10 +15,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from . import collectives, runtime, sync_bn, timeline
+from . import collectives, config, runtime, sync_bn, timeline
+from .audit import ReplicaDivergenceError, checksums, divergence
 from .comm_hooks import check_hook, run_hook
 from .comm_thread import call_in_order, check_thread_level, communicate, reduce_bucket, stop
-from .ddp_args import validate
+from .ddp_args import check_audit, validate
 from .dist import process_group_for_join
 from .errors import MpidpError
 from .fingerprint import check_same_buckets, check_same_model
@@ -85,7 +87,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                  output_device: Any = None, dim: int = 0, broadcast_buffers: bool = True,
                  process_group: Any = None, bucket_cap_mb: Optional[float] = 25,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False, algorithm: str = "auto"):
+                 static_graph: bool = False, algorithm: str = "auto",
+                 audit_every: Optional[int] = None, audit_action: Optional[str] = None):
         torch.nn.Module.__init__(self)
         Joinable.__init__(self)
         validate(module, device_ids, output_device, dim, process_group, bucket_cap_mb,
@@ -103,6 +106,11 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._module_buffers = list(module.buffers())
+        cfg = config.get()
+        self.audit_every, self.audit_action = check_audit(
+            cfg.audit_every if audit_every is None else audit_every,
+            cfg.audit_action if audit_action is None else audit_action)
+        self._audit_names = self._names + [n for n, _ in module.named_buffers()]
         self.sync_batchnorm_layers = sync_bn.adopt(module, self._reduce_in_order)
         check_same_model(g, module, "DistributedDataParallel")
         broadcast_tensors_([p.detach() for p in module.parameters()] + self._module_buffers, 0)
@@ -195,6 +203,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def join_hook(self, **kwargs) -> JoinHook:
         if not kwargs.get("divide_by_initial_world_size", True):
             raise ValueError("divide_by_initial_world_size=False is not supported")
+        if self.audit_every:
+            raise ValueError("Join: the replica audit (audit_every) would compare the "
+                             "models of ranks that stopped stepping; turn it off under Join")
         if self.sync_batchnorm_layers:
             raise ValueError(f"Join: the SyncBatchNorm layers {self.sync_batchnorm_layers} "
                              "cannot be shadowed by a rank without a batch; give every rank "
@@ -327,6 +338,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             if error is not None:
                 raise error
             self._settle_unused()
+            if self.audit_every and self.comm_stats["steps"] % self.audit_every == 0:
+                self._audit()
             if self.gradient_as_bucket_view:
                 for i, p in enumerate(self._params):
                     if self._ready[i] and p.grad is not self._slots[i]:
@@ -335,6 +348,19 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 self._rebuild()
         finally:
             self._in_backward = False
+
+    def _audit(self) -> None:
+        """Note [Replica audit] in mpidp/audit.py. Collective."""
+        mine = checksums(self._params + self._module_buffers)
+        table = collectives.allgather(mine.reshape(1, -1)) if self._size > 1 else mine[None]
+        message = divergence(table, self._audit_names, self.comm_stats["steps"])
+        if message is None:
+            return
+        if self.audit_action == "warn":
+            if runtime.rank() == 0:
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+            return
+        raise ReplicaDivergenceError(message + " (every rank raises this error)")
 
     def _settle_unused(self) -> None:
         used = np.array(self._ready, dtype=np.int32)

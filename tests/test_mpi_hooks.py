@@ -1,6 +1,7 @@
-"""Tier 2: communication hooks on mpidp's DistributedDataParallel under mpiexec
-(tests/mpi/body_hooks.py): torch's own hooks, on torch.distributed's mpidp backend, against
-torch's DDP with the same hook on gloo at n = 1, 2, 3."""
+"""Tier 2: communication hooks and the replica audit of mpidp's DistributedDataParallel under
+mpiexec: torch's own hooks, on torch.distributed's mpidp backend, against torch's DDP with the
+same hook on gloo (tests/mpi/body_hooks.py), and the audit catching a perturbed rank
+(tests/mpi/body_audit.py), at n = 1, 2, 3."""
 import pytest
 
 from mpirun import assert_ok, body
@@ -9,3 +10,8 @@ from mpirun import assert_ok, body
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_torch_hooks_on_mpidp_ddp_end_as_torch_ddp(n):
     assert_ok(body(n, "body_hooks.py", env={"MASTER_ADDR": None, "MASTER_PORT": None}), n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_replica_audit_names_the_diverged_rank_and_tensor(n):
+    assert_ok(body(n, "body_audit.py"), n)

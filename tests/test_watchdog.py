@@ -135,3 +135,17 @@ def test_report_names_a_node_none_of_whose_ranks_answer():
                         "or unreachable (its processes died, or its network)")
     assert not any("node node9" in l for l in lines)  # rank 4 of node9 answered
     assert lines[6].startswith("  rank 2 (on node8): no answer within 3 s")
+
+
+def test_replica_audit_message_and_settings():
+    import numpy as np
+    from mpidp.audit import divergence
+    table = np.array([[1, 2, 3], [1, 2, 3], [1, 9, 4]])
+    assert divergence(table[:2], ["a", "b", "c"], 4) is None
+    assert divergence(table, ["a", "b", "c"], 4) == (
+        "mpidp: replica audit at synchronised step 4: the ranks' models differ; first "
+        "differing tensor 'b': ranks 0, 1 hold version 1; rank 2 holds version 2 (1 more "
+        "tensor differs)")
+    assert config.from_env({"MPIDP_AUDIT_EVERY": "50"}).audit_every == 50
+    with pytest.raises(ValueError, match="MPIDP_AUDIT_ACTION='stop'"):
+        config.from_env({"MPIDP_AUDIT_ACTION": "stop"})

@@ -4,7 +4,6 @@ own DDP gives with the same hook on gloo — allreduce, fp16 compression, PowerS
 PowerSGD fails as torch's own does in torch 2.13) — and bf16 compression (which torch's DDP
 refuses on CPU) as its definition computed over gloo; with and without
 gradient_as_bucket_view; register_comm_hook's errors. Prints 'ok <rank>'."""
-import sys
 
 import torch
 import torch.distributed as dist
@@ -12,18 +11,13 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 import mpidp
+from bodykit import expect, failures, finish
 
 torch.set_num_threads(1)
 dist.init_process_group("mpidp")
 rank, n = dist.get_rank(), dist.get_world_size()
 gloo = dist.new_group(backend="gloo")
-failures = []
 LOCAL = 4
-
-
-def expect(cond, what):
-    if not cond:
-        failures.append(what)
 
 
 def net():
@@ -121,8 +115,5 @@ try:
 except RuntimeError:
     pass
 
-if failures:
-    print(f"rank {rank}: " + "\n".join(failures), flush=True)
-    sys.exit(1)
 dist.destroy_process_group()
-print(f"ok {rank}", flush=True)
+finish(rank)

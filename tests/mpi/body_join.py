@@ -2,7 +2,6 @@
 DistributedDataParallel under ``with model.join():`` and torch's DDP on the "mpidp" backend
 under ``with Join([model]):`` end with the same parameters as torch's DDP with Join on gloo
 (the reference), on every rank. Prints 'ok <rank>'."""
-import sys
 
 import torch
 import torch.distributed as dist
@@ -10,16 +9,11 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import mpidp
+from bodykit import expect, finish
 
 torch.set_num_threads(1)
 mpidp.init()
 rank, n = mpidp.rank(), mpidp.size()
-failures = []
-
-
-def expect(cond, what):
-    if not cond:
-        failures.append(what)
 
 
 def net():
@@ -76,8 +70,5 @@ for what, got, reference in (
     dist.all_gather(everyone, flat)
     expect(all(torch.equal(e, flat) for e in everyone), f"{what}: ranks differ")
 
-if failures:
-    print(f"rank {rank}: " + "\n".join(failures), flush=True)
-    sys.exit(1)
 dist.destroy_process_group()
-print(f"ok {rank}", flush=True)
+finish(rank)

@@ -3,24 +3,18 @@ concatenated batch — torch.nn.SyncBatchNorm inside mpidp's DistributedDataPara
 converted with mpidp.SyncBatchNorm.convert_sync_batchnorm under torch's DDP on the "mpidp"
 backend — weights, running statistics and outputs; a layer bound to its own process group is
 refused by name. Prints 'ok <rank>'."""
-import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import mpidp
+from bodykit import expect, failures, finish
 
 torch.set_num_threads(1)
 mpidp.init()
 rank, n = mpidp.rank(), mpidp.size()
-failures = []
 LOCAL = 3
-
-
-def expect(cond, what):
-    if not cond:
-        failures.append(what)
 
 
 def close(a, b, what):
@@ -97,7 +91,4 @@ outs = train(model, torch_ddp, local=True)
 compare(model, reference, outs, ref_outs, "mpidp.SyncBatchNorm in torch DDP on mpidp")
 dist.destroy_process_group()
 
-if failures:
-    print(f"rank {rank}: " + "\n".join(failures), flush=True)
-    sys.exit(1)
-print(f"ok {rank}", flush=True)
+finish(rank)
