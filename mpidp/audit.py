@@ -5,12 +5,14 @@ Note [Replica audit]
 Data parallelism rests on every rank holding the same model; a rank whose parameters drift
 (a bit flip, a non-deterministic kernel, an optimizer that saw other gradients, a missed
 broadcast) trains on silently. DistributedDataParallel(audit_every=K) (or MPIDP_AUDIT_EVERY)
-checksums every parameter and buffer, by its bytes (CRC-32), at the end of every K-th
+checksums every parameter (not the buffers: a BatchNorm's running statistics are each rank's
+own between broadcasts), by its bytes (CRC-32), at the end of every K-th
 synchronised backward — before the optimizer's step, so the model compared is the one all
 ranks just computed gradients with — and all-gathers the checksums (one int64 per tensor per
 rank). A difference names the first tensor that differs and which ranks hold which version, and
-raises on every rank (MPIDP_AUDIT_ACTION=raise, the default) or warns (warn). Cost: a pass over
-the model's bytes per audit, measured in bench/RESULTS.md."""
+raises on every rank (MPIDP_AUDIT_ACTION=raise, the default) or warns (warn). The settings are
+compared across ranks at construction. Cost: a pass over the parameters' bytes per audit,
+measured in bench/RESULTS.md."""
 from __future__ import annotations
 
 import zlib

@@ -6,6 +6,7 @@ algorithm, where the average divides. DistributedDataParallel, CentralStorage an
 grouped_allreduce hold them."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -89,6 +90,10 @@ class Bucket(BucketBase):
 
     def capture_stream(self) -> None:
         """Host buffers have no stream to order by (DeviceBucket's capture one)."""
+
+    def stream_context(self):
+        """torch work on this bucket's stream (a host bucket's: nothing to order)."""
+        return contextlib.nullcontext()
 
     def join_stream(self) -> None:
         """See capture_stream."""

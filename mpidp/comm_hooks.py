@@ -15,7 +15,7 @@ never takes the zero-copy path: a hook takes one flat tensor. torch's hooks
 ``powerSGD_hook``, ``batched_powerSGD_hook``) communicate through torch.distributed, so they
 need it initialised — on the mpidp backend they run on mpidp's collectives, on a group of
 their own (Note [Sub-groups] in mpidp/runtime.py). A joined rank (Note [Uneven inputs] in
-mpidp/mirrored.py) calls the hook with a zero buffer, as torch's DDP does."""
+mpidp/ddp_join.py) calls the hook with a zero buffer, as torch's DDP does."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -71,20 +71,31 @@ def run_hook(state: Any, hook: Callable, bucket, sources: Sequence[Any],
     buffer = buffers.get(index)
     if buffer is None or buffer.dtype != like.dtype or buffer.device != like.device:
         buffer = buffers[index] = torch.empty(count, dtype=like.dtype, device=like.device)
-    elif buffer.numel() != count:  # a hook may resize it (batched PowerSGD pads it)
-        if buffer.untyped_storage().resizable():
-            buffer.resize_(count)
-        else:  # something made it unresizable (a .numpy() view): a new one
-            buffer = buffers[index] = torch.empty(count, dtype=like.dtype, device=like.device)
-    if not buffer.untyped_storage().resizable():
+    elif not buffer.untyped_storage().resizable():  # something took a .numpy() view of it
         buffer = buffers[index] = torch.empty(count, dtype=like.dtype, device=like.device)
-    with torch.no_grad():
-        for s, o, c in zip(sources, bucket.offsets, bucket.counts):
-            if s is None:
-                buffer[o:o + c].zero_()
-            else:
-                buffer[o:o + c].copy_(s.reshape(-1))
-    future = hook(state, GradBucket(index, buffer, params, bucket.offsets, is_last))
+    elif buffer.numel() != count:  # a hook may resize it (batched PowerSGD pads it)
+        buffer.resize_(count)
+    with bucket.stream_context(), torch.no_grad():  # on a GPU: the gradients' stream
+        _copy_in(buffer, sources, bucket)
+        future = hook(state, GradBucket(index, buffer, params, bucket.offsets, is_last))
+        result = _result(hook, future, count)
+        bucket.torch_flat(like.dtype).copy_(result.reshape(-1)[:count])
+    bucket.divisor = 1  # the hook averaged; unpack_one of an unused parameter divides by 1
+    if destinations is not None:
+        bucket.unpack(destinations, 1)
+
+
+def _copy_in(buffer: torch.Tensor, sources: Sequence[Any], bucket) -> None:
+    """The gradients ``sources`` (None: zeros) into the hook's flat ``buffer``."""
+    for s, o, c in zip(sources, bucket.offsets, bucket.counts):
+        if s is None:
+            buffer[o:o + c].zero_()
+        else:
+            buffer[o:o + c].copy_(s.reshape(-1))
+
+
+def _result(hook: Callable, future, count: int) -> torch.Tensor:
+    """The flat tensor ``hook``'s ``future`` yields, checked against torch's contract."""
     if not callable(getattr(future, "wait", None)):  # torch.futures.Future or torch._C's
         raise TypeError(f"the communication hook {getattr(hook, '__name__', hook)!r} returned "
                         f"{type(future).__name__}; torch's contract is a "
@@ -95,8 +106,4 @@ def run_hook(state: Any, hook: Callable, bucket, sources: Sequence[Any],
     if result.numel() < count:
         raise ValueError(f"the communication hook returned {result.numel()} elements for a "
                          f"bucket of {count}")
-    with torch.no_grad():
-        bucket.torch_flat(like.dtype).copy_(result.reshape(-1)[:count])
-    bucket.divisor = 1  # the hook averaged; unpack_one of an unused parameter divides by 1
-    if destinations is not None:
-        bucket.unpack(destinations, 1)
+    return result

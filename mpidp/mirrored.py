@@ -12,16 +12,15 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join
 
 from . import collectives, config, runtime, sync_bn, timeline
 from .audit import ReplicaDivergenceError, checksums, divergence
 from .comm_hooks import check_hook, run_hook
 from .comm_thread import call_in_order, check_thread_level, communicate, reduce_bucket, stop
-from .ddp_args import check_audit, validate
-from .dist import process_group_for_join
-from .errors import MpidpError
+from .ddp_args import agree_audit, validate
+from .ddp_join import JoinSupport
+from .errors import MismatchError, MpidpError
 from .fingerprint import check_same_buckets, check_same_model
 from .buckets import BucketBase
 from .fusion import plan
@@ -46,21 +45,7 @@ FIRST_BUCKET_CAP_BYTES = 1 << 20  # PyTorch DDP's first bucket (Note [Bucket ord
 # autograd made fresh tensors (zero_grad's default set_to_none=True).
 
 
-# Note [Uneven inputs]
-# torch's Join (``with Join([model]):``, ``with model.join():``) lets ranks that ran out of
-# batches shadow the others' collectives until every rank has: at each forward a rank that
-# has not joined says so in an all-reduce on torch.distributed's default group (started on
-# the mpidp backend if it is not; waited for at once, so that it comes before the forward's
-# own collectives on every rank) and whether it will reduce gradients (not inside no_sync);
-# a joined rank answers both and then makes, from the main thread, the collectives of one
-# iteration: the buffer broadcast and, where the others reduce, each bucket's all-reduce
-# with zero gradients (so the average stays over the initial world size, torch's
-# divide_by_initial_world_size=True), the used-parameter count (every parameter counted as
-# used) and, once, the bucket rebuild. At the end the last rank to join broadcasts its
-# parameters and buffers, so every rank ends with the same model, as torch's DDP does.
-
-
-class DistributedDataParallel(torch.nn.Module, Joinable):
+class DistributedDataParallel(torch.nn.Module, JoinSupport):
     """Wraps ``module`` for synchronous data-parallel training, as ``torch.nn.parallel.
     DistributedDataParallel`` does: construct it on every rank after ``mpidp.init()``; after
     each ``loss.backward()`` every gradient holds its average over the ranks.
@@ -90,7 +75,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                  static_graph: bool = False, algorithm: str = "auto",
                  audit_every: Optional[int] = None, audit_action: Optional[str] = None):
         torch.nn.Module.__init__(self)
-        Joinable.__init__(self)
+        JoinSupport.__init__(self)
         validate(module, device_ids, output_device, dim, process_group, bucket_cap_mb,
                   algorithm)
         g = runtime.group()
@@ -107,10 +92,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._params = [p for _, p in named]
         self._module_buffers = list(module.buffers())
         cfg = config.get()
-        self.audit_every, self.audit_action = check_audit(
-            cfg.audit_every if audit_every is None else audit_every,
+        self.audit_every, self.audit_action = agree_audit(
+            g, cfg.audit_every if audit_every is None else audit_every,
             cfg.audit_action if audit_action is None else audit_action)
-        self._audit_names = self._names + [n for n, _ in module.named_buffers()]
+        self._audit_names = [n for n, _ in module.named_parameters()]
         self.sync_batchnorm_layers = sync_bn.adopt(module, self._reduce_in_order)
         check_same_model(g, module, "DistributedDataParallel")
         broadcast_tensors_([p.detach() for p in module.parameters()] + self._module_buffers, 0)
@@ -119,6 +104,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._build(tuple(reversed(range(len(self._params)))))  # Note [Bucket order]
         self._rebuilt = False
         self._hook: Optional[tuple] = None  # (state, hook): Note [Communication hooks]
+        self._hook_agreed = False
         self._order: list = []  # Note [Bucket order]: the ready order of the first backward
         self._in_backward = False
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
@@ -188,60 +174,24 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             raise RuntimeError("register_comm_hook must be called before the first backward")
         self._hook = (state, hook)
 
-    # ---- uneven inputs: torch's Join (Note [Uneven inputs]) ---------------------------------
-
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Join:
-        """torch's ``DistributedDataParallel.join``: ``with model.join(): <training loop>``
-        lets ranks with fewer batches finish (Note [Uneven inputs]). Only
-        ``divide_by_initial_world_size=True`` (torch's default) is supported."""
-        if not divide_by_initial_world_size:
-            raise ValueError("divide_by_initial_world_size=False is not supported: mpidp "
-                             "averages over the initial world size while ranks join")
-        return Join([self], enable, throw_on_early_termination)
-
-    def join_hook(self, **kwargs) -> JoinHook:
-        if not kwargs.get("divide_by_initial_world_size", True):
-            raise ValueError("divide_by_initial_world_size=False is not supported")
-        if self.audit_every:
-            raise ValueError("Join: the replica audit (audit_every) would compare the "
-                             "models of ranks that stopped stepping; turn it off under Join")
-        if self.sync_batchnorm_layers:
-            raise ValueError(f"Join: the SyncBatchNorm layers {self.sync_batchnorm_layers} "
-                             "cannot be shadowed by a rank without a batch; give every rank "
-                             "the same number of batches instead")
-        return _JoinHook(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self._params[0].device if self._params else torch.device("cpu")
-
-    @property
-    def join_process_group(self):
-        return process_group_for_join()
-
-    def _syncing_ranks(self, mine: int) -> int:
-        """How many ranks will reduce gradients in this iteration (not in ``no_sync``): an
-        all-reduce on the Join's group, to which a joined rank adds 0."""
-        flag = torch.tensor([mine], dtype=torch.int64, device=self.join_device)
-        dist.all_reduce(flag, group=self.join_process_group)
-        return int(flag.item())
-
-    def _shadow_iteration(self) -> None:
-        """A joined rank's part of one iteration of the others (Note [Uneven inputs])."""
-        syncing = self._syncing_ranks(0) > 0
-        if self.broadcast_buffers and self._module_buffers and self._size > 1:
-            broadcast_tensors_(self._module_buffers, 0)
-        if self._size > 1 and syncing:
-            for bucket in self._buckets:  # zero gradients
-                none = [None] * len(bucket.indices)
-                self._reduce(bucket, none, None if self.gradient_as_bucket_view else none)
-            collectives.allreduce_(np.ones(len(self._params), np.int32), "sum",
-                                   "auto" if self._on_gpu else self.algorithm)
-        if not self._rebuilt and syncing:
-            self._rebuild()
+    def _agree_on_hook(self) -> None:
+        """At the first synchronised backward (or its shadow under Join): whether a
+        communication hook is registered must agree across ranks, or they would reduce their
+        buckets on different groups; a MismatchError on every rank otherwise. Collective."""
+        self._hook_agreed = True
+        if self._size > 1:
+            mine = np.array([[int(self._hook is not None)]], np.int64)
+            flags = collectives.allgather(mine)[:, 0]
+            if len(set(flags.tolist())) > 1:
+                raise MismatchError(
+                    f"rank {runtime.rank()}: DistributedDataParallel: a communication hook is "
+                    "registered on ranks " + ", ".join(str(r) for r, f in enumerate(flags) if f)
+                    + " only: call register_comm_hook on every rank (every rank raises this "
+                    "error)")
 
     def _start_backward(self) -> None:
+        if not self._hook_agreed:
+            self._agree_on_hook()
         self._in_backward = True
         self._ready = [False] * len(self._params)
         self._pending = [len(b.indices) for b in self._buckets]
@@ -335,9 +285,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             self.comm_stats["wait_s"] += time.perf_counter() - t0
             self.comm_stats["comm_s"] += comm_s
             self.comm_stats["steps"] += 1
-            if error is not None:
-                raise error
-            self._settle_unused()
+            self._settle_unused(error)
             if self.audit_every and self.comm_stats["steps"] % self.audit_every == 0:
                 self._audit()
             if self.gradient_as_bucket_view:
@@ -351,7 +299,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
     def _audit(self) -> None:
         """Note [Replica audit] in mpidp/audit.py. Collective."""
-        mine = checksums(self._params + self._module_buffers)
+        mine = checksums(list(self.module.parameters()))
         table = collectives.allgather(mine.reshape(1, -1)) if self._size > 1 else mine[None]
         message = divergence(table, self._audit_names, self.comm_stats["steps"])
         if message is None:
@@ -362,11 +310,26 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             return
         raise ReplicaDivergenceError(message + " (every rank raises this error)")
 
-    def _settle_unused(self) -> None:
-        used = np.array(self._ready, dtype=np.int32)
+    def _exchange_used(self, ready, failed: bool) -> np.ndarray:
+        """How many ranks used each parameter, and (last) how many failed to reduce their
+        buckets (a communication hook's error may be one rank's alone). Collective."""
+        used = np.array(list(ready) + [int(failed)], dtype=np.int32)
         if self._size > 1:  # a host array: the module's algorithm is for its device's arrays
             collectives.allreduce_(used, "sum", "auto" if self._on_gpu else self.algorithm)
-        elif used.all():
+        return used
+
+    def _settle_unused(self, error: Optional[BaseException]) -> None:
+        """Every rank learns which parameters were used anywhere, and whether a rank failed
+        (``error``: this rank's), which then raises on every rank."""
+        used = self._exchange_used(self._ready, error is not None)
+        failed = int(used[-1])
+        used = used[:-1]
+        if error is not None:
+            raise error
+        if failed:
+            raise MpidpError(f"{failed} rank(s) failed to reduce this backward's gradients "
+                             "(their own error says why); every other rank raises this error")
+        if used.all() and self._size == 1:
             return
         if not self.find_unused_parameters:
             missing = [f"{self._names[i]} (on {self._size - int(u)} of {self._size} ranks)"
@@ -399,21 +362,3 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             collectives.broadcast_(order, 0)
         self._build(tuple(int(i) for i in order))
         self._rebuilt = True
-
-
-class _JoinHook(JoinHook):
-    def __init__(self, ddp: DistributedDataParallel):
-        self.ddp = ddp
-
-    def main_hook(self) -> None:
-        self.ddp._shadow_iteration()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        """The last rank to join broadcasts its model (the highest such rank)."""
-        ddp = self.ddp
-        if ddp._size == 1:
-            return
-        last = np.array([runtime.rank() if is_last_joiner else -1], np.int64)
-        collectives.allreduce_(last, "max")
-        broadcast_tensors_([p.detach() for p in ddp.module.parameters()]
-                           + ddp._module_buffers, int(last[0]))

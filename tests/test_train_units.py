@@ -428,3 +428,18 @@ def test_outputs_are_checked_before_training(tmp_path):
     with pytest.raises(ValueError, match="holds checkpoints of an earlier run"):
         check_outputs(TrainSettings(checkpoint_dir=str(tmp_path / "used")))
     check_outputs(_resume_settings(tmp_path / "used"))
+
+
+def test_straggler_detection_is_per_sample_and_needs_a_clear_margin():
+    from mpidp.train import stragglers
+    hosts = ["a", "b", "c"]
+    assert stragglers.straggler([1.0, 1.3, 1.1], [10, 10, 10], hosts, 1, 5) is None
+    event = stragglers.straggler([1.0, 3.0, 1.2], [10, 10, 10], hosts, 2, 9)
+    assert (event["rank"], event["host"], event["epoch"]) == (1, "b", 2)
+    assert event["slowdown"] == pytest.approx(3.0 / 1.1)
+    assert stragglers.describe(event).startswith(
+        "straggler: rank 1 on b computes 2.7x as long per sample as the median")
+    # a parameter server's worker that took fewer batches is judged per sample; servers
+    # (no samples) are left out
+    assert stragglers.straggler([1.0, 1.0, 5.0], [10, 4, 0], hosts, 1, 1)["rank"] == 1
+    assert stragglers.straggler([1.0, 9.0], [10, 0], hosts[:2], 1, 1) is None

@@ -125,7 +125,7 @@ def _mpi_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwar
 def process_group_for_join():
     """torch.distributed's default group, which torch's Join all-reduces on, started on the
     mpidp backend (over mpidp's group) where torch.distributed is not initialised yet
-    (Note [Uneven inputs] in mpidp/mirrored.py). Every rank calls it."""
+    (Note [Uneven inputs] in mpidp/ddp_join.py). Every rank calls it."""
     import torch.distributed as dist  # deferred for cost, as above
     if not dist.is_initialized():
         register()

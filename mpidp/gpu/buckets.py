@@ -85,6 +85,13 @@ class DeviceBucket(BucketBase):
             return
         ops.pack(self.flat, views)
 
+    def stream_context(self):
+        """torch work on the stream ``capture_stream`` took (the gradients'), as a context."""
+        torch = sys.modules["torch"]
+        if self.stream is None:
+            return torch.cuda.device(self.device)
+        return torch.cuda.stream(torch.cuda.ExternalStream(self.stream.ptr, device=self.device))
+
     def torch_flat(self, dtype: Any) -> Any:
         """The whole buffer as a 1-D torch tensor of torch dtype ``dtype`` (the bucket's)."""
         t = sys.modules["torch"].from_dlpack(self.flat)

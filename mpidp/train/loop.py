@@ -17,7 +17,7 @@ import torch
 from .. import collectives, runtime, timeline
 from ..data import ShardSampler, batches
 from ..watchdog import collective
-from . import checkpoint, setup
+from . import checkpoint, setup, stragglers
 from .report import Report, emit
 from .settings import MOMENTUM, TrainSettings, check_world, scaled_lr, straggler_of
 from .strategies import make_strategy
@@ -237,6 +237,7 @@ class _Run:
         self.event: dict = {}  # the last epoch's
         self.samples_total, self.wait_total, self.time_total = 0, 0.0, 0.0
         self.stop_signum = 0  # agreed by every rank: Note [Checkpoint on signal]
+        self.straggling: Optional[int] = None  # the rank last reported as the straggler
         self._agreement = np.zeros(1, np.int64)
 
     # ---- before the first epoch ---------------------------------------------------------
@@ -279,6 +280,7 @@ class _Run:
         self.accuracy = self._evaluate_if_due(epoch)
         self.event = self._epoch_event(epoch, first, figures)
         self.report.end_epoch(self.event)
+        self._report_straggler(epoch)
         if self.settings.checkpoint_dir:
             self._save((epoch + 1, 0))
         if self.stop_signum and epoch + 1 < self.settings.epochs:
@@ -375,6 +377,19 @@ class _Run:
                 "ranks": [{"rank": r, "compute_s": float(c), "wait_s": float(w),
                            "samples": int(n), "time_s": float(t)}
                           for r, (c, w, n, _, t) in enumerate(per_rank)]}
+
+    def _report_straggler(self, epoch: int) -> None:
+        """Note [Straggler report] in mpidp/train/stragglers.py."""
+        ranks = self.event["ranks"]
+        g = self.g
+        found = stragglers.straggler([r["compute_s"] for r in ranks],
+                                     [r["samples"] for r in ranks],
+                                     [g.hosts[g.node_of[r]] for r in range(g.size)],
+                                     epoch + 1, self.global_step)
+        if found is not None and found["rank"] != self.straggling:
+            self.report.line(stragglers.describe(found))
+            self.report.record(found)
+        self.straggling = None if found is None else found["rank"]
 
     @timeline.traced("checkpoint")
     def _save(self, position: tuple) -> None:

@@ -1,7 +1,9 @@
 """Run under mpiexec at any world size: DistributedDataParallel(audit_every=2) passes while
-the replicas agree; after the last rank's first weight is perturbed, the next audit raises on
-every rank naming that tensor and the ranks (with audit_action="warn", rank 0 warns and
-training goes on); bad settings are refused. Prints 'ok <rank>'."""
+the replicas agree (each rank on its own data, so the BatchNorm buffers differ: they are not
+audited); after the last rank's first weight is perturbed, the next audit raises on every rank
+naming that tensor and the ranks (with audit_action="warn", rank 0 warns and training goes
+on); bad settings, and settings that differ between ranks, are refused on every rank.
+Prints 'ok <rank>'."""
 import warnings
 
 import torch
@@ -16,8 +18,8 @@ mpidp.init()
 rank, n = mpidp.rank(), mpidp.size()
 
 
-def step(model):
-    model(torch.ones(2, 4)).sum().backward()
+def step(model):  # each rank its own batch: the BatchNorm buffers differ, the weights do not
+    model(torch.arange(8.0).reshape(2, 4) * (rank + 1)).sum().backward()
 
 
 for action in ("raise", "warn"):
@@ -52,7 +54,15 @@ for action in ("raise", "warn"):
         expect(caught is None and (bool(messages) == (rank == 0))
                and all(expected in m for m in messages), f"warn: {caught}, {messages}")
 
-for bad in ({"audit_every": -1}, {"audit_every": 1.5}, {"audit_action": "ignore"}):
+if n > 1:  # settings that differ between ranks are refused on every rank
+    try:
+        mpidp.DistributedDataParallel(nn.Linear(2, 2), audit_every=rank)
+        failures.append("different audit settings accepted")
+    except mpidp.MismatchError as exc:
+        expect("replica audit's settings differ" in str(exc), f"differing settings: {exc}")
+
+for bad in ({"audit_every": -1}, {"audit_every": 1.5}, {"audit_every": True},
+            {"audit_action": "ignore"}):
     try:
         mpidp.DistributedDataParallel(nn.Linear(2, 2), **bad)
         failures.append(f"{bad} accepted")

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 import mpidp
-from bodykit import expect, failures, finish
+from bodykit import expect, failures, finish, sgd_steps
 
 torch.set_num_threads(1)
 dist.init_process_group("mpidp")
@@ -31,14 +31,12 @@ data = [(torch.randint(-2, 3, (LOCAL * n, 6), generator=gen).float(),
          torch.randint(0, 3, (LOCAL * n,), generator=gen)) for _ in range(6)]
 
 
+local = [(x[rank * LOCAL:(rank + 1) * LOCAL], y[rank * LOCAL:(rank + 1) * LOCAL])
+         for x, y in data]  # this rank's part of each batch
+
+
 def train(ddp):
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    for x, y in data:
-        opt.zero_grad()
-        nn.functional.cross_entropy(ddp(x[rank * LOCAL:(rank + 1) * LOCAL]),
-                                    y[rank * LOCAL:(rank + 1) * LOCAL]).backward()
-        opt.step()
-    return [p.detach().clone() for p in ddp.parameters()]
+    return sgd_steps(ddp, local)
 
 
 def powersgd(group, batched=False):
@@ -101,6 +99,42 @@ for name, make in HOOKS.items():
             expect(torch.allclose(a, b, rtol=rtol, atol=rtol / 10),
                    f"{name} hook (view={view}): differs from torch's DDP with it by "
                    f"{(a - b).abs().max().item():.2e}")
+
+# a hook with an unused parameter and no_sync accumulation, against torch's DDP alike
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = net(), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def accumulate(ddp):
+    return sgd_steps(ddp, local, accumulate=True)
+
+
+torch_ddp = nn.parallel.DistributedDataParallel(WithUnused(), process_group=gloo,
+                                                find_unused_parameters=True)
+torch_ddp.register_comm_hook(gloo, default_hooks.allreduce_hook)
+reference = accumulate(torch_ddp)
+ours = mpidp.DistributedDataParallel(WithUnused(), find_unused_parameters=True)
+ours.register_comm_hook(None, default_hooks.allreduce_hook)
+for a, b in zip(accumulate(ours), reference):
+    expect(torch.allclose(a, b, rtol=1e-4, atol=1e-5), "hook with no_sync and an unused "
+           f"parameter: differs from torch's DDP by {(a - b).abs().max().item():.2e}")
+
+# a hook registered on some ranks only is refused on every rank at the first backward
+if n > 1:
+    model = mpidp.DistributedDataParallel(net())
+    if rank == 0:
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    try:
+        model(torch.ones(2, 6)).sum().backward()
+        failures.append("a hook on rank 0 only was accepted")
+    except mpidp.MismatchError as exc:
+        expect("registered on ranks 0 only" in str(exc), f"hook on one rank: {exc}")
 
 model = mpidp.DistributedDataParallel(net())
 try:

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import mpidp
-from bodykit import expect, finish
+from bodykit import expect, finish, sgd_steps
 
 torch.set_num_threads(1)
 mpidp.init()
@@ -27,19 +27,9 @@ batches = [(torch.randint(-2, 3, (4, 5), generator=gen).float(),
 
 
 def train(ddp, context, accumulate=False):
-    """SGD over this rank's batches; with ``accumulate`` every other batch's gradient is
-    accumulated in no_sync and reduced with the next one's."""
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     with context:
-        for k, (x, y) in enumerate(batches):
-            if accumulate and k % 2 == 0:
-                with ddp.no_sync():
-                    nn.functional.cross_entropy(ddp(x), y).backward()
-                continue
-            nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-    return [p.detach().clone() for p in ddp.parameters()]
+        sgd_steps(ddp, batches, accumulate)
+    return [p.detach().clone() for p in ddp.parameters()]  # after Join's final broadcast
 
 
 # mpidp's DDP with torch's Join, before torch.distributed is initialised (join() starts it)
