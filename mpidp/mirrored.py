@@ -190,8 +190,6 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
                     "error)")
 
     def _start_backward(self) -> None:
-        if not self._hook_agreed:
-            self._agree_on_hook()
         self._in_backward = True
         self._ready = [False] * len(self._params)
         self._pending = [len(b.indices) for b in self._buckets]
@@ -206,6 +204,12 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
             # Note [Stopping the users first] in mpidp/resources.py
             g.resources.add_user(functools.partial(stop, self._tasks, self._thread))
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if not self._hook_agreed:  # after the thread started: a wait here is a bucket's wait
+            try:
+                self._agree_on_hook()
+            except BaseException:
+                self._in_backward = False
+                raise
 
     def _reduce_in_order(self, t: torch.Tensor) -> None:
         """A SyncBatchNorm layer's all-reduce (sum, in place): during backward on the
