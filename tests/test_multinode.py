@@ -91,6 +91,22 @@ def test_ddp_across_nodes_equals_one_process(cluster):
     assert_ok(body(4, "body_ddp.py", cluster=cluster, per_node=2, timeout_s=240), 4)
 
 
+@pytest.mark.parametrize("per_node", [1, 2], ids=["2x1", "2x2"])
+def test_torch_distributed_backend_across_nodes(cluster, per_node):
+    """The torch.distributed backend (tests/mpi/body_dist.py: every operation, the store over
+    MPI, point-to-point, sub-groups, errors, torch's DDP, ZeRO, checkpoint) on 2 nodes."""
+    n = 2 * per_node
+    assert_ok(body(n, "body_dist.py", env={"MASTER_ADDR": None, "MASTER_PORT": None},
+                   cluster=cluster, per_node=per_node, timeout_s=240), n)
+
+
+@pytest.mark.parametrize("name", ["body_join.py", "body_hooks.py", "body_syncbn.py"])
+def test_join_hooks_and_sync_batchnorm_across_nodes(cluster, name):
+    """Uneven inputs with Join, torch's communication hooks and SyncBatchNorm on 2 nodes x 2."""
+    assert_ok(body(4, name, env={"MASTER_ADDR": None, "MASTER_PORT": None}, cluster=cluster,
+                   per_node=2, timeout_s=240), 4)
+
+
 def test_the_doctor_across_nodes(cluster):
     proc = run(4, ["-m", "mpidp.doctor"], cluster=cluster, per_node=2, timeout_s=120)
     out = proc.stdout
