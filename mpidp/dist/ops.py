@@ -93,10 +93,6 @@ def checked(g, name: str, t=None, count: int = 0, root=None, validate=None):
         b.done = b.seq
 
 
-def check_root(root, size: int) -> None:
-    collectives.check_root(root, size)
-
-
 def _bytes(t: torch.Tensor) -> np.ndarray:
     """The bytes of contiguous CPU tensor ``t`` as a numpy array sharing its memory (through
     DLPack: torch's ``.numpy()`` would make the tensor's storage unresizable for good, which
@@ -190,7 +186,7 @@ def reduce(g, t: torch.Tensor, root: int, op) -> None:
         collectives.reduce_(t.detach(), root, _MPIDP_OPS[kind])
         return
     with checked(g, f"reduce {name}", t, t.numel(), root,
-                 validate=lambda: (reduce_name(op), check_root(root, g.size),
+                 validate=lambda: (reduce_name(op), collectives.check_root(root, g.size),
                                    _check_op_dtype(kind, t))):
         staged = Staged(t)
         if g.size == 1:
@@ -238,7 +234,8 @@ def reduce_scatter_tensor(g, out: torch.Tensor, x: torch.Tensor, op) -> None:
 
 def broadcast(g, t: torch.Tensor, root: int) -> None:
     """torch.distributed.broadcast: every rank's ``t`` holds root's afterwards."""
-    with checked(g, "broadcast", t, t.numel(), root, validate=lambda: check_root(root, g.size)):
+    with checked(g, "broadcast", t, t.numel(), root,
+                 validate=lambda: collectives.check_root(root, g.size)):
         staged = Staged(t, read=g.rank == root)
         g.comm.Bcast(staged.bytes, root=root)
         staged.done()
@@ -288,7 +285,7 @@ def _raise(exc: BaseException) -> None:
 def gather(g, outs, x: torch.Tensor, root: int) -> None:
     """torch.distributed.gather: at ``root``, ``outs[r]`` holds rank r's ``x``."""
     def validate():
-        check_root(root, g.size)
+        collectives.check_root(root, g.size)
         if g.rank == root:
             _check_list("gather", outs, x, g.size)
 
@@ -306,7 +303,7 @@ def gather(g, outs, x: torch.Tensor, root: int) -> None:
 def scatter(g, out: torch.Tensor, ins, root: int) -> None:
     """torch.distributed.scatter: ``out`` gets root's ``ins[rank]``."""
     def validate():
-        check_root(root, g.size)
+        collectives.check_root(root, g.size)
         if g.rank == root:
             _check_list("scatter", ins, out, g.size)
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from ..errors import CommunicationError
 from . import ops
 
@@ -87,7 +88,7 @@ def post(g, comm, tensors, peer: int, tag: int, send: bool) -> P2PWork:
     if not 0 <= tag < tag_limit():
         raise ValueError(f"tag {tag} is out of the backend's range 0..{tag_limit() - 1}")
     if peer != MPI.ANY_SOURCE:
-        ops.check_root(peer, g.size)
+        collectives.check_root(peer, g.size)
     staged = ops.Staged(tensors[0], read=send)
     if send:
         request = comm.Isend(staged.bytes, dest=peer, tag=tag)
