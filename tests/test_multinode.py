@@ -144,17 +144,19 @@ def test_training_across_nodes_ends_as_on_one_node(cluster, strategy, tmp_path):
 def test_parameter_server_on_a_node_of_its_own(cluster, tmp_path):
     """ps on 3 nodes x 1: the server (the last rank) alone on node2, its workers on node0 and
     node1; trains, checkpoints each epoch, and a resumed run continues from the last one."""
-    flags = ("--strategy", "ps", "--optimizer", "momentum", "--staleness", 0, "--no-progress",
-             "--checkpoint-dir", tmp_path)
+    flags = ("--strategy", "ps", "--optimizer", "adam", "--lr", 0.003, "--staleness", 0,
+             "--no-progress", "--checkpoint-dir", tmp_path)
     first = summary_of(train(cluster, 3, 1, *flags, "--epochs", 1, env=USER))
     assert (first["workers"], first["servers"]) == (2, 1) and first["pushes"] == 45
     more = train(cluster, 3, 1, *flags, "--epochs", 3, "--resume", env=USER)
     resumed = summary_of(more)
     assert resumed["resumed_from"] == str(tmp_path / "ckpt-000000045.pt"), more.stdout
     assert "3 rank(s), 3 node(s)" in more.stdout and resumed["global_step"] == 3 * 45
-    # fully asynchronous, one node's score after 3 epochs varied from 0.55 to 0.87; with
-    # --staleness 0 (SSP), 0.90-0.94 (chance: 0.1)
-    assert resumed["final_accuracy"] >= 0.8, (first, resumed)
+    # Across nodes a push is one step late in about one of five (on one node almost never), and
+    # momentum 0.9 on top of that staleness (asynchrony acts as momentum itself: Mitliagkas et
+    # al. 2016) ended 3 epochs at 0.79-0.91 (2 of 5 CI runs failed at 0.8). Adam (its state on
+    # the server, so resume restores it): 0.936-0.972 in 12 runs here, 0.1 is chance
+    assert resumed["final_accuracy"] >= 0.88, (first, resumed)
 
 
 _reference = {}
