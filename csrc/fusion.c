@@ -27,3 +27,17 @@ int mp_unpack(const char *bucket, const mp_segment *segs, size_t n, int dtype, l
     }
     return 0;
 }
+
+int mp_cast_segments(char *bucket, int wire, const mp_segment *segs, size_t n, int outer,
+                     long divisor, int unpack) {
+    size_t wsz = mp_itemsize(wire), osz = mp_itemsize(outer), offset = 0;
+    if (!wsz || !osz) return -1;
+    for (size_t i = 0; i < n; i++) {
+        size_t count = segs[i].nbytes / osz;
+        int err = unpack ? mp_cast_into(segs[i].ptr, outer, bucket + offset, wire, count, divisor)
+                         : mp_cast_into(bucket + offset, wire, segs[i].ptr, outer, count, divisor);
+        if (err < 0) return -1;
+        offset += count * wsz;
+    }
+    return 0;
+}

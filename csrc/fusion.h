@@ -15,5 +15,11 @@ size_t mp_pack(char *bucket, const mp_segment *segs, size_t n);
 /* Copies bucket back into segs[0..n), dividing by divisor on the way when divisor > 1
  * (floating dtypes only; one pass). Returns -1 on a bad dtype, else 0. */
 int mp_unpack(const char *bucket, const mp_segment *segs, size_t n, int dtype, long divisor);
+/* pack and unpack between buffers of dtype `outer` (segs) and a bucket of dtype `wire`,
+ * converted (float32 <-> float16/bfloat16) and divided by divisor in the same pass: `unpack`
+ * true reads the bucket into segs, false packs segs into the bucket. Returns -1 on a pair
+ * mp_cast_into does not convert, else 0. */
+int mp_cast_segments(char *bucket, int wire, const mp_segment *segs, size_t n, int outer,
+                     long divisor, int unpack);
 
 #endif

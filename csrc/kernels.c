@@ -214,3 +214,38 @@ int mp_divide_into(void *dst, const void *src, size_t count, int dtype, long div
 int mp_divide(void *buf, size_t count, int dtype, long divisor) {
     return mp_divide_into(buf, buf, count, dtype, divisor);
 }
+
+/* Note [Casting buckets]: float32 <-> float16/bfloat16 with the division in float32 on the
+ * way (as SCALE_LOOP divides), rounded once to nearest even: the compression hooks' pack
+ * (float32 gradients into a 16-bit bucket) and unpack (back into float32). */
+#define CAST_LOOP(TS, TD, LOAD, STORE)                                              \
+    do {                                                                            \
+        TD *d = (TD *)dst;                                                          \
+        const TS *x = (const TS *)src;                                              \
+        if (divisor == 1) {                                                         \
+            for (size_t i = 0; i < count; i++) d[i] = STORE(LOAD(x[i]));            \
+        } else if (pow2) {                                                          \
+            for (size_t i = 0; i < count; i++) d[i] = STORE(LOAD(x[i]) * inv);      \
+        } else {                                                                    \
+            for (size_t i = 0; i < count; i++) d[i] = STORE(LOAD(x[i]) / dv);       \
+        }                                                                           \
+    } while (0)
+
+int mp_cast_into(void *dst, int dst_dtype, const void *src, int src_dtype, size_t count,
+                 long divisor) {
+    int pow2 = divisor > 0 && (divisor & (divisor - 1)) == 0;
+    float dv = (float)divisor, inv = 1.0f / dv;
+    if (divisor < 1) return -1;
+    if (src_dtype == DT_F32 && dst_dtype == DT_F16) {
+        CAST_LOOP(float, uint16_t, SAME, f32_to_f16);
+    } else if (src_dtype == DT_F32 && dst_dtype == DT_BF16) {
+        CAST_LOOP(float, uint16_t, SAME, f32_to_bf16);
+    } else if (src_dtype == DT_F16 && dst_dtype == DT_F32) {
+        CAST_LOOP(uint16_t, float, f16_to_f32, SAME);
+    } else if (src_dtype == DT_BF16 && dst_dtype == DT_F32) {
+        CAST_LOOP(uint16_t, float, bf16_to_f32, SAME);
+    } else {
+        return -1;
+    }
+    return 0;
+}

@@ -18,5 +18,9 @@ int mp_reduce2(void *dst, const void *a, const void *b, size_t count, int dtype,
 int mp_divide_into(void *dst, const void *src, size_t count, int dtype, long divisor);
 /* mp_divide_into(buf, buf, ...). */
 int mp_divide(void *buf, size_t count, int dtype, long divisor);
+/* dst[i] = src[i] / divisor converted between float32 and float16 or bfloat16 (either way;
+ * Note [Casting buckets] in kernels.c). Returns -1 on another pair or a divisor < 1. */
+int mp_cast_into(void *dst, int dst_dtype, const void *src, int src_dtype, size_t count,
+                 long divisor);
 
 #endif

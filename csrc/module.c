@@ -204,6 +204,55 @@ static PyObject *py_unpack(PyObject *self, PyObject *args) {
     return PyLong_FromSize_t(total);
 }
 
+PyDoc_STRVAR(cast_segments_doc,
+"cast_segments(bucket, segments, wire, outer, divisor, unpack) -> nbytes\n\n"
+"Packs the float32 buffers `segments` (dtype code `outer`) into `bucket` as float16 or\n"
+"bfloat16 (code `wire`), or with `unpack` true reads the bucket back into them as float32,\n"
+"dividing by `divisor` in float32 on the way (Note [Casting buckets] in kernels.c). Returns\n"
+"the bucket bytes used. The GIL is released while converting.");
+
+static PyObject *py_cast_segments(PyObject *self, PyObject *args) {
+    PyObject *bucket_obj, *seq;
+    int wire, outer, unpack;
+    long divisor;
+    if (!PyArg_ParseTuple(args, "OOiilp", &bucket_obj, &seq, &wire, &outer, &divisor, &unpack))
+        return NULL;
+    if (mp_check_codes(wire, OP_SUM) < 0 || mp_check_codes(outer, OP_SUM) < 0) return NULL;
+    if (outer != DT_F32 || (wire != DT_F16 && wire != DT_BF16)) {
+        PyErr_Format(PyExc_ValueError, "cast_segments converts float32 buffers to and from a "
+                     "float16 or bfloat16 bucket; got codes %d (buffers), %d (bucket)", outer,
+                     wire);
+        return NULL;
+    }
+    if (divisor <= 0) {
+        PyErr_Format(PyExc_ValueError, "divisor must be positive, got %ld", divisor);
+        return NULL;
+    }
+    Py_buffer bucket;
+    if (mp_get_buffer(bucket_obj, &bucket, !unpack, "bucket") < 0) return NULL;
+    Py_buffer *views;
+    mp_segment *segs;
+    size_t total, osz = mp_itemsize(outer), wsz = mp_itemsize(wire);
+    Py_ssize_t n = mp_get_segments(seq, unpack, osz, &views, &segs, &total);
+    if (n < 0) {
+        PyBuffer_Release(&bucket);
+        return NULL;
+    }
+    size_t used = total / osz * wsz;
+    if (used > (size_t)bucket.len) {
+        PyErr_Format(PyExc_ValueError, "the buffers need %zu bucket bytes, more than the "
+                     "bucket's %zd", used, bucket.len);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        mp_cast_segments(bucket.buf, wire, segs, (size_t)n, outer, divisor, unpack);
+        Py_END_ALLOW_THREADS
+    }
+    mp_release_segments(views, segs, n);
+    PyBuffer_Release(&bucket);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromSize_t(used);
+}
+
 static PyObject *py_cma_probe(PyObject *self, PyObject *args) {
     long pid;
     unsigned long long addr;
@@ -227,6 +276,7 @@ static PyMethodDef methods[] = {
     {"divide", py_divide, METH_VARARGS, divide_doc},
     {"pack", py_pack, METH_VARARGS, pack_doc},
     {"unpack", py_unpack, METH_VARARGS, unpack_doc},
+    {"cast_segments", py_cast_segments, METH_VARARGS, cast_segments_doc},
     {"set_ptracer", py_set_ptracer, METH_VARARGS,
      "set_ptracer(pid) -> 0 or errno: Yama's PR_SET_PTRACER (0 clears it)"},
     {"cma_probe", py_cma_probe, METH_VARARGS, "cma_probe(pid, addr, nbytes) -> 0 or errno"},

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import collectives, host_kernels, runtime, timeline
 from .planner import DEVICE, HOST, plan_bucket
-from .dtypes import NUMPY_STORAGE, as_host_array, flat_host_array, write_back
+from .dtypes import F16, NUMPY_STORAGE, as_host_array, flat_host_array, write_back
 
 
 class BucketBase:
@@ -77,12 +77,38 @@ class BucketBase:
 class Bucket(BucketBase):
     """One flat host buffer; ``buffer`` is it as a HostArray of the bucket's dtype."""
 
-    __slots__ = ()
+    __slots__ = ("wire",)
 
     def __init__(self, indices: Sequence[int], counts: Sequence[int], dtype: int):
         super().__init__(indices, counts, dtype)
         self.flat = np.empty(sum(self.counts), NUMPY_STORAGE[dtype])
         self.buffer = flat_host_array(self.flat, dtype)
+        self.wire: Optional[np.ndarray] = None  # the 16-bit bucket of reduce_cast_
+
+    @timeline.traced("cast, all-reduce, cast back")
+    def reduce_cast_(self, sources: Sequence[Any], destinations: Optional[Sequence[Any]],
+                     wire: int, algorithm: str) -> None:
+        """Averages this float32 bucket's tensors over a 16-bit wire (``wire``: F16 or BF16)
+        as Note [Compressed buckets] in mpidp/compression.py defines it: ``sources`` (None:
+        zeros) cast into the wire bucket, all-reduced (sum), cast back into
+        ``destinations`` (None, or a None entry: this bucket's own slots). Collective."""
+        g = runtime.group()
+        if self.wire is None:
+            self.wire = np.empty(len(self.flat), np.uint16)
+        before, after = (g.size, 1) if wire == F16 else (1, g.size)
+        views = [np.zeros(c, np.float32) if s is None else as_host_array(s).flat
+                 for s, c in zip(sources, self.counts)]
+        host_kernels.cast_segments(self.wire, views, wire, self.dtype, before, False)
+        collectives.allreduce_(flat_host_array(self.wire, wire), "sum", algorithm)
+        destinations = destinations or [None] * len(self.counts)
+        arrays = [None if d is None else as_host_array(d) for d in destinations]
+        outs = [self.flat[o:o + c] if a is None else a.flat
+                for a, o, c in zip(arrays, self.offsets, self.counts)]
+        host_kernels.cast_segments(self.wire, outs, wire, self.dtype, after, True)
+        for a in arrays:
+            if a is not None:
+                write_back(a)
+        self.divisor = 1  # unpack_one of a parameter unused here reads its averaged slot
 
     def allreduce_(self, op: str, algorithm: str) -> None:
         """All-reduces the bucket's buffer in place (collective)."""

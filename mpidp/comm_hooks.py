@@ -57,6 +57,9 @@ def check_hook(state: Any, hook: Callable) -> None:
     if not callable(hook):
         raise TypeError(f"register_comm_hook: hook must be callable as hook(state, bucket), "
                         f"got {type(hook).__name__}")
+    check_state = getattr(hook, "mpidp_check_state", None)  # mpidp's own hooks check theirs
+    if check_state is not None:
+        check_state(state)
 
 
 def run_hook(state: Any, hook: Callable, bucket, sources: Sequence[Any],

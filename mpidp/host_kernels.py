@@ -1,7 +1,7 @@
-"""The host array seam: reduce, divide, and bucket pack/unpack on flat host buffers, by the C
-extension or, where it is not built (or MPIDP_EXTENSION=0), by its numpy twin — an error
-instead when MPIDP_REQUIRE_EXTENSION (or CI) is set. Without the extension there is no
-shared-memory algorithm either: ``auto`` then runs one-node collectives over MPI
+"""The host array seam: reduce, divide, and bucket pack/unpack (casting too) on flat host
+buffers, by the C extension or, where it is not built (or MPIDP_EXTENSION=0), by its numpy
+twin — an error instead when MPIDP_REQUIRE_EXTENSION (or CI) is set. Without the extension
+there is no shared-memory algorithm either: ``auto`` then runs one-node collectives over MPI
 (Note [Auto choice] in mpidp/algorithms.py)."""
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ _impl = _select()
 divide = _impl.divide
 pack = _impl.pack
 unpack = _impl.unpack
+cast_segments = _impl.cast_segments
 IMPLEMENTATION = "c" if _impl is _ext else "numpy"
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dtypes import BF16, F16, FLOATING, NUMPY_STORAGE, OP_MAX, OP_MIN, OP_SUM
+from .dtypes import BF16, F16, F32, FLOATING, NUMPY_STORAGE, OP_MAX, OP_MIN, OP_SUM
 
 
 def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -124,3 +124,38 @@ def unpack(bucket, destinations, dtype: int, divisor: int) -> int:
             divide(p, dtype, divisor)
         offset += p.nbytes
     return total
+
+
+def cast_segments(bucket, segments, wire: int, outer: int, divisor: int, unpack: bool) -> int:
+    """float32 ``segments`` packed into a float16/bfloat16 ``bucket`` (or, ``unpack``, read
+    back), divided by ``divisor`` in float32 on the way (Note [Casting buckets] in
+    csrc/kernels.c). Returns the bucket bytes used."""
+    if outer != F32 or wire not in (F16, BF16):
+        raise ValueError(f"cast_segments converts float32 buffers to and from a float16 or "
+                         f"bfloat16 bucket; got codes {outer} (buffers), {wire} (bucket)")
+    if divisor <= 0:
+        raise ValueError(f"divisor must be positive, got {divisor}")
+    parts = [_bytes(s, unpack) for s in segments]
+    for i, p in enumerate(parts):
+        if p.nbytes % 4:
+            raise ValueError(f"tensor {i} has {p.nbytes} bytes, not a multiple of the item "
+                             "size 4")
+    used = sum(p.nbytes for p in parts) // 2
+    flat = _bytes(bucket, not unpack)
+    if used > flat.nbytes:
+        raise ValueError(f"the buffers need {used} bucket bytes, more than the bucket's "
+                         f"{flat.nbytes}")
+    scale = np.float32(divisor)
+    offset = 0
+    for p in parts:
+        values, half = p.view(np.float32), flat[offset:offset + p.nbytes // 2].view(np.uint16)
+        if unpack:
+            wide = _bf16_to_f32(half) if wire == BF16 else half.view(np.float16).astype(np.float32)
+            np.divide(wide, scale, out=values) if divisor > 1 else np.copyto(values, wide)
+        else:
+            x = values / scale if divisor > 1 else values
+            with np.errstate(over="ignore"):  # beyond float16's range is inf, as in C
+                half[...] = _f32_to_bf16(x) if wire == BF16 else \
+                    x.astype(np.float16).view(np.uint16)
+        offset += p.nbytes // 2
+    return used

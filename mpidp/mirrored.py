@@ -17,6 +17,7 @@ from torch.distributed.algorithms.join import Join
 from . import collectives, config, runtime, sync_bn, timeline
 from .audit import ReplicaDivergenceError, checksums, divergence
 from .comm_hooks import check_hook, run_hook
+from .compression import fused_wire
 from .comm_thread import call_in_order, check_thread_level, communicate, reduce_bucket, stop
 from .ddp_args import agree_audit, validate
 from .ddp_join import JoinSupport
@@ -264,6 +265,10 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         (Note [Communication hooks] in mpidp/comm_hooks.py)."""
         if self._hook is None:
             reduce_bucket(bucket, sources, destinations, self.algorithm)
+            return
+        wire = fused_wire(*self._hook, bucket)
+        if wire is not None:  # Note [Compressed buckets] in mpidp/compression.py
+            bucket.reduce_cast_(sources, destinations, wire, self.algorithm)
             return
         k = self._bucket_index[id(bucket)]
         run_hook(*self._hook, bucket, sources, destinations,

@@ -159,3 +159,49 @@ def test_assign_buckets_examples():
         assign_buckets([1], ["f"], 0)
     with pytest.raises(ValueError, match="dtypes"):
         assign_buckets([1, 2], ["f"], 10)
+
+
+@pytest.mark.parametrize("wire", [F16, BF16])
+@pytest.mark.parametrize("divisor", [1, 3, 4])
+def test_cast_segments_match_torch_and_twin(wire, divisor):
+    """Note [Casting buckets]: float32 -> 16 bits (x / divisor, one rounding) and back
+    (widened, then divided in float32): bit for bit torch's own casts, in C and the twin,
+    on values that round (ties, subnormals, overflow to inf, NaN) and odd segment sizes."""
+    rng = np.random.default_rng(wire * 10 + divisor)
+    sizes = [0, 1, 7, 1000, 3, 4099]
+    special = np.array([0.0, -0.0, 1 + 2 ** -11, 1 + 3 * 2 ** -11, 65504.0, 65520.0, 1e-7,
+                        -3e-8, 1e38, np.inf, -np.inf, np.nan, 1 + 2 ** -8, 257.0], np.float32)
+    sources = [np.concatenate([special, (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 6, n))
+                               .astype(np.float32)])[:n] for n in sizes]
+    torch_wire = {F16: torch.float16, BF16: torch.bfloat16}[wire]
+    expected = torch.cat([torch.from_numpy(s) / divisor if divisor > 1 else torch.from_numpy(s)
+                          for s in sources]).to(torch_wire)
+    back = expected.float() / divisor if divisor > 1 else expected.float()
+    want = expected.view(torch.int16).numpy().view(np.uint16)
+    nan = torch.isnan(expected).numpy()  # torch's NaN bits vary (0x7fc0, 0xffff): any NaN
+    packed = []
+    for impl in IMPLS:
+        bucket = np.full(sum(sizes) + 3, 7, np.uint16)
+        assert impl.cast_segments(bucket, sources, wire, F32, divisor, False) == sum(sizes) * 2
+        assert np.array_equal(bucket[:sum(sizes)][~nan], want[~nan])
+        assert np.all(bucket[sum(sizes):] == 7)
+        packed.append(bucket)
+        outs = [np.full(n, 5, np.float32) for n in sizes]
+        impl.cast_segments(bucket, outs, wire, F32, divisor, True)
+        got = np.concatenate(outs)
+        assert np.array_equal(got[~nan].view(np.uint32), back.numpy()[~nan].view(np.uint32))
+        assert np.isnan(got[nan]).all()
+    assert np.array_equal(packed[0], packed[1])  # the C kernel and its twin: every bit
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=["c", "twin"])
+def test_cast_segments_errors(impl):
+    bucket, f32 = np.zeros(4, np.uint16), [np.zeros(4, np.float32)]
+    with pytest.raises(ValueError, match="float32 buffers to and from"):
+        impl.cast_segments(bucket, f32, F32, F32, 1, False)
+    with pytest.raises(ValueError, match="divisor must be positive"):
+        impl.cast_segments(bucket, f32, F16, F32, 0, False)
+    with pytest.raises(ValueError, match="need 8 bucket bytes, more than the bucket's 6"):
+        impl.cast_segments(np.zeros(3, np.uint16), f32, BF16, F32, 1, False)
+    with pytest.raises(ValueError, match="not a multiple of the item size 4"):
+        impl.cast_segments(bucket, [np.zeros(3, np.uint16)], BF16, F32, 1, True)

@@ -1,7 +1,8 @@
 """Tier 2: communication hooks and the replica audit of mpidp's DistributedDataParallel under
 mpiexec: torch's own hooks, on torch.distributed's mpidp backend, against torch's DDP with the
 same hook on gloo (tests/mpi/body_hooks.py), and the audit catching a perturbed rank
-(tests/mpi/body_audit.py), at n = 1, 2, 3."""
+(tests/mpi/body_audit.py), and mpidp's own compression hooks without torch.distributed
+(tests/mpi/body_compression.py), at n = 1, 2, 3."""
 import pytest
 
 from mpirun import assert_ok, body
@@ -15,3 +16,8 @@ def test_torch_hooks_on_mpidp_ddp_end_as_torch_ddp(n):
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_replica_audit_names_the_diverged_rank_and_tensor(n):
     assert_ok(body(n, "body_audit.py"), n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_mpidp_compression_hooks_exact_against_their_definitions(n):
+    assert_ok(body(n, "body_compression.py"), n)
