@@ -266,7 +266,7 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         if self._hook is None:
             reduce_bucket(bucket, sources, destinations, self.algorithm)
             return
-        wire = fused_wire(*self._hook, bucket)
+        wire = fused_wire(self._hook[1], bucket)
         if wire is not None:  # Note [Compressed buckets] in mpidp/compression.py
             bucket.reduce_cast_(sources, destinations, wire, self.algorithm)
             return

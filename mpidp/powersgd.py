@@ -37,7 +37,8 @@ class PowerSGDState:
                  orthogonalization_epsilon: float = 0, random_seed: int = 0):
         if process_group is not None:
             raise TypeError("mpidp's PowerSGDState averages over DistributedDataParallel's "
-                            f"ranks: process_group must be None, got {type(process_group).__name__}")
+                            "ranks: process_group must be None, got "
+                            f"{type(process_group).__name__}")
         for name, value, least in (("matrix_approximation_rank", matrix_approximation_rank, 1),
                                    ("start_powerSGD_iter", start_powerSGD_iter, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:

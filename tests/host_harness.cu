@@ -59,3 +59,21 @@ extern "C" void mpidp_host_bf16_to_float(const u16 *in, float *out, long long n)
 extern "C" void mpidp_host_float_to_bf16(const float *in, u16 *out, long long n) {
     for (long long i = 0; i < n; i++) out[i] = float_to_bf16(in[i]);
 }
+
+extern "C" int mpidp_host_cast(int wire, int unpack, u16 *bucket, float *values, long long n,
+                               long long divisor) {
+    for (long long i = 0; i < n; i++) {
+        if (wire == 0) {
+            f16 w; w.bits = bucket[i];
+            if (unpack) values[i] = cast_out(w, divisor);
+            else bucket[i] = cast_in<f16>(values[i], divisor).bits;
+        } else if (wire == 1) {
+            bf16 w; w.bits = bucket[i];
+            if (unpack) values[i] = cast_out(w, divisor);
+            else bucket[i] = cast_in<bf16>(values[i], divisor).bits;
+        } else {
+            return -1;
+        }
+    }
+    return 0;
+}

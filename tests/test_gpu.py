@@ -115,6 +115,26 @@ def test_multi_tensor_pack_and_unpack(cp, ops, dtype):
     assert np.array_equal(got[keep], want[keep])
 
 
+@pytest.mark.parametrize("wire", [F16, BF16])
+@pytest.mark.parametrize("divisor", [1, 3, 4])
+def test_fused_cast_equals_host(cp, ops, wire, divisor):
+    """The compression hooks' cast (Note [Casting buckets]): float32 tensors into a 16-bit
+    bucket and back, divided on the way, as the C extension does it, bit for bit."""
+    sizes = [1, 3, 8, 1000, 0, 70_000]
+    host = [values(F32, s, i) for i, s in enumerate(sizes)]
+    bucket = cp.empty(sum(sizes), np.uint16)
+    ops.cast(bucket, [cp.asarray(h) for h in host], wire, divisor, unpack=False)
+    want = np.empty(sum(sizes), np.uint16)
+    host_kernels.cast_segments(want, host, wire, F32, divisor, False)
+    assert np.array_equal(bucket.get(), want)
+    outs = [cp.empty(s, np.float32) for s in sizes]
+    ops.cast(bucket, outs, wire, divisor, unpack=True)
+    back = [np.empty(s, np.float32) for s in sizes]
+    host_kernels.cast_segments(want, back, wire, F32, divisor, True)
+    got = np.concatenate([o.get() for o in outs])
+    assert np.array_equal(got.view(np.uint32), np.concatenate(back).view(np.uint32))
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ring_on_device_buffers_equals_host_ring(cp, n):
     """mpidp.ring unchanged over device buffers and our kernels (virtual ranks, loopback)."""

@@ -23,7 +23,8 @@ SUFFIXES = ("f16", "bf16", "f32", "f64", "i32", "i64")
 ENTRY_POINTS = {
     "reduce.cu": [f"mpidp_reduce_{d}_{o}" for d in SUFFIXES for o in ("sum", "min", "max")]
     + [f"mpidp_divide_{d}" for d in SUFFIXES[:4]],
-    "pack.cu": ["mpidp_copy_bytes"] + [f"mpidp_unpack_divide_{d}" for d in SUFFIXES[:4]],
+    "pack.cu": ["mpidp_copy_bytes"] + [f"mpidp_unpack_divide_{d}" for d in SUFFIXES[:4]]
+    + ["mpidp_cast_f16", "mpidp_cast_bf16"],
 }
 
 
@@ -226,6 +227,23 @@ def test_divide_equals_the_c_extension(harness, dtype, divisor):
                                      ctypes.c_longlong(divisor)) == 0
     _ext.divide(host, dtype, divisor)
     assert np.array_equal(ours.view(np.uint8), host.view(np.uint8))
+
+
+@pytest.mark.parametrize("wire", [F16, BF16])
+@pytest.mark.parametrize("divisor", [1, 3, 4])
+def test_cast_equals_the_c_extension(harness, wire, divisor):
+    """The compression hooks' fused cast (Note [Casting buckets]): float32 into 16 bits and
+    back, divided on the way, as the C extension's cast_segments, bit for bit."""
+    values = operands(F32, np.random.default_rng(wire + divisor))
+    ours, host = np.zeros(len(values), np.uint16), np.zeros(len(values), np.uint16)
+    n, d = ctypes.c_longlong(len(values)), ctypes.c_longlong(divisor)
+    assert harness.mpidp_host_cast(wire, 0, ptr(ours), ptr(values), n, d) == 0
+    _ext.cast_segments(host, [values], wire, F32, divisor, False)
+    assert np.array_equal(ours, host)
+    back, host_back = np.empty_like(values), np.empty_like(values)
+    assert harness.mpidp_host_cast(wire, 1, ptr(ours), ptr(back), n, d) == 0
+    _ext.cast_segments(host, [host_back], wire, F32, divisor, True)
+    assert np.array_equal(back.view(np.uint32), host_back.view(np.uint32))
 
 
 # ---- the GPU path's host-side pieces ---------------------------------------------------------

@@ -8,10 +8,10 @@ import sys
 from typing import Any, Optional, Sequence
 
 
-from .. import collectives
+from .. import collectives, runtime
 from ..planner import DEVICE
 from ..buckets import BucketBase
-from ..dtypes import NUMPY_STORAGE
+from ..dtypes import F16, NUMPY_STORAGE
 from .arrays import DeviceArray, as_device_array, external_stream, producer_stream, write_back
 from .device import cupy
 from .kernels import DeviceOps
@@ -24,7 +24,7 @@ class DeviceBucket(BucketBase):
     (torch's current stream), so gradients, packing, the all-reduce, the unpack and the
     optimizer step stay in stream order."""
 
-    __slots__ = ("device", "stream")
+    __slots__ = ("device", "stream", "wire")
     where = DEVICE
 
     def __init__(self, indices: Sequence[int], counts: Sequence[int], dtype: int, device: int):
@@ -37,6 +37,7 @@ class DeviceBucket(BucketBase):
         self.buffer = DeviceArray(self.flat, self.flat, dtype, self.flat.shape, False, True,
                                   device)
         self.stream = None
+        self.wire = None  # the 16-bit bucket of reduce_cast_
 
     def capture_stream(self) -> None:
         """Remembers the calling thread's current torch stream on the bucket's GPU (DDP calls
@@ -84,6 +85,35 @@ class DeviceBucket(BucketBase):
                     ops.pack(self.flat[o:o + len(v)], [v])
             return
         ops.pack(self.flat, views)
+
+    def reduce_cast_(self, sources: Sequence[Any], destinations: Optional[Sequence[Any]],
+                     wire: int, algorithm: str) -> None:
+        """Bucket.reduce_cast_ on the device: the casts are one launch each
+        (Note [Compressed buckets] in mpidp/compression.py). Collective."""
+        cp = cupy()
+        with cp.cuda.Device(self.device):
+            size = runtime.size()
+            before, after = (size, 1) if wire == F16 else (1, size)
+            arrays = [None if s is None else as_device_array(s) for s in sources]
+            ops = self._ops(arrays)
+            with ops.stream:
+                if self.wire is None:
+                    self.wire = cp.empty(len(self.flat), NUMPY_STORAGE[wire])
+                views = [cp.zeros(c, self.flat.dtype) if a is None else a.flat
+                         for a, c in zip(arrays, self.counts)]
+            ops.cast(self.wire, views, wire, before, unpack=False)
+            with ops.stream:
+                collectives.allreduce_(DeviceArray(self.wire, self.wire, wire, self.wire.shape,
+                                                   False, True, self.device), "sum", algorithm)
+            outs = [None if d is None else as_device_array(d)
+                    for d in (destinations or [None] * len(self.counts))]
+            flats = [self.flat[o:o + c] if a is None else a.flat
+                     for a, o, c in zip(outs, self.offsets, self.counts)]
+            ops.cast(self.wire, flats, wire, after, unpack=True)
+            for a in outs:
+                if a is not None:
+                    write_back(a)
+        self.divisor = 1
 
     def stream_context(self):
         """torch work on the stream ``capture_stream`` took (the gradients'), as a context."""

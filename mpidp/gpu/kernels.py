@@ -120,6 +120,20 @@ class DeviceOps:
             else:
                 self._unpack_divide(part, chunk, dtype, divisor)
 
+    def cast(self, bucket, tensors: Sequence, wire: int, divisor: int, unpack: bool) -> None:
+        """The float32 CuPy arrays ``tensors`` packed into the 16-bit ``bucket`` (``wire``:
+        F16 or BF16), or with ``unpack`` read back from it, divided by ``divisor`` on the way
+        (Note [Casting buckets] in csrc/kernels.c; one launch per MAX_TENSORS_PER_LAUNCH
+        tensors)."""
+        kernel = function("pack.cu", f"mpidp_cast_{DTYPE_SUFFIX[wire]}")
+        for lo, part in _batches(bucket, tensors):
+            chunk = tensors[lo:lo + MAX_TENSORS_PER_LAUNCH]
+            pointers, offsets, counts, longest = self._table(chunk, 1, in_bytes=False)
+            with self.stream:
+                kernel((_blocks(longest), len(chunk)), (THREADS,),
+                       (part, pointers, offsets, counts, np.int64(divisor),
+                        np.int32(1 if unpack else 0)))
+
     def _unpack_divide(self, bucket, tensors: Sequence, dtype: int, divisor: int) -> None:
         pointers, offsets, counts, longest = self._table(tensors, 1, in_bytes=False)
         kernel = function("pack.cu", f"mpidp_unpack_divide_{DTYPE_SUFFIX[dtype]}")

@@ -214,6 +214,17 @@ template <typename T> MPIDP_HD T divide_one(T x, long long divisor) {
     return M::store(divide(M::load(x), divisor));
 }
 
+// Note [Casting buckets] (csrc/kernels.c): float32 into a 16-bit wire dtype W, divided in
+// float32 first, rounded once; and back, widened, then divided.
+template <typename W> MPIDP_HD W cast_in(float x, long long divisor) {
+    return Arith<W>::store(divisor > 1 ? divide(x, divisor) : x);
+}
+
+template <typename W> MPIDP_HD float cast_out(W x, long long divisor) {
+    const float wide = Arith<W>::load(x);
+    return divisor > 1 ? divide(wide, divisor) : wide;
+}
+
 }  // namespace mpidp
 
 #endif

@@ -5,8 +5,12 @@
 //                    const long long *offsets_bytes, const long long *sizes_bytes, int unpack)
 //   mpidp_unpack_divide_<dtype>(const T *bucket, const unsigned long long *tensors,
 //                    const long long *offsets, const long long *counts, long long divisor)
+//   mpidp_cast_<wire>(W *bucket, const unsigned long long *tensors, const long long *offsets,
+//                    const long long *counts, long long divisor, int unpack)
 // The copy moves the widest unit (16, 8, 4, 2 or 1 bytes) that divides both addresses and the
-// size; unpack_divide writes bucket / divisor (the average's division, elementwise.cuh).
+// size; unpack_divide writes bucket / divisor (the average's division, elementwise.cuh);
+// cast packs float32 tensors into a float16/bfloat16 bucket or unpacks them back, divided on
+// the way (Note [Casting buckets] in csrc/kernels.c).
 #include "elementwise.cuh"
 
 namespace mpidp {
@@ -56,3 +60,20 @@ MPIDP_UNPACK_DIVIDE(f16, mpidp::f16)
 MPIDP_UNPACK_DIVIDE(bf16, mpidp::bf16)
 MPIDP_UNPACK_DIVIDE(f32, float)
 MPIDP_UNPACK_DIVIDE(f64, double)
+
+#define MPIDP_CAST(NAME, W)                                                                 \
+    extern "C" __global__ void mpidp_cast_##NAME(                                          \
+        W *bucket, const unsigned long long *tensors, const long long *offsets,            \
+        const long long *counts, long long divisor, int unpack) {                          \
+        const int t = blockIdx.y;                                                           \
+        float *mine = reinterpret_cast<float *>(tensors[t]);                                \
+        W *slot = bucket + offsets[t];                                                      \
+        const long long stride = (long long)gridDim.x * blockDim.x;                        \
+        for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < counts[t]; \
+             i += stride) {                                                                 \
+            if (unpack) mine[i] = mpidp::cast_out(slot[i], divisor);                        \
+            else slot[i] = mpidp::cast_in<W>(mine[i], divisor);                             \
+        }                                                                                   \
+    }
+MPIDP_CAST(f16, mpidp::f16)
+MPIDP_CAST(bf16, mpidp::bf16)
