@@ -92,14 +92,18 @@ def test_central_ends_with_the_parameters_of_mirrored(n, tmp_path):
 
 RESUMABLE = ("--dataset", "user_factories:dying_digits", "--epochs", 3, "--checkpoint-every",
              10, "--optimizer", "adam", "--no-progress")
+# PowerSGD's state (every rank's error feedback, the Q's) must resume too
+MODES = {"mirrored": ("--strategy", "mirrored"), "central": ("--strategy", "central"),
+         "powersgd": ("--compression", "powersgd", "--powersgd-rank", 2,
+                      "--powersgd-start-step", 5)}
 _uninterrupted = {}
 
 
 def uninterrupted(n, strategy, tmp_path_factory):
-    """The reference run of a (ranks, strategy), made once per session."""
+    """The reference run of a (ranks, mode of MODES), made once per session."""
     if (n, strategy) not in _uninterrupted:
         d = tmp_path_factory.mktemp(f"uninterrupted-{n}-{strategy}")
-        _uninterrupted[n, strategy] = summary_of(train(n, *RESUMABLE, "--strategy", strategy,
+        _uninterrupted[n, strategy] = summary_of(train(n, *RESUMABLE, *MODES[strategy],
                                                        "--checkpoint-dir", d, env=USER))
     return _uninterrupted[n, strategy]
 
@@ -111,7 +115,8 @@ def uninterrupted(n, strategy, tmp_path_factory):
 KILLS = [(2, "mirrored", 1, 1 + 719 + 11 * 32 + 5, "ckpt-000000030.pt"),
          (2, "mirrored", 0, 1 + 719 + 11 * 32 + 5, "ckpt-000000030.pt"),
          (2, "central", 1, 1 + 719 + 11 * 32 + 5, "ckpt-000000030.pt"),
-         (3, "mirrored", 2, 1 + 480 + 11 * 32 + 5, "ckpt-000000020.pt")]
+         (3, "mirrored", 2, 1 + 480 + 11 * 32 + 5, "ckpt-000000020.pt"),
+         (3, "powersgd", 1, 1 + 480 + 11 * 32 + 5, "ckpt-000000020.pt")]
 
 
 @pytest.mark.parametrize("n,strategy,victim,item,resume_file", KILLS,
@@ -119,7 +124,7 @@ KILLS = [(2, "mirrored", 1, 1 + 719 + 11 * 32 + 5, "ckpt-000000030.pt"),
 def test_sigkill_then_resume_ends_bitwise_equal(n, strategy, victim, item, resume_file,
                                                 tmp_path, tmp_path_factory):
     reference = uninterrupted(n, strategy, tmp_path_factory)
-    flags = (*RESUMABLE, "--strategy", strategy, "--checkpoint-dir", tmp_path)
+    flags = (*RESUMABLE, *MODES[strategy], "--checkpoint-dir", tmp_path)
     killed = train(n, *flags, env=dict(USER, DIE_RANK=str(victim), DIE_AT_ITEM=str(item)))
     out = killed.stdout + killed.stderr
     assert killed.returncode != 0 and "Killed" in out and '"event": "summary"' not in out, out
@@ -296,6 +301,7 @@ BAD = [
     (2, ("--dataset", "user_factories:broken"), "the factory raised OSError"),
     (2, ("--model", "torch.nn:Linear"), "the factory raised TypeError"),
     (2, ("--algorithm", "tree"), "argument --algorithm: invalid choice: 'tree'"),
+    (2, ("--compression", "int8"), "argument --compression: invalid choice: 'int8'"),
     (1, ("--no-such-flag",), "unrecognized arguments: --no-such-flag"),
 ]
 
@@ -364,3 +370,10 @@ def test_straggler_slows_only_its_rank_and_is_reported(tmp_path):
     assert len(lines) == 1 and re.match(r"straggler: rank 1 on \S+ computes \d\.\dx as long "
                                         r"per sample as the median of the other ranks "
                                         r"\(epoch 1\)", lines[0]), proc.stdout
+
+
+def test_compression_auto_on_one_node_says_none_and_why():
+    proc = train(2, "--compression", "auto", "--epochs", 1, "--no-progress")
+    assert summary_of(proc)["compression"] == "none"
+    assert "\n--compression auto: none (one node: gradients cross shared memory" in proc.stdout, \
+        proc.stdout

@@ -141,6 +141,18 @@ def test_training_across_nodes_ends_as_on_one_node(cluster, strategy, tmp_path):
     assert summary_of(across)["parameters_sha256"] == _one_node["one"]["parameters_sha256"]
 
 
+def test_compression_auto_measures_the_link_across_nodes(cluster):
+    """--compression auto on 2 nodes x 1: the choice comes from a measured all-reduce, said
+    in one line with its figures, and is in the summary."""
+    proc = train(cluster, 2, 1, "--compression", "auto", "--epochs", 1, "--no-progress",
+                 env=USER)
+    chosen = summary_of(proc)["compression"]
+    line = re.search(r"--compression auto: (\w+) \(the gradients' all-reduce \([\d.]+ MB\) "
+                     r"across 2 nodes took [\d.]+ ms as float32, [\d.]+ ms as bfloat16 with "
+                     r"its casts\)", proc.stdout)
+    assert line and line.group(1) == chosen and chosen in ("none", "bf16"), proc.stdout
+
+
 def test_parameter_server_on_a_node_of_its_own(cluster, tmp_path):
     """ps on 3 nodes x 1: the server (the last rank) alone on node2, its workers on node0 and
     node1; trains, checkpoints each epoch, and a resumed run continues from the last one."""

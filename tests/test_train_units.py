@@ -131,6 +131,14 @@ def test_builtin_models_fit_the_data():
     ({"checkpoint_on_signal": True}, "--checkpoint-on-signal needs --checkpoint-dir"),
     ({"checkpoint_on_signal": True, "checkpoint_dir": "c", "strategy": "ps"},
      "--checkpoint-on-signal: the parameter server checkpoints at epoch ends only"),
+    ({"compression": "zip"}, "--compression 'zip': expected one of none, fp16, bf16"),
+    ({"compression": "bf16", "strategy": "central"},
+     "--compression bf16 applies to --strategy mirrored, not central"),
+    ({"powersgd_rank": 2, "compression": "bf16"},
+     "--powersgd-rank applies to --compression powersgd, not bf16"),
+    ({"powersgd_start_step": -1, "compression": "powersgd"},
+     "--powersgd-start-step must be an integer >= 0, got -1"),
+    ({"powersgd_rank": 0, "compression": "powersgd"}, "--powersgd-rank must be an integer >= 1"),
 ])
 def test_settings_checks_name_the_flag(change, match):
     with pytest.raises(ValueError, match=match):

@@ -28,6 +28,8 @@ MODE = 0o600  # checkpoints are readable by their owner only
 # what a training checkpoint holds (the loop's _save writes them, set-up and resume read them)
 KEYS = ("format", "model", "optimizer", "epoch", "step_in_epoch", "global_step", "world_size",
         "train_samples", "data_order", "rng", "settings")
+# and where the run has one, "comm_hook": the communication hook's state (Note [Compression
+# state in checkpoints] in compress.py)
 
 # Note [Checkpoint digest]
 # torch.save writes a zip archive, and torch.load checks none of the archive's CRCs: bytes

@@ -24,7 +24,7 @@ from . import checkpoint
 from .interrupts import PROG, end_while_starting, launcher_rank, raise_interrupted, signal_of
 from .loop import StoppedOnSignal, Trainer, recording_signals
 from .report import emit
-from .settings import LR_SCALINGS, OPTIMIZERS, STRATEGIES, TrainSettings
+from .settings import COMPRESSIONS, LR_SCALINGS, OPTIMIZERS, STRATEGIES, TrainSettings
 from .setup import SetupError, agree
 
 USAGE_ERROR = 2
@@ -114,6 +114,14 @@ def parser() -> argparse.ArgumentParser:
     a("--staleness-lr", action="store_true", default=d.staleness_lr,
       help="--strategy ps: scale each pushed gradient by 1/its measured staleness "
       "(Zhang et al. 2016)")
+    a("--compression", choices=COMPRESSIONS, default=d.compression,
+      help="--strategy mirrored: gradients averaged over a float16 or bfloat16 wire (half the "
+      "bytes), with PowerSGD (low-rank, error feedback), or auto: bf16 where a measured "
+      "all-reduce across nodes says it pays, else none (the log says why)")
+    a("--powersgd-rank", type=int, default=d.powersgd_rank,
+      help="--compression powersgd: rank of each gradient matrix's approximation (default 1)")
+    a("--powersgd-start-step", type=int, default=d.powersgd_start_step,
+      help="--compression powersgd: steps of plain averaging first (default 10)")
     a("--straggler", default=d.straggler, metavar="RANK:FACTOR",
       help="testing aid: rank RANK computes FACTOR times more slowly (it sleeps after each "
       "step), with every strategy (default: none)")

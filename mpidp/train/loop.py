@@ -181,6 +181,8 @@ class Trainer:
         run = _Run(s, g, model, strategy, train_data, test_data,
                    loss_fn or torch.nn.functional.cross_entropy, sampler, report)
         first_epoch, first_step = run.resume(resumed) if s.resume else (0, 0)
+        for line in strategy.notes:
+            report.line(line)
         t_run = run.start_clocks()
         for epoch in range(first_epoch, s.epochs):
             run.train_epoch(epoch, first_step if epoch == first_epoch else 0)
@@ -249,6 +251,7 @@ class _Run:
         g = self.g
         path, state, digest = resumed if g.rank == 0 else (None, None, None)
         self.strategy.load_optimizer(state["optimizer"] if state else None)
+        self.strategy.load_comm_state(state.get("comm_hook") if state else None)
         rngs = state["rng"] if state else None
         where = (str(path), state["epoch"], state["step_in_epoch"], state["global_step"]) \
             if state else None
@@ -402,6 +405,7 @@ class _Run:
             rng = g.comm.gather(checkpoint.rng_state(), root=0) if g.size > 1 \
                 else [checkpoint.rng_state()]
         optimizer = self.strategy.optimizer_state()  # collective for ps (servers hold it)
+        hook = self.strategy.comm_state()  # collective
         if g.rank != 0:
             self.checkpoint = None
             return
@@ -411,8 +415,9 @@ class _Run:
                  "train_samples": len(self.train_data),
                  "data_order": {"seed": s.seed, "epoch": position[0],
                                 "position": position[1]},
-                 "rng": rng, "settings": dataclasses.asdict(s)}
-        assert set(state) | {"format"} == set(checkpoint.KEYS), "resume reads checkpoint.KEYS"
+                 "rng": rng, "settings": dataclasses.asdict(s),
+                 **({"comm_hook": hook} if hook is not None else {})}
+        assert set(checkpoint.KEYS) <= set(state) | {"format"}, "resume reads checkpoint.KEYS"
         self.checkpoint = checkpoint.save(s.checkpoint_dir, state, self.global_step,
                                           s.keep_checkpoints)
 

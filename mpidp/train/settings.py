@@ -9,6 +9,7 @@ from typing import Optional
 from .. import algorithms
 
 STRATEGIES = ("mirrored", "central", "ps")
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "auto")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 LR_SCALINGS = ("none", "linear", "sqrt")
 MOMENTUM = 0.9  # --optimizer momentum: SGD with this momentum (Goyal et al. use 0.9)
@@ -47,6 +48,9 @@ class TrainSettings:
     staleness: Optional[int] = None    # --strategy ps: SSP bound S (None: fully asynchronous)
     staleness_lr: bool = False         # --strategy ps: scale each push by 1/its staleness
     straggler: Optional[str] = None    # RANK:FACTOR, a testing aid for every strategy
+    compression: str = "none"          # mirrored: the gradients' communication hook
+    powersgd_rank: Optional[int] = None        # --compression powersgd (default 1)
+    powersgd_start_step: Optional[int] = None  # --compression powersgd (default 10)
 
     def check(self) -> "TrainSettings":
         _choice("--strategy", self.strategy, STRATEGIES)
@@ -70,6 +74,7 @@ class TrainSettings:
                                  "so they cannot stop at one step together)")
         if self.straggler is not None:
             straggler_of(self.straggler)
+        self._check_compression()
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
         _choice("--lr-scaling", self.lr_scaling, LR_SCALINGS)
         _choice("--algorithm", self.algorithm, algorithms.NAMES[algorithms.HOST])
@@ -100,6 +105,21 @@ class TrainSettings:
         if self.allow_shared_checkpoint_dir and not self.checkpoint_dir:
             raise ValueError("--allow-shared-checkpoint-dir needs --checkpoint-dir")
         return self
+
+
+    def _check_compression(self) -> None:
+        _choice("--compression", self.compression, COMPRESSIONS)
+        if self.compression != "none" and self.strategy != "mirrored":
+            raise ValueError(f"--compression {self.compression} applies to --strategy "
+                             f"mirrored, not {self.strategy}")
+        for flag, value, least in (("--powersgd-rank", self.powersgd_rank, 1),
+                                   ("--powersgd-start-step", self.powersgd_start_step, 0)):
+            if value is None:
+                continue
+            if self.compression != "powersgd":
+                raise ValueError(f"{flag} applies to --compression powersgd, not "
+                                 f"{self.compression}")
+            _at_least(flag, value, least)
 
 
 def _choice(flag: str, value, choices) -> None:

@@ -11,6 +11,8 @@ from .. import runtime, timeline
 from ..central import CentralStorage
 from ..state_broadcast import broadcast_optimizer_state
 from ..mirrored import DistributedDataParallel
+from ..powersgd import PowerSGDState
+from . import compress
 from .ps_strategy import ParameterServerStrategy
 from .strategy_base import Strategy
 
@@ -27,6 +29,13 @@ class Mirrored(Strategy):
                                                algorithm=settings.algorithm)
         self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
         self.stats = self.forward.comm_stats
+        self.compression, self.hook_state = settings.compression, None
+        if self.compression == "auto":
+            self.compression, why = compress.choose(list(model.parameters()))
+            self.notes.append(f"--compression auto: {self.compression} ({why})")
+        if self.compression != "none":
+            self.hook_state, hook = compress.make_hook(self.compression, settings)
+            self.forward.register_comm_hook(self.hook_state, hook)
 
     def step(self, loss: torch.Tensor) -> None:
         with timeline.span("backward"):
@@ -39,6 +48,20 @@ class Mirrored(Strategy):
             self.optimizer.load_state_dict(state)
         if runtime.size() > 1:
             broadcast_optimizer_state(self.optimizer, 0)
+
+    def comm_state(self) -> Optional[dict]:
+        if not isinstance(self.hook_state, PowerSGDState):
+            return None
+        return compress.gather_state(self.hook_state, list(self.model.parameters()))
+
+    def load_comm_state(self, state: Optional[dict]) -> None:
+        if isinstance(self.hook_state, PowerSGDState) and not compress.scatter_state(
+                state, self.hook_state, list(self.model.parameters())):
+            self.notes.append("the checkpoint holds no PowerSGD state: its errors and Q's "
+                              "start afresh")
+
+    def report(self, total_s: float) -> dict:
+        return {"compression": self.compression}
 
 
 class Central(Strategy):

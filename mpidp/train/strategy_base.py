@@ -24,6 +24,7 @@ class Strategy:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.notes: list = []  # lines for the log, said once by the loop
 
     def steps_per_epoch(self, sampler: Any, train_samples: int, batch_size: int) -> int:
         """Steps of one epoch (as checkpoint positions count them)."""
@@ -59,6 +60,14 @@ class Strategy:
     def load_optimizer(self, state: Optional[dict]) -> None:
         """Rank 0 passes the checkpoint's state, others None. Every rank calls it."""
         raise NotImplementedError
+
+    def comm_state(self) -> Optional[dict]:
+        """Collective: the communication hook's state a checkpoint keeps (rank 0; None
+        elsewhere, or without one)."""
+        return None
+
+    def load_comm_state(self, state: Optional[dict]) -> None:
+        """Collective: rank 0 passes what ``comm_state`` gave (or None), others None."""
 
     def end_epoch(self) -> None:
         """Every rank calls it after its last step of an epoch."""

@@ -1,0 +1,129 @@
+"""``--compression`` of the mirrored strategy: the hook it registers on DistributedDataParallel
+(mpidp.compression, mpidp.powersgd), the choice of ``auto`` from a measured all-reduce
+(Note [Compression auto]), and PowerSGD's state in checkpoints (every rank's error, the
+shared Q's: Note [Compression state in checkpoints])."""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from .. import collectives, host_kernels, runtime
+from ..compression import bf16_compress_hook, fp16_compress_hook
+from ..dtypes import BF16, F32, flat_host_array
+from ..powersgd import PowerSGDState, powerSGD_hook
+
+POWERSGD_RANK = 1          # torch's default matrix_approximation_rank
+POWERSGD_START_STEP = 10   # plain averaging first: the gradients' early steps are the largest
+AUTO_GAIN = 0.9            # auto takes bf16 when it costs at most this much of float32's time
+_REPEATS = 3
+
+# Note [Compression auto]
+# Compression pays only where the network bounds the step (Agarwal et al., MLSys 2022), so
+# ``auto`` measures rather than guesses: on one rank or one node it stays ``none`` (nothing,
+# or shared memory, to cross); across nodes every rank times the all-reduce of a buffer the
+# size of the model's gradients as float32 and as bfloat16 with both casts (the fused path's
+# whole cost), median of three after one warm-up, the slowest rank's figure counting; bf16
+# wins when it takes at most AUTO_GAIN of float32's time. PowerSGD trades accuracy for bytes,
+# so auto never picks it. The choice and its figures are one log line and in the summary.
+
+
+def make_hook(kind: str, settings: Any) -> tuple:
+    """(state, hook) to register for ``kind`` (not none or auto)."""
+    if kind == "fp16":
+        return None, fp16_compress_hook
+    if kind == "bf16":
+        return None, bf16_compress_hook
+    return (PowerSGDState(matrix_approximation_rank=settings.powersgd_rank or POWERSGD_RANK,
+                          start_powerSGD_iter=POWERSGD_START_STEP
+                          if settings.powersgd_start_step is None
+                          else settings.powersgd_start_step, random_seed=settings.seed),
+            powerSGD_hook)
+
+
+def choose(parameters: list) -> tuple:
+    """Note [Compression auto]: (the choice, why), the same on every rank. Collective."""
+    g = runtime.group()
+    if g.size == 1:
+        return "none", "one rank: nothing to communicate"
+    if runtime.node_count() == 1:
+        return "none", "one node: gradients cross shared memory, where casting costs more " \
+                       "than it saves"
+    count = sum(p.numel() for p in parameters if p.requires_grad)
+    grads, wire = np.ones(count, np.float32), np.zeros(count, np.uint16)
+
+    def float32():
+        collectives.allreduce_(grads, "sum")
+
+    def bf16():
+        host_kernels.cast_segments(wire, [grads], BF16, F32, 1, False)
+        collectives.allreduce_(flat_host_array(wire, BF16), "sum")
+        host_kernels.cast_segments(wire, [grads], BF16, F32, g.size, True)
+    times = np.array([_median_s(float32), _median_s(bf16)])
+    collectives.allreduce_(times, "max")
+    choice = "bf16" if times[1] <= AUTO_GAIN * times[0] else "none"
+    return choice, (f"the gradients' all-reduce ({count * 4 / 1e6:.1f} MB) across "
+                    f"{runtime.node_count()} nodes took {times[0] * 1e3:.1f} ms as float32, "
+                    f"{times[1] * 1e3:.1f} ms as bfloat16 with its casts")
+
+
+def _median_s(fn) -> float:
+    fn()
+    spans = []
+    for _ in range(_REPEATS):
+        t0 = time.perf_counter()
+        fn()
+        spans.append(time.perf_counter() - t0)
+    return float(np.median(spans))
+
+
+# Note [Compression state in checkpoints]
+# PowerSGD's state is the step count, one Q per compressed matrix (the same on every rank)
+# and one error per compressed matrix and rank. A checkpoint keeps {"iter", "q": {position:
+# Q}, "errors": {position: every rank's error stacked}} (positions in the module's parameter
+# order). Which matrices have a Q or an error is the same on every rank, so saving gathers
+# each error in a fixed order with mpidp's allgather, and resuming broadcasts rank 0's header
+# (the step, the positions) and then each tensor, every rank keeping its own error: tensors
+# travel as buffers, never pickled.
+
+def gather_state(state: PowerSGDState, params: list) -> Optional[dict]:
+    """The checkpoint's PowerSGD entry (rank 0; None elsewhere). Collective."""
+    saved = state.state_dict(params)
+    errors = {k: collectives.allgather(e.reshape(1, -1)).reshape(-1, *e.shape)
+              if runtime.size() > 1 else e[None] for k, e in sorted(saved["errors"].items())}
+    if runtime.rank() != 0:
+        return None
+    return {"kind": "powersgd", "iter": saved["iter"], "q": saved["q"], "errors": errors}
+
+
+def scatter_state(saved: Optional[dict], state: PowerSGDState, params: list) -> bool:
+    """Loads the entry ``gather_state`` made (on rank 0; None elsewhere, or on rank 0 when
+    the checkpoint has none) into every rank's ``state``; False, on every rank, when there
+    was none. Collective."""
+    g = runtime.group()
+    header = None if saved is None else \
+        (int(saved["iter"]), sorted(int(k) for k in saved["q"]),
+         sorted(int(k) for k in saved["errors"]))
+    if g.size > 1:
+        header = g.comm.bcast(header, root=0)  # integers only
+    if header is None:
+        return False
+    iteration, q_at, error_at = header
+    qs, errors = {}, {}
+    for k in q_at:
+        rows, cols = params[k].shape[0], params[k].numel() // params[k].shape[0]
+        q = saved["q"][k] if saved is not None else \
+            torch.empty(cols, min(rows, cols, state.matrix_approximation_rank))
+        qs[k] = collectives.broadcast_(q.contiguous(), 0) if g.size > 1 else q
+    for k in error_at:
+        every = saved["errors"][k] if saved is not None else \
+            torch.empty(g.size, *params[k].shape[:1], params[k].numel() // params[k].shape[0])
+        every = every.reshape(g.size, -1).contiguous()
+        if g.size > 1:
+            collectives.broadcast_(every, 0)
+        rows = params[k].shape[0]
+        errors[k] = every[g.rank].reshape(rows, -1).clone()
+    state.load_state_dict({"iter": iteration, "q": qs, "errors": errors}, params)
+    return True
