@@ -35,6 +35,25 @@ def _transformer():
     return Encoder()
 
 
+HOOK_MODES = ("mpidp-fp16", "mpidp-bf16")  # and mpidp-powersgd-R: rank R
+
+
+def _hook(mode: str) -> tuple:
+    """(state, hook) of a compression mode: mpidp's own hooks, PowerSGD from the first step
+    (the steady state is what is timed)."""
+    from ..compression import bf16_compress_hook, fp16_compress_hook
+    from ..powersgd import PowerSGDState, powerSGD_hook
+    if mode == "mpidp-fp16":
+        return None, fp16_compress_hook
+    if mode == "mpidp-bf16":
+        return None, bf16_compress_hook
+    try:
+        rank = int(mode.rsplit("-", 1)[1])
+    except ValueError:
+        raise SystemExit(f"mode {mode!r}: expected mpidp-powersgd-R with R a rank") from None
+    return PowerSGDState(matrix_approximation_rank=rank, start_powerSGD_iter=0), powerSGD_hook
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="mlp,cnn",
                    help="comma-separated, from mlp,cnn,transformer")
@@ -42,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="none (no all-reduce: the bound), mpidp (our DDP), mpidp-view (with "
                         "gradient_as_bucket_view=True), torch (torch's DDP on gloo), "
                         "torch-mpidp (torch's DDP on the mpidp torch.distributed backend), "
-                        "torch-mpidp-view (with gradient_as_bucket_view=True)")
+                        "torch-mpidp-view (with gradient_as_bucket_view=True), mpidp-fp16, "
+                        "mpidp-bf16, mpidp-powersgd-R (our DDP with a compression hook; R: "
+                        "PowerSGD's rank)")
     p.add_argument("--bucket-mb", default="25",
                    help="comma-separated bucket caps in MiB for mpidp (a sweep: 1,25,100)")
     p.add_argument("--algorithm", default="auto", help="mpidp all-reduce algorithm")
@@ -67,6 +88,8 @@ class _Run:
             self.model = mpidp.DistributedDataParallel(
                 module, bucket_cap_mb=bucket_mb, algorithm=args.algorithm,
                 gradient_as_bucket_view=mode == "mpidp-view")
+            if mode in HOOK_MODES or mode.startswith("mpidp-powersgd-"):
+                self.model.register_comm_hook(*_hook(mode))
         elif mode.startswith("torch"):
             from torch.nn.parallel import DistributedDataParallel
             self.model = DistributedDataParallel(
@@ -88,22 +111,26 @@ class _Run:
         self.loss(self.model(self.inputs[k]), self.labels[k]).backward()
         self.optimizer.step()
 
-    def wait_s(self) -> float:
+    def stat_s(self, key: str) -> float:
+        """comm_stats[key] of mpidp's DDP: wait_s (backward waiting for buckets) or comm_s
+        (the communication thread busy), 0 for the others."""
         stats = getattr(self.model, "comm_stats", None)
-        return stats["wait_s"] if stats else 0.0
+        return stats[key] if stats else 0.0
 
 
 def _time(comm, run: _Run, steps: int, warmup: int) -> tuple:
-    """(slowest rank's seconds for ``steps`` steps, mean wait seconds per step on this rank)."""
+    """(slowest rank's seconds for ``steps`` steps, mean wait and communication seconds per
+    step on this rank)."""
     for _ in range(warmup):
         run.step()
     comm.Barrier()
-    w0 = run.wait_s()
+    w0, c0 = run.stat_s("wait_s"), run.stat_s("comm_s")
     t0 = time.perf_counter()
     for _ in range(steps):
         run.step()
     elapsed = time.perf_counter() - t0
-    return max(comm.allgather(elapsed)), (run.wait_s() - w0) / steps
+    return (max(comm.allgather(elapsed)), (run.stat_s("wait_s") - w0) / steps,
+            (run.stat_s("comm_s") - c0) / steps)
 
 
 def measure(comm, args, gloo) -> list:
@@ -121,25 +148,29 @@ def measure(comm, args, gloo) -> list:
                 configs.append((mode, b, _Run(name, mode, b, args, rank, gloo)))
         results = {(mode, b): [] for mode, b, _ in configs}
         waits = {(mode, b): [] for mode, b, _ in configs}
+        comms = {(mode, b): [] for mode, b, _ in configs}
         for rep in range(args.repeats):
             for mode, b, run in configs:
-                seconds, wait = _time(comm, run, args.steps, args.warmup)
+                seconds, wait, comm_s = _time(comm, run, args.steps, args.warmup)
                 results[(mode, b)].append(n * run.batch * args.steps / seconds)
                 waits[(mode, b)].append(wait * args.steps / seconds)
+                comms[(mode, b)].append(comm_s)
         for mode, b, run in configs:
             rows.append({"model": name, "mode": mode, "bucket_mb": b if mode != "none" else None,
                          "ranks": n, "threads": args.threads, "batch_per_rank": run.batch,
                          "samples_per_s": statistics.median(results[(mode, b)]),
                          "all_samples_per_s": results[(mode, b)],
-                         "wait_share": statistics.median(waits[(mode, b)])})
+                         "wait_share": statistics.median(waits[(mode, b)]),
+                         "step_s": n * run.batch / statistics.median(results[(mode, b)]),
+                         "comm_s_per_step": statistics.median(comms[(mode, b)])})
         if rank == 0:
             print(f"  {name}: done", file=sys.stderr)
     return rows
 
 
 def table(rows: list) -> str:
-    lines = [f"{'model':>11} {'mode':>11} {'bucket':>7} {'ranks':>5} {'samples/s':>10} "
-             f"{'vs torch':>8} {'vs mpidp':>8} {'of bound':>8} {'wait':>6}"]
+    lines = [f"{'model':>11} {'mode':>16} {'bucket':>7} {'ranks':>5} {'samples/s':>10} "
+             f"{'vs torch':>8} {'vs mpidp':>8} {'of bound':>8} {'wait':>6} {'comm ms':>8}"]
     for r in rows:
         same = [x for x in rows if x["model"] == r["model"]]
         torch_row = next((x for x in same if x["mode"] == "torch"), None)
@@ -149,9 +180,12 @@ def table(rows: list) -> str:
         vs_ours = f"{r['samples_per_s'] / ours['samples_per_s']:.2f}x" if ours else "-"
         of = f"{100 * r['samples_per_s'] / bound['samples_per_s']:.0f}%" if bound else "-"
         bucket = f"{r['bucket_mb']:g}M" if r["bucket_mb"] is not None else "-"
-        wait = f"{100 * r['wait_share']:.0f}%" if r["mode"].startswith("mpidp") else "-"
-        lines.append(f"{r['model']:>11} {r['mode']:>11} {bucket:>7} {r['ranks']:>5} "
-                     f"{r['samples_per_s']:>10.0f} {vs:>8} {vs_ours:>8} {of:>8} {wait:>6}")
+        ours_mode = r["mode"].startswith("mpidp")
+        wait = f"{100 * r['wait_share']:.0f}%" if ours_mode else "-"
+        comm_ms = f"{1e3 * r.get('comm_s_per_step', 0):.1f}" if ours_mode else "-"
+        lines.append(f"{r['model']:>11} {r['mode']:>16} {bucket:>7} {r['ranks']:>5} "
+                     f"{r['samples_per_s']:>10.0f} {vs:>8} {vs_ours:>8} {of:>8} {wait:>6} "
+                     f"{comm_ms:>8}")
     return "\n".join(lines)
 
 
