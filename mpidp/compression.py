@@ -4,10 +4,11 @@ mpidp.powersgd (Note [Compressed buckets]).
 
 Note [Compressed buckets]
 Each hook is defined by what it returns: fp16 — every rank's gradient divided by the number
-of ranks N in float32 and rounded once to float16 (dividing first keeps the sum in float16's
-range, as torch's hook does), summed in float16, widened to float32; bf16 — every gradient
-rounded once to bfloat16 (float32's range: no need to divide first), summed in bfloat16,
-widened and divided by N in float32: the bf16-rounded average. The hook functions compute
+of ranks N in float32 and rounded once to float16 (dividing before the sum keeps it in
+float16's range, as torch's hook does; torch rounds first and divides in float16, a second
+rounding), summed in float16, widened to float32; bf16 — every gradient rounded once to
+bfloat16 (float32's range: no need to divide first; torch's divides before the sum), summed in
+bfloat16, widened and divided by N in float32: the bf16-rounded average. The hook functions compute
 exactly that with torch casts and mpidp's all-reduce, so they run wherever a hook runs (on a
 GPU bucket, or on torch's own DDP under mpiexec). On mpidp's DDP a float32 host bucket takes
 the fused path instead (``Bucket.reduce_cast_``): the gradients are packed straight into a
@@ -15,7 +16,9 @@ the fused path instead (``Bucket.reduce_cast_``): the gradients are packed strai
 all-reduced, and the unpack widens (and divides) into the gradients — no float32 bucket, no
 separate cast; half the bytes on the wire. A GPU bucket does the same with one CUDA launch
 per cast (``mpidp_cast_*`` in mpidp/kernels/pack.cu, its element math tested against the C
-extension's on the host). Both paths give the same bits (tested)."""
+extension's on the host). Both paths give the same bits (tested) with DDP's default
+algorithm, auto; with another one the fused path's all-reduce uses it, the hook function (which
+cannot see it) auto."""
 from __future__ import annotations
 
 import functools

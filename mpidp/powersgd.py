@@ -12,16 +12,20 @@ second, and M replaced by P Q^T / N; the rest (vectors, small matrices) is avera
 The error is what this rank's (error-fed) gradient lost: M - P Q^T / N for compressed
 matrices, none elsewhere. With ``warm_start`` each matrix's summed Q is kept for the next step
 (one power iteration per step refines it); otherwise, and at the first compressed step, Q is
-drawn from a normal generator seeded by (``random_seed``, step, shape) — the same on every
-rank, and the same after a resume. Errors and Q's are kept per parameter, not per bucket
+drawn from a normal generator seeded by (``random_seed``, step, shape), through numpy's
+SeedSequence — the same on every rank, and the same after a resume. Errors and Q's are kept per parameter, not per bucket
 (torch's are per bucket, and so must wait for DDP's bucket rebuild after the first step; a
 resumed DDP's first step has the unrebuilt layout again): ``state_dict(parameters)`` keys
 them by position, so a checkpointed run resumes bit for bit. Every rank computes P and Q from
-identical summed bits, so the ranks' results stay identical."""
+identical summed bits, so the ranks' results stay identical. A gradient with no elements is
+averaged as it is. As in torch's hook, a parameter unused on every rank (find_unused_parameters)
+still has its zero slot compressed and its error updated, though DDP leaves its .grad None.
+The all-reduces use ``auto`` (a hook does not see the DDP's ``algorithm``)."""
 from __future__ import annotations
 
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 
 from . import collectives, runtime
@@ -44,10 +48,13 @@ class PowerSGDState:
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"PowerSGDState: {name} must be an integer >= {least}, "
                                  f"got {value!r}")
-        if not min_compression_rate >= 0 or not orthogonalization_epsilon >= 0:
-            raise ValueError("PowerSGDState: min_compression_rate and orthogonalization_epsilon"
-                             f" must be >= 0, got {min_compression_rate!r}, "
-                             f"{orthogonalization_epsilon!r}")
+        if not isinstance(random_seed, int) or isinstance(random_seed, bool) or random_seed < 0:
+            raise ValueError(f"PowerSGDState: random_seed must be an integer >= 0, got "
+                             f"{random_seed!r}")
+        for name, value in (("min_compression_rate", min_compression_rate),
+                            ("orthogonalization_epsilon", orthogonalization_epsilon)):
+            if not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"PowerSGDState: {name} must be a number >= 0, got {value!r}")
         self.matrix_approximation_rank = matrix_approximation_rank
         self.start_powerSGD_iter = start_powerSGD_iter
         self.min_compression_rate = float(min_compression_rate)
@@ -72,12 +79,30 @@ class PowerSGDState:
         params = list(parameters)
         try:
             iteration = int(state["iter"])
-            errors = {params[int(k)]: v.clone() for k, v in state["errors"].items()}
-            qs = {params[int(k)]: v.clone() for k, v in state["q"].items()}
+            errors = {self._owner(params, k, v, False): v.clone()
+                      for k, v in state["errors"].items()}
+            qs = {self._owner(params, k, v, True): v.clone() for k, v in state["q"].items()}
         except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
             raise ValueError(f"not a PowerSGDState.state_dict() of these parameters: "
-                             f"{exc!r}") from None
+                             f"{exc}") from None
         self.iter, self.error_dict, self.q_memory_dict = iteration, errors, qs
+
+    def _owner(self, params: list, key: Any, value: torch.Tensor, is_q: bool) -> torch.Tensor:
+        """The parameter at position ``key``, once ``value`` has the shape its error (or Q)
+        has under this state's settings; IndexError or ValueError otherwise."""
+        k = int(key)
+        if not 0 <= k < len(params):
+            raise IndexError(f"position {k} is not one of the {len(params)} parameters")
+        p = params[k]
+        rows = p.shape[0] if p.dim() >= 2 else 0
+        cols = p.numel() // rows if rows else 0
+        if not rows or not self.compresses(rows, cols):
+            raise ValueError(f"parameter {k} (shape {tuple(p.shape)}) is not compressed")
+        want = (cols, min(rows, cols, self.matrix_approximation_rank)) if is_q else (rows, cols)
+        if tuple(value.shape) != want or value.dtype != p.dtype:
+            raise ValueError(f"the {'Q' if is_q else 'error'} of parameter {k} is "
+                             f"{value.dtype} {tuple(value.shape)}, not {p.dtype} {want}")
+        return p
 
     def compresses(self, rows: int, cols: int) -> bool:
         r = min(rows, cols, self.matrix_approximation_rank)
@@ -114,11 +139,11 @@ def _compress(state: PowerSGDState, buffer: torch.Tensor, grads: list, params: l
     size = runtime.size()
     matrices, plain, owners = [], [], []
     for g, p in zip(grads, params):  # views of the buffer
-        m = g.reshape(g.shape[0], -1) if g.dim() >= 2 else None
+        m = g.reshape(g.shape[0], -1) if g.dim() >= 2 and g.numel() else None
         if m is not None and state.compresses(*m.shape):
             error = state.error_dict.get(p) if state.use_error_feedback else None
             if error is not None:
-                m.add_(error)
+                m.add_(error.to(m.device))
             matrices.append(m)
             owners.append(p)
         else:
@@ -156,11 +181,10 @@ def _initial_q(state: PowerSGDState, owner: torch.Tensor, m: torch.Tensor) -> to
     shape = (m.shape[1], min(*m.shape, state.matrix_approximation_rank))
     kept = state.q_memory_dict.get(owner) if state.warm_start else None
     if kept is not None and kept.shape == shape:
-        return kept
-    generator = torch.Generator().manual_seed(
-        ((state.random_seed * 1_000_003 + state.iter) * 1_000_003 + m.shape[0]) * 1_000_003
-        + m.shape[1])
-    return torch.randn(shape, generator=generator, dtype=torch.float32).to(m.dtype)
+        return kept.to(m.device)
+    words = np.random.SeedSequence([state.random_seed, state.iter, *m.shape]).generate_state(2)
+    generator = torch.Generator().manual_seed(int(words[0]) << 31 | int(words[1]) >> 1)
+    return torch.randn(shape, generator=generator, dtype=torch.float32).to(m.device, m.dtype)
 
 
 def _scatter(flat: torch.Tensor, parts: list) -> None:

@@ -377,3 +377,16 @@ def test_compression_auto_on_one_node_says_none_and_why():
     assert summary_of(proc)["compression"] == "none"
     assert "\n--compression auto: none (one node: gradients cross shared memory" in proc.stdout, \
         proc.stdout
+
+
+def test_resume_with_another_powersgd_rank_starts_its_state_afresh(tmp_path):
+    """PowerSGD's Q's are rank-R matrices: resumed with another --powersgd-rank (and a seed
+    whose PowerSGD seeding once overflowed) they start afresh, said in one line; the
+    errors, whose shape does not depend on R, are taken up."""
+    flags = ("--compression", "powersgd", "--powersgd-start-step", 0, "--seed", 12345,
+             "--no-progress", "--checkpoint-dir", tmp_path)
+    summary_of(train(2, *flags, "--powersgd-rank", 2, "--epochs", 1))
+    proc = train(2, *flags, "--powersgd-rank", 1, "--epochs", 2, "--resume")
+    assert summary_of(proc)["global_step"] == 2 * 23
+    assert "\nthe checkpoint's PowerSGD state does not fit these settings (another " \
+        "--powersgd-rank or number of ranks): what does not fit starts afresh\n" in proc.stdout

@@ -14,6 +14,7 @@ from .. import collectives, host_kernels, runtime
 from ..compression import bf16_compress_hook, fp16_compress_hook
 from ..dtypes import BF16, F32, flat_host_array
 from ..powersgd import PowerSGDState, powerSGD_hook
+from ..watchdog import collective
 
 POWERSGD_RANK = 1          # torch's default matrix_approximation_rank
 POWERSGD_START_STEP = 10   # plain averaging first: the gradients' early steps are the largest
@@ -43,8 +44,9 @@ def make_hook(kind: str, settings: Any) -> tuple:
             powerSGD_hook)
 
 
-def choose(parameters: list) -> tuple:
-    """Note [Compression auto]: (the choice, why), the same on every rank. Collective."""
+def choose(parameters: list, algorithm: str = "auto") -> tuple:
+    """Note [Compression auto]: (the choice, why), the same on every rank, timing the
+    all-reduce ``algorithm`` DDP will run. Collective."""
     g = runtime.group()
     if g.size == 1:
         return "none", "one rank: nothing to communicate"
@@ -55,11 +57,11 @@ def choose(parameters: list) -> tuple:
     grads, wire = np.ones(count, np.float32), np.zeros(count, np.uint16)
 
     def float32():
-        collectives.allreduce_(grads, "sum")
+        collectives.allreduce_(grads, "sum", algorithm)
 
     def bf16():
         host_kernels.cast_segments(wire, [grads], BF16, F32, 1, False)
-        collectives.allreduce_(flat_host_array(wire, BF16), "sum")
+        collectives.allreduce_(flat_host_array(wire, BF16), "sum", algorithm)
         host_kernels.cast_segments(wire, [grads], BF16, F32, g.size, True)
     times = np.array([_median_s(float32), _median_s(bf16)])
     collectives.allreduce_(times, "max")
@@ -90,40 +92,74 @@ def _median_s(fn) -> float:
 
 def gather_state(state: PowerSGDState, params: list) -> Optional[dict]:
     """The checkpoint's PowerSGD entry (rank 0; None elsewhere). Collective."""
-    saved = state.state_dict(params)
-    errors = {k: collectives.allgather(e.reshape(1, -1)).reshape(-1, *e.shape)
-              if runtime.size() > 1 else e[None] for k, e in sorted(saved["errors"].items())}
-    if runtime.rank() != 0:
-        return None
-    return {"kind": "powersgd", "iter": saved["iter"], "q": saved["q"], "errors": errors}
-
-
-def scatter_state(saved: Optional[dict], state: PowerSGDState, params: list) -> bool:
-    """Loads the entry ``gather_state`` made (on rank 0; None elsewhere, or on rank 0 when
-    the checkpoint has none) into every rank's ``state``; False, on every rank, when there
-    was none. Collective."""
     g = runtime.group()
-    header = None if saved is None else \
-        (int(saved["iter"]), sorted(int(k) for k in saved["q"]),
-         sorted(int(k) for k in saved["errors"]))
-    if g.size > 1:
-        header = g.comm.bcast(header, root=0)  # integers only
-    if header is None:
-        return False
-    iteration, q_at, error_at = header
-    qs, errors = {}, {}
-    for k in q_at:
-        rows, cols = params[k].shape[0], params[k].numel() // params[k].shape[0]
-        q = saved["q"][k] if saved is not None else \
-            torch.empty(cols, min(rows, cols, state.matrix_approximation_rank))
-        qs[k] = collectives.broadcast_(q.contiguous(), 0) if g.size > 1 else q
-    for k in error_at:
-        every = saved["errors"][k] if saved is not None else \
-            torch.empty(g.size, *params[k].shape[:1], params[k].numel() // params[k].shape[0])
-        every = every.reshape(g.size, -1).contiguous()
+    saved = state.state_dict(params)
+    errors = {}
+    for k, e in sorted(saved["errors"].items()):
+        mine = e.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()  # any dtype
+        every = np.empty((g.size, mine.size), np.uint8) if g.rank == 0 else None
         if g.size > 1:
-            collectives.broadcast_(every, 0)
-        rows = params[k].shape[0]
-        errors[k] = every[g.rank].reshape(rows, -1).clone()
+            with collective(g, "checkpoint: gathering PowerSGD's errors"):
+                g.comm.Gather(mine, every, root=0)  # buffers, not pickled
+        else:
+            every[0] = mine
+        if g.rank == 0:
+            errors[k] = torch.from_numpy(every).view(e.dtype).reshape(g.size, *e.shape)
+    if g.rank != 0:
+        return None
+    return {"kind": "powersgd", "iter": saved["iter"],
+            "q": {k: q.detach().cpu() for k, q in saved["q"].items()}, "errors": errors}
+
+
+def scatter_state(saved: Optional[dict], state: PowerSGDState, params: list) -> Optional[str]:
+    """Loads the entry ``gather_state`` made (on rank 0; None elsewhere, or on rank 0 when
+    the checkpoint has none) into every rank's ``state``. Returns what could not be taken up
+    (the same on every rank), None when all was. Collective."""
+    g = runtime.group()
+    header = None
+    if saved is not None:
+        header = (int(saved["iter"]), {int(k): tuple(v.shape) for k, v in saved["q"].items()},
+                  {int(k): tuple(v.shape) for k, v in saved["errors"].items()})
+    if g.size > 1:
+        with collective(g, "resume: PowerSGD's state header"):
+            header = g.comm.bcast(header, root=0)  # integers only
+    if header is None:
+        return "the checkpoint holds no PowerSGD state: its errors and Q's start afresh"
+    iteration, q_shapes, error_shapes = header
+    expected = {k: _shape(params[k], state) for k in {*q_shapes, *error_shapes}
+                if 0 <= k < len(params)}
+    fit_q = sorted(k for k, s in q_shapes.items() if expected.get(k) and expected[k][1] == s)
+    fit_errors = sorted(k for k, s in error_shapes.items()
+                        if expected.get(k) and (g.size,) + expected[k][0] == s)
+    qs, errors = {}, {}
+    for k in fit_q:
+        qs[k] = _broadcast(saved["q"][k] if saved is not None else None, q_shapes[k],
+                           params[k].dtype)
+    for k in fit_errors:
+        every = _broadcast(saved["errors"][k] if saved is not None else None,
+                           error_shapes[k], params[k].dtype)
+        errors[k] = every[g.rank].clone()
     state.load_state_dict({"iter": iteration, "q": qs, "errors": errors}, params)
-    return True
+    if len(qs) < len(q_shapes) or len(errors) < len(error_shapes):
+        return ("the checkpoint's PowerSGD state does not fit these settings (another "
+                "--powersgd-rank or number of ranks): what does not fit starts afresh")
+    return None
+
+
+def _shape(p: torch.Tensor, state: PowerSGDState) -> Optional[tuple]:
+    """((rows, cols), (cols, r)): the shapes of ``p``'s error and Q, None where ``p`` is not
+    compressed."""
+    if p.dim() < 2 or not p.numel():
+        return None
+    rows, cols = p.shape[0], p.numel() // p.shape[0]
+    if not state.compresses(rows, cols):
+        return None
+    return (rows, cols), (cols, min(rows, cols, state.matrix_approximation_rank))
+
+
+def _broadcast(tensor: Optional[torch.Tensor], shape: tuple, dtype) -> torch.Tensor:
+    """Rank 0's ``tensor`` (None elsewhere) of ``shape`` on every rank, as ``dtype``."""
+    t = tensor.to(dtype).contiguous() if tensor is not None else torch.empty(shape, dtype=dtype)
+    if runtime.size() > 1:
+        collectives.broadcast_(t, 0)
+    return t

@@ -31,7 +31,8 @@ class Mirrored(Strategy):
         self.stats = self.forward.comm_stats
         self.compression, self.hook_state = settings.compression, None
         if self.compression == "auto":
-            self.compression, why = compress.choose(list(model.parameters()))
+            self.compression, why = compress.choose(list(model.parameters()),
+                                                    settings.algorithm)
             self.notes.append(f"--compression auto: {self.compression} ({why})")
         if self.compression != "none":
             self.hook_state, hook = compress.make_hook(self.compression, settings)
@@ -55,10 +56,11 @@ class Mirrored(Strategy):
         return compress.gather_state(self.hook_state, list(self.model.parameters()))
 
     def load_comm_state(self, state: Optional[dict]) -> None:
-        if isinstance(self.hook_state, PowerSGDState) and not compress.scatter_state(
-                state, self.hook_state, list(self.model.parameters())):
-            self.notes.append("the checkpoint holds no PowerSGD state: its errors and Q's "
-                              "start afresh")
+        if isinstance(self.hook_state, PowerSGDState):
+            missing = compress.scatter_state(state, self.hook_state,
+                                             list(self.model.parameters()))
+            if missing:
+                self.notes.append(missing)
 
     def report(self, total_s: float) -> dict:
         return {"compression": self.compression}

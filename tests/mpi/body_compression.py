@@ -74,6 +74,19 @@ for name, hook in (("fp16", fp16_compress_hook), ("bf16", bf16_compress_hook)):
                            f"{k}: {(a - b).abs().max().item():.3e} from its definition")
                     expect(not torch.equal(a, c), f"{name} {how}: equals the float32 average")
 
+# random inputs (sums round, so the order of addition shows): the fused path and the hook
+# function still give the same bits with DDP's default algorithm
+for hook in (fp16_compress_hook, bf16_compress_hook):
+    got = []
+    for h in (hook, hidden(hook)):
+        ddp = mpidp.DistributedDataParallel(Probe(), bucket_cap_mb=0.002)
+        ddp.register_comm_hook(None, h)
+        gen = torch.Generator().manual_seed(77 + rank)
+        ddp([torch.randn(s, generator=gen) * 3 for s in SHAPES]).backward()
+        got.append([p.grad.clone() for p in ddp.module.ps])
+    expect(all(torch.equal(a, b) for a, b in zip(*got)),
+           f"{hook.__name__}: the fused path and the hook function differ on random inputs")
+
 for hook, state, says in ((fp16_compress_hook, "group", "takes no state"),
                           (bf16_compress_hook, object(), "takes no state"),
                           (powerSGD_hook, None, "takes mpidp.powersgd.PowerSGDState")):
@@ -150,13 +163,46 @@ tail = powersgd_run(6, resumed, start=3, load=saved)
 for k, (a, b) in enumerate(zip(whole[3:], tail)):
     expect(all(torch.equal(x, y) for x, y in zip(a, b)), f"PowerSGD resume differs at step {k}")
 for bad in (dict(matrix_approximation_rank=0), dict(start_powerSGD_iter=-1),
-            dict(min_compression_rate=-1), dict(process_group="g")):
+            dict(min_compression_rate=-1), dict(process_group="g"), dict(random_seed=-1)):
     try:
         PowerSGDState(**bad)
         expect(False, f"PowerSGDState({bad}) was accepted")
     except (TypeError, ValueError) as exc:
-        expect(str(next(iter(bad))) in str(exc) or "process_group" in str(exc),
-               f"PowerSGDState({bad}) says: {exc}")
+        expect(f"{next(iter(bad))} must be" in str(exc), f"PowerSGDState({bad}) says: {exc}")
+# a large seed (the tool passes --seed) and a parameter with no elements
+big = powersgd_run(3, PowerSGDState(start_powerSGD_iter=0, random_seed=2 ** 40))
+expect(torch.isfinite(big[-1][2]).all(), "PowerSGD with a large seed")
+
+
+class WithEmpty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.empty, self.full = nn.Parameter(torch.zeros(0, 6)), nn.Parameter(torch.zeros(8, 6))
+
+    def forward(self, x):
+        return (self.full * x).sum() + self.empty.sum()
+
+
+ddp = mpidp.DistributedDataParallel(WithEmpty())
+ddp.register_comm_hook(PowerSGDState(start_powerSGD_iter=0), powerSGD_hook)
+ddp(torch.ones(8, 6)).backward()
+expect(ddp.module.empty.grad.shape == (0, 6) and torch.allclose(ddp.module.full.grad,
+                                                                torch.ones(8, 6)),
+       "PowerSGD with a parameter of no elements")
+shape = list(runs[-1].module.parameters())[2].shape
+for bad_state, says in (({"iter": 1}, "'errors'"),
+                        ({"iter": 1, "q": {}, "errors": {-1: torch.ones(30)}},
+                         "position -1 is not one of the 4 parameters"),
+                        ({"iter": 1, "q": {}, "errors": {2: torch.ones(30)}},
+                         "the error of parameter 2 is torch.float32 (30,), not"),
+                        ({"iter": 1, "q": {1: torch.ones(13, 1)}, "errors": {}},
+                         "parameter 1 (shape (13,)) is not compressed")):
+    try:
+        resumed.load_state_dict(bad_state, runs[-1].module.parameters())
+        expect(False, f"the PowerSGD state_dict {bad_state} was accepted")
+    except ValueError as exc:
+        expect("not a PowerSGDState.state_dict()" in str(exc) and says in str(exc),
+               f"bad state_dict says: {exc}")
 try:
     resumed.load_state_dict({"iter": 1}, runs[-1].module.parameters())
     expect(False, "a bad PowerSGD state_dict was accepted")

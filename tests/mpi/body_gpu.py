@@ -92,20 +92,27 @@ for step in range(3):
 for (name, p), q in zip(cpu_model.named_parameters(), gpu_model.parameters()):
     expect(torch.allclose(p, q.cpu(), atol=1e-5), f"DDP on GPU differs at {name}")
 
-# the bf16 compression hook's fused path on device buckets against the host's
-from mpidp.compression import bf16_compress_hook  # noqa: E402
-pair = {}
-for dev in ("cpu", "cuda"):
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(dev)
-    ddp = mpidp.DistributedDataParallel(net, bucket_cap_mb=0.001)
-    ddp.register_comm_hook(None, bf16_compress_hook)
-    x = torch.randint(-3, 4, (8, 16), generator=torch.Generator().manual_seed(rank)).float()
-    ddp(x.to(dev)).sum().backward()
-    pair[dev] = [p.grad.cpu() for p in net.parameters()]
-expect(all(torch.allclose(a, b, rtol=1e-2, atol=1e-2)
-           for a, b in zip(pair["cpu"], pair["cuda"])),
-       "bf16 compression on device buckets differs from the host's")
+# the compression hooks on device buckets (fp16 and bf16 fused, PowerSGD) against the host's
+from mpidp.compression import bf16_compress_hook, fp16_compress_hook  # noqa: E402
+from mpidp.powersgd import PowerSGDState, powerSGD_hook  # noqa: E402
+for name, make in (("fp16", lambda: (None, fp16_compress_hook)),
+                   ("bf16", lambda: (None, bf16_compress_hook)),
+                   ("powerSGD", lambda: (PowerSGDState(start_powerSGD_iter=0), powerSGD_hook))):
+    pair = {}
+    for dev in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(dev)
+        ddp = mpidp.DistributedDataParallel(net, bucket_cap_mb=0.001)
+        ddp.register_comm_hook(*make())
+        for step in range(2):
+            x = torch.randint(-3, 4, (8, 16),
+                              generator=torch.Generator().manual_seed(rank + 10 * step)).float()
+            ddp.zero_grad()
+            ddp(x.to(dev)).sum().backward()
+        pair[dev] = [p.grad.cpu() for p in net.parameters()]
+    expect(all(torch.allclose(a, b, rtol=1e-2, atol=1e-2)
+               for a, b in zip(pair["cpu"], pair["cuda"])),
+           f"{name} compression on device buckets differs from the host's")
 
 g.comm.Barrier()
 if failures:
