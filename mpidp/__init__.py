@@ -19,7 +19,7 @@ _EXPORTS = {
     "grouped_allreduce": "fusion", "grouped_allreduce_": "fusion",
     "broadcast_parameters": "state_broadcast", "broadcast_optimizer_state": "state_broadcast",
     "DistributedDataParallel": "mirrored", "CentralStorage": "central",
-    "SyncBatchNorm": "sync_bn",
+    "SyncBatchNorm": "sync_bn", "ZeroRedundancyOptimizer": "zero",
     "fit": "train", "Trainer": "train", "TrainSettings": "train",
     "MpidpError": "errors", "CommunicationError": "errors", "MismatchError": "errors",
     "NotInitializedError": "errors", "BackendUnavailableError": "errors",

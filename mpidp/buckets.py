@@ -63,6 +63,15 @@ class BucketBase:
         self.unpack(destinations, self.divisor)
 
 
+    def reduce_scatter_(self, sources: Sequence[Any], algorithm: str, dtype: Any) -> Any:
+        """``sources`` packed (None: zeros; own slots stay), then reduce-scattered: this
+        rank's block of the average over the ranks, a torch tensor of torch dtype ``dtype``
+        (Note [ZeRO] in mpidp/zero.py). Collective."""
+        self.pack(sources, skip_own_slots=True)
+        return collectives.reduce_scatter(self.torch_flat(dtype), "avg",
+                                          algorithm if algorithm in ("ring", "mpi") else "auto")
+
+
 # Note [Zero-copy buckets]
 # On one node (algorithm shm) with cross-memory attach, a bucket need not be packed at all:
 # each rank publishes its tensors' addresses as a segment table in its shared-memory record,

@@ -18,6 +18,7 @@ from . import collectives, config, runtime, sync_bn, timeline
 from .audit import ReplicaDivergenceError, checksums, divergence
 from .comm_hooks import check_hook, run_hook
 from .compression import fused_wire
+from .zero import reduce_scatter_hook
 from .comm_thread import call_in_order, check_thread_level, communicate, reduce_bucket, stop
 from .ddp_args import agree_audit, validate
 from .ddp_join import JoinSupport
@@ -173,6 +174,8 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
             raise RuntimeError("register_comm_hook can only be called once")
         if self.comm_stats["steps"] or self._in_backward:
             raise RuntimeError("register_comm_hook must be called before the first backward")
+        if hook is reduce_scatter_hook:
+            state.attach(self)
         self._hook = (state, hook)
 
     def _agree_on_hook(self) -> None:
@@ -265,6 +268,13 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         (Note [Communication hooks] in mpidp/comm_hooks.py)."""
         if self._hook is None:
             reduce_bucket(bucket, sources, destinations, self.algorithm)
+            return
+        if self._hook[1] is reduce_scatter_hook:  # Note [ZeRO] in mpidp/zero.py
+            if not self._rebuilt:
+                reduce_bucket(bucket, sources, destinations, self.algorithm)
+                return
+            self._hook[0].keep_scattered(self._bucket_index[id(bucket)], bucket.reduce_scatter_(
+                sources, self.algorithm, self._params[bucket.indices[0]].dtype))
             return
         wire = fused_wire(self._hook[1], bucket)
         if wire is not None:  # Note [Compressed buckets] in mpidp/compression.py

@@ -1,0 +1,153 @@
+"""Run under mpiexec at any world size: mpidp.ZeroRedundancyOptimizer (Note [ZeRO] in
+mpidp/zero.py) against the unsharded optimizer, with SGD-momentum and Adam:
+- beside mpidp's DDP (gradients all-reduced) the parameters after 5 steps equal the unsharded
+  optimizer's bit for bit at any n; attached to it (reduce_scatter_hook: each bucket
+  reduce-scattered to its owners) bit for bit at n = 1, 2 — at n >= 3 the reduce-scatter adds
+  the ranks in the ring's order, the all-reduce in the node's: within float rounding;
+- consolidate_state_dict + state_dict give the unsharded optimizer's state_dict; a state_dict
+  of either loads into the other and training continues as if uninterrupted;
+- each rank holds about 1/n of the optimizer state; errors at the public boundary.
+Prints 'ok <rank>'."""
+import torch
+from torch import nn
+
+import mpidp
+from bodykit import expect, finish
+from mpidp.zero import ZeroRedundancyOptimizer, reduce_scatter_hook
+
+torch.set_num_threads(1)
+mpidp.init()
+rank, n = mpidp.rank(), mpidp.size()
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 16), nn.Tanh(), nn.Linear(16, 9), nn.Tanh(),
+                         nn.Linear(9, 3))
+
+
+gen = torch.Generator().manual_seed(1)
+data = [(torch.randn(4 * n, 7, generator=gen), torch.randint(0, 3, (4 * n,), generator=gen))
+        for _ in range(8)]
+local = [(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]) for x, y in data]
+OPTIMIZERS = {"momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+              "adam": (torch.optim.Adam, {"lr": 0.01})}
+
+
+def run(opt_name, mode, steps=range(5), model=None, opt=None):
+    """(model, optimizer) after ``steps``: mode plain (the unsharded optimizer), zero (ZeRO
+    beside DDP's all-reduce) or attached (ZeRO with reduce_scatter_hook)."""
+    cls, kw = OPTIMIZERS[opt_name]
+    if model is None:
+        model = mpidp.DistributedDataParallel(net(), bucket_cap_mb=0.001)
+        opt = cls(model.parameters(), **kw) if mode == "plain" else \
+            ZeroRedundancyOptimizer(model.parameters(), cls, **kw)
+        if mode == "attached":
+            model.register_comm_hook(opt, reduce_scatter_hook)
+    for k in steps:
+        x, y = local[k]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+def same(a, b, what, exact):
+    for (name, p), q in zip(a.module.named_parameters(), b.module.parameters()):
+        ok = torch.equal(p, q) if exact else torch.allclose(p, q, rtol=1e-5, atol=1e-6)
+        expect(ok, f"{what}: {name} differs by {(p - q).abs().max().item():.3e}")
+
+
+for opt_name in OPTIMIZERS:
+    plain, plain_opt = run(opt_name, "plain")
+    for mode in ("zero", "attached"):
+        exact = mode == "zero" or n <= 2
+        model, zero = run(opt_name, mode)
+        same(plain, model, f"{opt_name} {mode}", exact)
+        # the consolidated state is the unsharded optimizer's
+        zero.consolidate_state_dict(to=0)
+        if rank == 0:
+            mine, theirs = zero.state_dict(), plain_opt.state_dict()
+            expect(mine["param_groups"] == theirs["param_groups"],
+                   f"{opt_name} {mode}: param_groups {mine['param_groups']}")
+            expect(sorted(mine["state"]) == sorted(theirs["state"]), f"{opt_name} state keys")
+            for k in theirs["state"]:
+                for key, v in theirs["state"][k].items():
+                    w = mine["state"][k][key]
+                    ok = torch.equal(v, w) if exact else torch.allclose(v, w, rtol=1e-4,
+                                                                        atol=1e-6)
+                    expect(ok and v.shape == w.shape, f"{opt_name} {mode}: state {k} {key}")
+        else:
+            try:
+                zero.state_dict()
+                expect(False, "state_dict on a rank it was not consolidated to")
+            except RuntimeError as exc:
+                expect("consolidate_state_dict" in str(exc), f"state_dict says {exc}")
+        # memory: about 1/n of the unsharded state
+        total = sum(v.numel() * v.element_size() for s in plain_opt.state.values()
+                    for v in s.values() if v.dim() > 0)
+        held = zero.local_state_bytes()
+        expect(abs(held - total / n) <= 64 * 8 + total / n * 0.01 + 16 * 4,
+               f"{opt_name} {mode}: this rank holds {held} bytes of {total}")
+        # the unsharded state loaded into ZeRO (before its first step) continues exactly
+        fresh_model, fresh = run(opt_name, mode, steps=())
+        fresh_model.module.load_state_dict(plain.module.state_dict())
+        fresh.load_state_dict(plain_opt.state_dict())
+        run(opt_name, mode, steps=range(5, 8), model=fresh_model, opt=fresh)
+        cont, _ = run(opt_name, "plain", steps=range(5, 8), model=plain, opt=plain_opt)
+        same(cont, fresh_model, f"{opt_name} {mode} resumed from the unsharded state", exact)
+        plain, plain_opt = run(opt_name, "plain")  # back to 5 steps for the next mode
+
+# a parameter unused on every rank is skipped as the unsharded optimizer skips it (its .grad
+# stays None), one unused on some ranks only is averaged
+class Partly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net, self.never, self.sometimes = net(), nn.Linear(7, 3), nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.net(x) + (self.sometimes(x) if rank == 0 else 0)
+
+
+results = []
+for mode in ("plain", "attached"):
+    torch.manual_seed(0)
+    model = mpidp.DistributedDataParallel(Partly(), find_unused_parameters=True,
+                                          bucket_cap_mb=0.001)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01) if mode == "plain" else \
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+    if mode == "attached":
+        model.register_comm_hook(opt, reduce_scatter_hook)
+    run("adam", mode, model=model, opt=opt)
+    results.append(model)
+same(results[0], results[1], "Adam with unused parameters, attached", n <= 2)
+
+# errors at the public boundary
+for args, kw, says in (((net().parameters(), "adam"), {}, "optimizer_class must be"),
+                       ((net().parameters(), torch.optim.SGD), {"process_group": 1, "lr": 1},
+                        "process_group must be None")):
+    try:
+        ZeroRedundancyOptimizer(*args, **kw)
+        expect(False, f"ZeroRedundancyOptimizer{args} accepted")
+    except (TypeError, ValueError) as exc:
+        expect(says in str(exc), f"the error says {exc}")
+ddp = mpidp.DistributedDataParallel(net())
+try:
+    ddp.register_comm_hook(object(), reduce_scatter_hook)
+    expect(False, "reduce_scatter_hook accepted a state that is no ZeroRedundancyOptimizer")
+except TypeError as exc:
+    expect("ZeroRedundancyOptimizer" in str(exc), f"the hook's state error says {exc}")
+try:
+    ddp.register_comm_hook(ZeroRedundancyOptimizer(net().parameters(), torch.optim.SGD, lr=1),
+                           reduce_scatter_hook)
+    expect(False, "a ZeroRedundancyOptimizer of other parameters was attached")
+except ValueError as exc:
+    expect("must hold the DistributedDataParallel's parameters" in str(exc), f"says {exc}")
+zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=1)
+ddp.register_comm_hook(zero, reduce_scatter_hook)
+try:
+    zero.step()
+    expect(False, "step before the first backward of the attached DDP")
+except RuntimeError as exc:
+    expect("before the first backward" in str(exc), f"says {exc}")
+finish(rank)
