@@ -101,11 +101,21 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
+    state = broadcast_state_dict(optimizer.state_dict() if runtime.rank() == root else None,
+                                 root)
+    if runtime.rank() != root:
+        optimizer.load_state_dict(state)
+
+
+def broadcast_state_dict(state: Any, root: int = 0) -> dict:
+    """Root's optimizer ``state`` (``{"state": ..., "param_groups": ...}``; None elsewhere) on
+    every rank: the structure pickled, the tensors in fused buckets. Collective."""
+    import torch
+    collectives.check_root(root, runtime.size())
     g = runtime.group()
     tensors: list = []
     structure = None
     if g.rank == root:
-        state = optimizer.state_dict()
 
         def strip(value):
             if isinstance(value, torch.Tensor):
@@ -116,9 +126,12 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0) -> None:
             return value
         structure = {"state": {k: strip(v) for k, v in state["state"].items()},
                      "param_groups": state["param_groups"]}
+    if g.size == 1:
+        return state
     with collective(g, "broadcast_optimizer_state: the state's structure"):
         structure = g.comm.bcast(structure, root=root)
     if g.rank != root:
+
         def fill(value):
             if isinstance(value, tuple) and len(value) == 4 and value[0] == "mpidp-tensor":
                 t = torch.empty(value[2], dtype=getattr(torch, value[3].split(".")[-1]))
@@ -130,5 +143,4 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0) -> None:
         structure = {"state": {k: fill(v) for k, v in structure["state"].items()},
                      "param_groups": structure["param_groups"]}
     broadcast_tensors_(tensors, root)
-    if g.rank != root:
-        optimizer.load_state_dict(structure)
+    return state if g.rank == root else structure

@@ -95,7 +95,8 @@ RESUMABLE = ("--dataset", "user_factories:dying_digits", "--epochs", 3, "--check
 # PowerSGD's state (every rank's error feedback, the Q's) must resume too
 MODES = {"mirrored": ("--strategy", "mirrored"), "central": ("--strategy", "central"),
          "powersgd": ("--compression", "powersgd", "--powersgd-rank", 2,
-                      "--powersgd-start-step", 5)}
+                      "--powersgd-start-step", 5),
+         "zero": ("--zero",)}
 _uninterrupted = {}
 
 
@@ -116,7 +117,8 @@ KILLS = [(2, "mirrored", 1, 1 + 719 + 11 * 32 + 5, "ckpt-000000030.pt"),
          (2, "mirrored", 0, 1 + 719 + 11 * 32 + 5, "ckpt-000000030.pt"),
          (2, "central", 1, 1 + 719 + 11 * 32 + 5, "ckpt-000000030.pt"),
          (3, "mirrored", 2, 1 + 480 + 11 * 32 + 5, "ckpt-000000020.pt"),
-         (3, "powersgd", 1, 1 + 480 + 11 * 32 + 5, "ckpt-000000020.pt")]
+         (3, "powersgd", 1, 1 + 480 + 11 * 32 + 5, "ckpt-000000020.pt"),
+         (2, "zero", 0, 1 + 719 + 11 * 32 + 5, "ckpt-000000030.pt")]
 
 
 @pytest.mark.parametrize("n,strategy,victim,item,resume_file", KILLS,
@@ -137,6 +139,10 @@ def test_sigkill_then_resume_ends_bitwise_equal(n, strategy, victim, item, resum
     assert resumed["parameters_sha256"] == reference["parameters_sha256"]
     a, b = model_of(resumed["checkpoint"]), model_of(reference["checkpoint"])
     assert all(torch.equal(a[k], b[k]) for k in a)
+    if strategy == "zero":  # on 2 ranks ZeRO's reduce-scatter adds as the all-reduce does
+        assert reference["parameters_sha256"] == \
+            uninterrupted(n, "mirrored", tmp_path_factory)["parameters_sha256"]
+        assert len(resumed["zero_optimizer_state_bytes"]) == n
     # resuming the finished run trains nothing and changes nothing
     again = train(n, *flags, "--resume", env=USER)
     assert summary_of(again)["parameters_sha256"] == reference["parameters_sha256"]

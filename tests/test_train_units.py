@@ -139,6 +139,8 @@ def test_builtin_models_fit_the_data():
     ({"powersgd_start_step": -1, "compression": "powersgd"},
      "--powersgd-start-step must be an integer >= 0, got -1"),
     ({"powersgd_rank": 0, "compression": "powersgd"}, "--powersgd-rank must be an integer >= 1"),
+    ({"zero": True, "strategy": "central"}, "--zero applies to --strategy mirrored, not central"),
+    ({"zero": True, "compression": "bf16"}, "does not combine with --compression bf16"),
 ])
 def test_settings_checks_name_the_flag(change, match):
     with pytest.raises(ValueError, match=match):

@@ -122,6 +122,10 @@ def parser() -> argparse.ArgumentParser:
       help="--compression powersgd: rank of each gradient matrix's approximation (default 1)")
     a("--powersgd-start-step", type=int, default=d.powersgd_start_step,
       help="--compression powersgd: steps of plain averaging first (default 10)")
+    a("--zero", action="store_true", default=d.zero,
+      help="--strategy mirrored: ZeRO-1 — each rank holds the optimizer state of 1/N of the "
+      "parameters; gradients are reduce-scattered to their owners and the updated parameters "
+      "all-gathered")
     a("--straggler", default=d.straggler, metavar="RANK:FACTOR",
       help="testing aid: rank RANK computes FACTOR times more slowly (it sleeps after each "
       "step), with every strategy (default: none)")

@@ -51,6 +51,7 @@ class TrainSettings:
     compression: str = "none"          # mirrored: the gradients' communication hook
     powersgd_rank: Optional[int] = None        # --compression powersgd (default 1)
     powersgd_start_step: Optional[int] = None  # --compression powersgd (default 10)
+    zero: bool = False                 # mirrored: ZeRO-1, the optimizer state sharded
 
     def check(self) -> "TrainSettings":
         _choice("--strategy", self.strategy, STRATEGIES)
@@ -109,6 +110,11 @@ class TrainSettings:
 
     def _check_compression(self) -> None:
         _choice("--compression", self.compression, COMPRESSIONS)
+        if self.zero and self.strategy != "mirrored":
+            raise ValueError(f"--zero applies to --strategy mirrored, not {self.strategy}")
+        if self.zero and self.compression != "none":
+            raise ValueError(f"--zero reduce-scatters the gradients itself: it does not "
+                             f"combine with --compression {self.compression}")
         if self.compression != "none" and self.strategy != "mirrored":
             raise ValueError(f"--compression {self.compression} applies to --strategy "
                              f"mirrored, not {self.strategy}")

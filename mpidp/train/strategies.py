@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
-from .. import runtime, timeline
+from .. import collectives, runtime, timeline
 from ..central import CentralStorage
-from ..state_broadcast import broadcast_optimizer_state
+from ..state_broadcast import broadcast_optimizer_state, broadcast_state_dict
 from ..mirrored import DistributedDataParallel
 from ..powersgd import PowerSGDState
+from ..zero import ZeroRedundancyOptimizer, reduce_scatter_hook
 from . import compress
 from .ps_strategy import ParameterServerStrategy
 from .strategy_base import Strategy
@@ -27,8 +29,14 @@ class Mirrored(Strategy):
         super().__init__(model)
         self.forward = DistributedDataParallel(model, bucket_cap_mb=settings.bucket_mb,
                                                algorithm=settings.algorithm)
-        self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(params)
         self.stats = self.forward.comm_stats
+        self.zero = settings.zero
+        if self.zero:  # Note [ZeRO] in mpidp/zero.py
+            self.optimizer = ZeroRedundancyOptimizer(params, type(self.optimizer),
+                                                     **self.optimizer.defaults)
+            self.forward.register_comm_hook(self.optimizer, reduce_scatter_hook)
         self.compression, self.hook_state = settings.compression, None
         if self.compression == "auto":
             self.compression, why = compress.choose(list(model.parameters()),
@@ -45,10 +53,19 @@ class Mirrored(Strategy):
             self.optimizer.step()
 
     def load_optimizer(self, state: Optional[dict]) -> None:
+        if self.zero:  # every rank takes its slices of the whole state
+            self.optimizer.load_state_dict(broadcast_state_dict(state, 0))
+            return
         if runtime.rank() == 0:
             self.optimizer.load_state_dict(state)
         if runtime.size() > 1:
             broadcast_optimizer_state(self.optimizer, 0)
+
+    def optimizer_state(self) -> Optional[dict]:
+        if not self.zero:
+            return super().optimizer_state()
+        self.optimizer.consolidate_state_dict(to=0)  # collective
+        return self.optimizer.state_dict() if runtime.rank() == 0 else None
 
     def comm_state(self) -> Optional[dict]:
         if not isinstance(self.hook_state, PowerSGDState):
@@ -63,7 +80,13 @@ class Mirrored(Strategy):
                 self.notes.append(missing)
 
     def report(self, total_s: float) -> dict:
-        return {"compression": self.compression}
+        """Collective: the compression, and with --zero each rank's optimizer state bytes."""
+        out: dict = {"compression": self.compression}
+        if self.zero:
+            held = np.array([[self.optimizer.local_state_bytes()]], np.int64)
+            every = collectives.allgather(held) if runtime.size() > 1 else held
+            out["zero_optimizer_state_bytes"] = [int(b) for b in every[:, 0]]
+        return out
 
 
 class Central(Strategy):
