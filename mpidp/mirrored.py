@@ -251,7 +251,8 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
     def _launch(self, bucket: BucketBase) -> None:
         if timeline.ON:
             timeline.instant("bucket ready", {"bucket": self._next, "bytes": bucket.nbytes})
-        if self._size == 1 and not self.gradient_as_bucket_view and self._hook is None:
+        if self._size == 1 and not self.gradient_as_bucket_view and \
+                (self._hook is None or self._hook[1] is reduce_scatter_hook):
             self._results.put((None, 0.0))  # one rank: each gradient already is the average
             return
         params = [self._params[i] for i in bucket.indices]

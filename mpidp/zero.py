@@ -16,8 +16,9 @@ unsharded one computes, element for element. After the step each segment's block
 all-gathered into every rank's parameters. Gradients: attached, each bucket (from the second
 backward, once DDP has fixed its buckets: the first is averaged as usual) is reduce-scattered
 — averaged — and each rank keeps only its block, read by its pieces; .grad then holds the
-rank's own, unaveraged gradient. Otherwise the pieces read the averaged .grad (all-reduced by
-DDP). The layout is fixed at the first ``step``; a ``load_state_dict`` before it waits for it.
+rank's own, unaveraged gradient. Otherwise (and on one rank, where nothing is reduced) the
+pieces read the averaged .grad (all-reduced by DDP). Not under Join: a joined rank does not
+step, and every step all-gathers. The layout is fixed at the first ``step``; a ``load_state_dict`` before it waits for it.
 ``consolidate_state_dict(to)`` gathers every rank's slices (as bytes, not pickled) into one
 state_dict in torch's format for the parameters as given — the unsharded optimizer's, so
 either loads the other's. Which state entries are per element is learnt once by stepping the
@@ -151,15 +152,24 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return loss
 
     def _gather_parameters(self) -> None:
+        """Every rank's blocks into every rank's parameters (this rank's are there already:
+        its pieces are views of them)."""
+        g = runtime.group()
+        if g.size == 1:
+            return
         for seg, pieces in zip(self._segments, self._pieces):
             params = [self._all[k] for k in seg]
             mine = torch.cat([v for _, _, _, v in pieces]) if pieces else \
                 params[0].detach().new_empty(0)
-            full = collectives.allgather(mine) if runtime.size() > 1 else mine
+            full = collectives.allgather(mine)
+            lo, n = partition(len(full), g.size)[g.rank]
             offset = 0
             for p in params:
-                p.detach().view(-1).copy_(full[offset:offset + p.numel()])
-                offset += p.numel()
+                flat, end = p.detach().view(-1), offset + p.numel()
+                for a, b in ((offset, min(end, lo)), (max(offset, lo + n), end)):
+                    if a < b:  # the parts of p outside this rank's block
+                        flat[a - offset:b - offset].copy_(full[a:b])
+                offset = end
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
