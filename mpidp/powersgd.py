@@ -5,22 +5,23 @@ DistributedDataParallel with torch's contract and no torch.distributed: ``PowerS
 Note [PowerSGD]
 Per bucket, after ``start_powerSGD_iter`` steps of plain averaging: the rank's error from the
 last step is added to its gradients (error feedback); each gradient of two or more dimensions
-viewed as an n x m matrix M whose rank-r factors are smaller by ``min_compression_rate``
-(n*m >= rate * (n+m)*r) is compressed — P = M Q, the P's of the bucket summed over the ranks in
-one all-reduce and orthonormalised (Gram-Schmidt, column by column), Q = M^T P summed in a
-second, and M replaced by P Q^T / N; the rest (vectors, small matrices) is averaged as it is.
-The error is what this rank's (error-fed) gradient lost: M - P Q^T / N for compressed
-matrices, none elsewhere. With ``warm_start`` each matrix's summed Q is kept for the next step
-(one power iteration per step refines it); otherwise, and at the first compressed step, Q is
-drawn from a normal generator seeded by (``random_seed``, step, shape), through numpy's
-SeedSequence — the same on every rank, and the same after a resume. Errors and Q's are kept per parameter, not per bucket
-(torch's are per bucket, and so must wait for DDP's bucket rebuild after the first step; a
-resumed DDP's first step has the unrebuilt layout again): ``state_dict(parameters)`` keys
+viewed as an n x m matrix M whose rank-r factors are smaller by ``min_compression_rate`` (n*m
+>= rate * (n+m)*r) is compressed — P = M Q, the P's of the bucket summed over the ranks in one
+all-reduce and orthonormalised (Gram-Schmidt, column by column), Q = M^T P summed in a second,
+and M replaced by P Q^T / N; the rest (vectors, small matrices) is averaged as it is. The error
+is what this rank's (error-fed) gradient lost: M - P Q^T / N for compressed matrices, none
+elsewhere. With ``warm_start`` each matrix's summed Q is kept for the next step (one power
+iteration per step refines it); otherwise, and at the first compressed step, Q is drawn from a
+normal generator seeded by (``random_seed``, step, shape), through numpy's SeedSequence — the
+same on every rank, and the same after a resume. Errors and Q's are kept per parameter, not per
+bucket (torch's are per bucket, and so must wait for DDP's bucket rebuild after the first step;
+a resumed DDP's first step has the unrebuilt layout again): ``state_dict(parameters)`` keys
 them by position, so a checkpointed run resumes bit for bit. Every rank computes P and Q from
 identical summed bits, so the ranks' results stay identical. A gradient with no elements is
-averaged as it is. As in torch's hook, a parameter unused on every rank (find_unused_parameters)
-still has its zero slot compressed and its error updated, though DDP leaves its .grad None.
-The all-reduces use ``auto`` (a hook does not see the DDP's ``algorithm``)."""
+averaged as it is. As in torch's hook, a parameter unused on every rank
+(find_unused_parameters) still has its zero slot compressed and its error updated, though DDP
+leaves its .grad None. The all-reduces use ``auto`` (a hook does not see the DDP's
+``algorithm``)."""
 from __future__ import annotations
 
 from typing import Any, Iterable

@@ -7,20 +7,20 @@ Note [ZeRO]
 The parameters are laid out as segments, each one dtype's tensors back to back: without DDP,
 every dtype's parameters in order; attached to a DDP (``ddp.register_comm_hook(zero,
 reduce_scatter_hook)``), DDP's own buckets. Each segment is split into one block per rank as
-numpy.array_split splits (reduce_scatter's blocks), and a rank owns its block of every
-segment: the pieces where its blocks meet the parameters, each a 1-D view of a parameter. The
-wrapped optimizer (``optimizer_class``) is built on those views alone, so it steps only what
-this rank owns, in place, and its state (momentum, Adam's moments) is about 1/N of the
-unsharded optimizer's; an element-wise optimizer (SGD, Adam, AdamW, ...) computes what the
-unsharded one computes, element for element. After the step each segment's blocks are
-all-gathered into every rank's parameters. Gradients: attached, each bucket (from the second
-backward, once DDP has fixed its buckets: the first is averaged as usual) is reduce-scattered
-— averaged — and each rank keeps only its block, read by its pieces; .grad then holds the
-rank's own, unaveraged gradient. Otherwise (and on one rank, where nothing is reduced) the
-pieces read the averaged .grad (all-reduced by DDP). Not under Join: a joined rank does not
-step, and every step all-gathers. The layout is fixed at the first ``step``; a ``load_state_dict`` before it waits for it.
-``consolidate_state_dict(to)`` gathers every rank's slices (as bytes, not pickled) into one
-state_dict in torch's format for the parameters as given — the unsharded optimizer's, so
+numpy.array_split splits (reduce_scatter's blocks), and a rank owns its block of every segment:
+the pieces where its blocks meet the parameters, each a 1-D view of a parameter. The wrapped
+optimizer (``optimizer_class``) is built on those views alone, so it steps only what this rank
+owns, in place, and its state (momentum, Adam's moments) is about 1/N of the unsharded
+optimizer's; an element-wise optimizer (SGD, Adam, AdamW, ...) computes what the unsharded one
+computes, element for element. After the step each segment's blocks are all-gathered into every
+rank's parameters. Gradients: attached, each bucket (from the second backward, once DDP has
+fixed its buckets: the first is averaged as usual) is reduce-scattered — averaged — and each
+rank keeps only its block, read by its pieces; .grad then holds the rank's own, unaveraged
+gradient. Otherwise (and on one rank, where nothing is reduced) the pieces read the averaged
+.grad (all-reduced by DDP). Not under Join: a joined rank does not step, and every step
+all-gathers. The layout is fixed at the first ``step``; a ``load_state_dict`` before it waits
+for it. ``consolidate_state_dict(to)`` gathers every rank's slices (as bytes, not pickled) into
+one state_dict in torch's format for the parameters as given — the unsharded optimizer's, so
 either loads the other's. Which state entries are per element is learnt once by stepping the
 wrapped optimizer on a two-element probe (Adam's ``step`` is not; its moments are)."""
 from __future__ import annotations
@@ -273,7 +273,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         try:
             groups = state_dict["param_groups"]
             if len(groups) != len(self.param_groups) or any(
-                    len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)):
+                    len(a["params"]) != len(b["params"])
+                    for a, b in zip(groups, self.param_groups)):
                 raise ValueError("its parameter groups differ from this optimizer's")
             state = {int(k): v for k, v in state_dict["state"].items()}
         except (KeyError, TypeError, AttributeError) as exc:
@@ -311,9 +312,9 @@ def _restore(value: Any) -> Any:
 
 
 def reduce_scatter_hook(state: ZeroRedundancyOptimizer, bucket) -> torch.futures.Future:
-    """Registered with ``ddp.register_comm_hook(zero, reduce_scatter_hook)``: DDP reduce-
-    scatters each bucket to the ranks owning it (Note [ZeRO]); DDP runs it itself, so it is
-    never called as a function."""
+    """Registered with ``ddp.register_comm_hook(zero, reduce_scatter_hook)``: DDP
+    reduce-scatters each bucket to the ranks owning it (Note [ZeRO]); DDP runs it itself, so
+    it is never called as a function."""
     raise RuntimeError("reduce_scatter_hook runs inside mpidp's DistributedDataParallel only")
 
 
