@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import signal
 import sys
 import time
@@ -15,51 +14,14 @@ import numpy as np
 import torch
 
 from .. import collectives, runtime, timeline
-from ..data import ShardSampler, batches
+from ..data import ShardSampler
 from ..watchdog import collective
 from . import checkpoint, setup, stragglers
 from .report import Report, emit
-from .settings import MOMENTUM, TrainSettings, check_world, scaled_lr, straggler_of
+from .scoring import evaluate, parameters_sha256
+from .settings import TrainSettings, check_world, make_optimizer, scaled_lr, straggler_of
 from .strategies import make_strategy
 from .strategy_base import Strategy
-
-EVAL_BATCH = 512
-
-
-def make_optimizer(settings: TrainSettings) -> Callable[[list], torch.optim.Optimizer]:
-    def build(params: list) -> torch.optim.Optimizer:
-        if settings.optimizer == "adam":
-            return torch.optim.Adam(params, lr=settings.lr)
-        momentum = MOMENTUM if settings.optimizer == "momentum" else 0.0
-        return torch.optim.SGD(params, lr=settings.lr, momentum=momentum)
-    return build
-
-
-def parameters_sha256(module: torch.nn.Module) -> str:
-    """A digest of every parameter and buffer, bit for bit (equal runs give equal digests)."""
-    h = hashlib.sha256()
-    for name, t in module.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-@timeline.traced("evaluate")
-def evaluate(module: torch.nn.Module, test, g) -> float:
-    """Held-out accuracy: every rank scores its share, the counts are summed. Every rank
-    calls it."""
-    sampler = ShardSampler(len(test), g.rank, g.size, shuffle=False, pad=False)
-    counts = np.zeros(2, np.int64)
-    was_training = module.training
-    module.eval()
-    with torch.no_grad():
-        for x, y in batches(test, sampler.indices(0), EVAL_BATCH):
-            counts += (int((module(x).argmax(1) == y).sum()), len(y))
-    module.train(was_training)
-    if g.size > 1:
-        collectives.allreduce_(counts, "sum")
-    return float(counts[0] / max(counts[1], 1))
-
 
 # Note [Checkpoint on signal]
 # With --checkpoint-on-signal, SIGTERM and SIGUSR1 (what Slurm sends before a time limit, e.g.

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Callable, Optional
+
+import torch
 
 from .. import algorithms
 
@@ -178,3 +180,13 @@ def check_world(settings: TrainSettings, size: int) -> None:
     if settings.straggler is not None and straggler_of(settings.straggler)[0] >= size:
         raise ValueError(f"--straggler {settings.straggler}: no rank "
                          f"{straggler_of(settings.straggler)[0]} in a job of {size}")
+
+
+def make_optimizer(settings: TrainSettings) -> Callable[[list], torch.optim.Optimizer]:
+    """A factory of ``--optimizer``'s optimizer on given parameters."""
+    def build(params: list) -> torch.optim.Optimizer:
+        if settings.optimizer == "adam":
+            return torch.optim.Adam(params, lr=settings.lr)
+        momentum = MOMENTUM if settings.optimizer == "momentum" else 0.0
+        return torch.optim.SGD(params, lr=settings.lr, momentum=momentum)
+    return build
