@@ -13,6 +13,7 @@ import numpy as np
 
 from . import collectives, host_kernels, runtime, timeline
 from .planner import DEVICE, HOST, plan_bucket
+from .ring import partition
 from .dtypes import F16, NUMPY_STORAGE, as_host_array, flat_host_array, write_back
 
 
@@ -63,13 +64,29 @@ class BucketBase:
         self.unpack(destinations, self.divisor)
 
 
-    def reduce_scatter_(self, sources: Sequence[Any], algorithm: str, dtype: Any) -> Any:
-        """``sources`` packed (None: zeros; own slots stay), then reduce-scattered: this
-        rank's block of the average over the ranks, a torch tensor of torch dtype ``dtype``
-        (Note [ZeRO] in mpidp/zero.py). Collective."""
-        self.pack(sources, skip_own_slots=True)
-        return collectives.reduce_scatter(self.torch_flat(dtype), "avg",
-                                          algorithm if algorithm in ("ring", "mpi") else "auto")
+    def reduce_scatter_(self, sources: Sequence[Any], algorithm: str, dtype: Any) -> None:
+        """``sources`` packed (None: zeros; own slots stay), reduce-scattered, and this rank's
+        block of the average written back where it came from: into the bucket and the
+        sources (Note [ZeRO] in mpidp/zero.py); the rest keeps this rank's own values.
+        ``dtype``: the bucket's torch dtype. Collective."""
+        with self.stream_context():
+            self.pack(sources, skip_own_slots=True)
+            flat = self.torch_flat(dtype)
+            block = collectives.reduce_scatter(flat, "avg", algorithm if algorithm in
+                                               ("ring", "mpi") else "auto")
+            g = runtime.group()
+            lo, n = partition(len(flat), g.size)[g.rank]
+            flat[lo:lo + n].copy_(block)
+            for s, o, c in zip(sources, self.offsets, self.counts):
+                a, b = max(lo, o), min(lo + n, o + c)
+                if s is None or a >= b or (s.is_contiguous() and
+                                           s.data_ptr() == flat[o:].data_ptr()):
+                    continue  # nothing of it here, or it is its own slot (written above)
+                part = s.detach().view(-1) if s.is_contiguous() else s.detach().reshape(-1)
+                part[a - o:b - o].copy_(block[a - lo:b - lo])
+                if not s.is_contiguous():
+                    s.detach().copy_(part.view(s.shape))
+        self.divisor = 1  # unpack_one of a parameter unused here: its averaged block too
 
 
 # Note [Zero-copy buckets]

@@ -48,6 +48,11 @@ class JoinSupport(Joinable):
         if self.audit_every:
             raise ValueError("Join: the replica audit (audit_every) would compare the "
                              "models of ranks that stopped stepping; turn it off under Join")
+        if self._hook is not None and getattr(self._hook[1], "__name__", "") == \
+                "reduce_scatter_hook":  # mpidp.zero's
+            raise ValueError("Join: a ZeroRedundancyOptimizer all-gathers at every step, which "
+                             "a rank without a batch does not take; give every rank the same "
+                             "number of batches instead")
         if self.sync_batchnorm_layers:
             raise ValueError(f"Join: the SyncBatchNorm layers {self.sync_batchnorm_layers} "
                              "cannot be shadowed by a rank without a batch; give every rank "

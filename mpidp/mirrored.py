@@ -274,8 +274,8 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
             if not self._rebuilt:
                 reduce_bucket(bucket, sources, destinations, self.algorithm)
                 return
-            self._hook[0].keep_scattered(self._bucket_index[id(bucket)], bucket.reduce_scatter_(
-                sources, self.algorithm, self._params[bucket.indices[0]].dtype))
+            bucket.reduce_scatter_(sources, self.algorithm,
+                                   self._params[bucket.indices[0]].dtype)
             return
         wire = fused_wire(self._hook[1], bucket)
         if wire is not None:  # Note [Compressed buckets] in mpidp/compression.py

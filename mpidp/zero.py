@@ -13,16 +13,21 @@ optimizer (``optimizer_class``) is built on those views alone, so it steps only 
 owns, in place, and its state (momentum, Adam's moments) is about 1/N of the unsharded
 optimizer's; an element-wise optimizer (SGD, Adam, AdamW, ...) computes what the unsharded one
 computes, element for element. After the step each segment's blocks are all-gathered into every
-rank's parameters. Gradients: attached, each bucket (from the second backward, once DDP has
-fixed its buckets: the first is averaged as usual) is reduce-scattered — averaged — and each
-rank keeps only its block, read by its pieces; .grad then holds the rank's own, unaveraged
-gradient. Otherwise (and on one rank, where nothing is reduced) the pieces read the averaged
-.grad (all-reduced by DDP). Not under Join: a joined rank does not step, and every step
-all-gathers. The layout is fixed at the first ``step``; a ``load_state_dict`` before it waits
-for it. ``consolidate_state_dict(to)`` gathers every rank's slices (as bytes, not pickled) into
-one state_dict in torch's format for the parameters as given — the unsharded optimizer's, so
-either loads the other's. Which state entries are per element is learnt once by stepping the
-wrapped optimizer on a two-element probe (Adam's ``step`` is not; its moments are)."""
+rank's parameters. The pieces' gradients are views of the parameters' .grad. Attached, each
+bucket (from the second backward, once DDP has fixed its buckets: the first is all-reduced as
+usual) is reduce-scattered, and the averaged block is written back into the bucket and the
+.grad it came from: .grad holds the average on the slices this rank owns and its own gradient
+elsewhere, so what is done to .grad before ``step`` (scaling, unscaling) acts on what is
+stepped — but a norm over the whole .grad (clip_grad_norm_) would mix the two. Beside DDP's
+all-reduce, or on one rank (nothing reduced), .grad is the average. The layout is fixed at the
+first ``step`` (``add_param_group`` only before it); a ``load_state_dict`` before it waits for
+it, and ``consolidate_state_dict`` before it gives what was loaded. Refused under Join: a joined
+rank does not step, and every step all-gathers. ``consolidate_state_dict(to)`` gathers every
+rank's slices (as bytes, not pickled) into one state_dict in torch's format for the parameters
+as given — the unsharded optimizer's, so either loads the other's; a piece's per-element
+entries are those of its 1-D shape (Adam's ``step`` has none), and loading slices every entry
+of a parameter's shape, cast to the parameter's dtype and device as torch's load does (for a
+parameter of no dimensions a two-element probe of the wrapped optimizer tells which)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -64,10 +69,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._local: Optional[torch.optim.Optimizer] = None
         self._pieces: list = []      # per segment: [(param position, start, stop, view)]
         self._segments: list = []    # per segment: [param positions in order]
-        self._scattered: dict = {}   # DDP bucket index -> this rank's averaged block
         self._pending: Optional[dict] = None  # a state_dict loaded before the first step
         self._consolidated: Optional[dict] = None
-        self._per_element: Optional[set] = None
+        self._per_element: dict = {}  # param group -> keys of its per-element state
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, before the first step (the layout is fixed then); RuntimeError after."""
+        if getattr(self, "_local", None) is not None or getattr(self, "_ddp", None) is not None:
+            raise RuntimeError("ZeroRedundancyOptimizer.add_param_group after the first step "
+                               "or once attached to a DistributedDataParallel: the parameters "
+                               "are already partitioned")
+        super().add_param_group(param_group)
+        if hasattr(self, "_all"):  # not from torch's __init__, which sets them up after
+            self._all = [p for group in self.param_groups for p in group["params"]]
 
     # ---- the layout ----------------------------------------------------------------------
 
@@ -132,18 +146,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._fix_layout()
         for group, local in zip(self.param_groups, self._local.param_groups):
             local.update({o: v for o, v in group.items() if o != "params"})
-        scattered, self._scattered = self._scattered, {}
-        for s, pieces in enumerate(self._pieces):
-            block, offset = scattered.get(s), 0
+        for pieces in self._pieces:
             for k, a, b, view in pieces:
                 grad = self._all[k].grad  # None: unused on every rank, skipped as unsharded
-                if grad is None:
-                    view.grad = None
-                elif block is not None:
-                    view.grad = block[offset:offset + b - a]
-                else:
-                    view.grad = grad.detach().reshape(-1)[a:b]
-                offset += b - a
+                view.grad = None if grad is None else grad.detach().reshape(-1)[a:b]
         self._local.step()
         for pieces in self._pieces:
             for _, _, _, view in pieces:
@@ -171,14 +177,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                         flat[a - offset:b - offset].copy_(full[a:b])
                 offset = end
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        self._scattered = {}
-
-    def keep_scattered(self, bucket_index: int, block: torch.Tensor) -> None:
-        """reduce_scatter_hook's result for one of DDP's buckets (Note [ZeRO])."""
-        self._scattered[bucket_index] = block
-
     def local_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (0 before the first step)."""
         if self._local is None:
@@ -188,31 +186,39 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     # ---- state ---------------------------------------------------------------------------
 
-    def _probe(self) -> set:
-        """The state entries the wrapped optimizer keeps per element (Note [ZeRO])."""
-        if self._per_element is None:
+    def _per_element_keys(self, k: int) -> set:
+        """The state entries the wrapped optimizer keeps per element for parameter ``k``'s
+        group, learnt by stepping it on a two-element probe (Note [ZeRO]); only a parameter
+        of no dimensions needs it (elsewhere the shapes tell)."""
+        group = next(i for i, gr in enumerate(self.param_groups)
+                     if any(p is self._all[k] for p in gr["params"]))
+        if group not in self._per_element:
             x = torch.zeros(2, requires_grad=True)
-            opt = self.optimizer_class([x], **{**self._defaults, **{
-                o: v for o, v in self.param_groups[0].items() if o != "params"}})
+            opt = self.optimizer_class([x], **self._defaults)
+            opt.param_groups[0].update({o: v for o, v in self.param_groups[group].items()
+                                        if o != "params"})
             x.grad = torch.ones(2)
             opt.step()
-            self._per_element = {key for key, v in opt.state[x].items()
-                                 if isinstance(v, torch.Tensor) and v.shape == (2,)}
-        return self._per_element
+            self._per_element[group] = {key for key, v in opt.state[x].items()
+                                        if isinstance(v, torch.Tensor) and v.shape == (2,)}
+        return self._per_element[group]
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gathers the whole optimizer state on rank ``to`` (collective)."""
         g = runtime.group()
         collectives.check_root(to, g.size)
-        per_element = self._probe()
+        if self._local is None:  # no layout yet: what was loaded (the same on every rank)
+            self._consolidated = None if g.rank != to else \
+                {"state": dict(self._pending or {}), "param_groups": self._group_entries()}
+            return
         entries, chunks = [], []  # this rank's pieces with state, and their slices' bytes
-        for pieces in (self._pieces if self._local is not None else []):
+        for pieces in self._pieces:
             for k, a, b, view in pieces:
                 state = self._local.state.get(view)
                 if not state:
                     continue
-                keys = sorted(key for key in state if key in per_element)
-                rest = {key: v for key, v in state.items() if key not in per_element}
+                keys = sorted(key for key, v in state.items() if _sliced(v, b - a))
+                rest = {key: v for key, v in state.items() if key not in keys}
                 entries.append((k, a, b, [(key, str(state[key].dtype)) for key in keys],
                                 _portable(rest)))
                 chunks += [state[key].detach().cpu().contiguous().view(torch.uint8).numpy()
@@ -231,11 +237,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _assemble(self, everyone: list, counts: list, data: np.ndarray) -> dict:
         state: dict = {}
+        sliced: dict = {}  # parameter -> its per-element keys
         offset = 0
         for entries, count in zip(everyone, counts):
             for k, a, b, keys, rest in entries:
                 p = self._all[k]
                 out = state.setdefault(k, {})
+                sliced.setdefault(k, set()).update(key for key, _ in keys)
                 for key, value in rest.items():
                     out.setdefault(key, _restore(value))
                 for key, dtype in keys:
@@ -246,9 +254,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     full[a:b] = piece
                     offset += nbytes
         for k, out in state.items():
-            for key in self._probe():
-                if key in out:
-                    out[key] = out[key].view(self._all[k].shape)
+            for key, v in out.items():
+                if isinstance(v, torch.Tensor) and key in sliced.get(k, ()):
+                    out[key] = v.view(self._all[k].shape)
         return {"state": {k: state[k] for k in sorted(state)},
                 "param_groups": self._group_entries()}
 
@@ -287,16 +295,27 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._load_local(state)
 
     def _load_local(self, state: dict) -> None:
-        per_element = self._probe()
         self._local.state.clear()
         for pieces in self._pieces:
             for k, a, b, view in pieces:
                 if k not in state:
                     continue
-                self._local.state[view] = {
-                    key: (v.detach().reshape(-1)[a:b].clone() if key in per_element else
-                          v.clone() if isinstance(v, torch.Tensor) else v)
-                    for key, v in state[k].items()}
+                p, mine = self._all[k], {}
+                for key, v in state[k].items():
+                    if isinstance(v, torch.Tensor) and v.shape == p.shape and (
+                            p.dim() > 0 or key in self._per_element_keys(k)):
+                        v = v.detach().reshape(-1)[a:b]  # as torch's load: the view's
+                        mine[key] = v.to(view.device, view.dtype if v.is_floating_point()
+                                         else v.dtype, copy=True)
+                    else:
+                        mine[key] = v.clone() if isinstance(v, torch.Tensor) else v
+                self._local.state[view] = mine
+
+
+def _sliced(value: Any, count: int) -> bool:
+    """Whether a piece's state entry is per element (a piece is 1-D: its per-element state
+    is too; Adam's step has no dimensions)."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == count
 
 
 def _portable(values: dict) -> dict:

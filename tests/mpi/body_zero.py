@@ -122,6 +122,70 @@ for mode in ("plain", "attached"):
     results.append(model)
 same(results[0], results[1], "Adam with unused parameters, attached", n <= 2)
 
+# two groups (one without momentum), a scheduler, and .grad halved between backward and step:
+# as the unsharded optimizer; its consolidated state (a scheduler adds initial_lr) too
+def grouped(mode):
+    torch.manual_seed(0)
+    model = mpidp.DistributedDataParallel(net(), bucket_cap_mb=0.001)
+    params = list(model.parameters())
+    groups = [{"params": params[:2], "momentum": 0.0}, {"params": params[2:], "lr": 0.05}]
+    opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9) if mode == "plain" else \
+        ZeroRedundancyOptimizer(groups, torch.optim.SGD, lr=0.1, momentum=0.9)
+    if mode == "attached":
+        model.register_comm_hook(opt, reduce_scatter_hook)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for k in range(5):
+        x, y = local[k]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            p.grad.mul_(0.5)
+        opt.step()
+        schedule.step()
+    return model, opt
+
+
+plain, plain_opt = grouped("plain")
+for mode in ("zero", "attached"):
+    model, zero = grouped(mode)
+    same(plain, model, f"two groups, a scheduler, halved .grad ({mode})", mode == "zero" or n <= 2)
+    zero.consolidate_state_dict(to=0)
+    if rank == 0:
+        mine, theirs = zero.state_dict(), plain_opt.state_dict()
+        expect(mine["param_groups"] == theirs["param_groups"], f"groups {mine['param_groups']}")
+        expect(all(mine["state"][k]["momentum_buffer"].shape == v["momentum_buffer"].shape
+                   for k, v in theirs["state"].items() if v.get("momentum_buffer") is not None),
+               "momentum buffers of two groups consolidated")
+    try:
+        zero.add_param_group({"params": [nn.Parameter(torch.ones(3))]})
+        expect(False, "add_param_group after the first step")
+    except RuntimeError as exc:
+        expect("add_param_group after the first step" in str(exc), f"says {exc}")
+
+# loaded before the first step: consolidated as loaded; a float32 state into a float64 model
+plain, plain_opt = run("adam", "plain")
+wide = mpidp.DistributedDataParallel(net().double(), bucket_cap_mb=0.001)
+zero = ZeroRedundancyOptimizer(wide.parameters(), torch.optim.Adam, lr=0.01)
+zero.load_state_dict(plain_opt.state_dict())
+zero.consolidate_state_dict(to=0)
+if rank == 0:
+    expect(len(zero.state_dict()["state"]) == len(plain_opt.state_dict()["state"]),
+           "a state loaded before the first step is consolidated as loaded")
+x, y = local[0]
+nn.functional.cross_entropy(wide(x.double()), y).backward()
+zero.step()
+expect(all(s["exp_avg"].dtype == torch.float64 for s in zero._local.state.values()),
+       "the loaded state takes the parameters' dtype")
+
+# refused under Join (a joined rank would not all-gather)
+model, zero = run("momentum", "attached", steps=())
+try:
+    with model.join():
+        pass
+    expect(False, "Join with a ZeroRedundancyOptimizer attached")
+except ValueError as exc:
+    expect("ZeroRedundancyOptimizer all-gathers at every step" in str(exc), f"Join says {exc}")
+
 # errors at the public boundary
 for args, kw, says in (((net().parameters(), "adam"), {}, "optimizer_class must be"),
                        ((net().parameters(), torch.optim.SGD), {"process_group": 1, "lr": 1},
