@@ -396,3 +396,40 @@ def test_resume_with_another_powersgd_rank_starts_its_state_afresh(tmp_path):
     assert summary_of(proc)["global_step"] == 2 * 23
     assert "\nthe checkpoint's PowerSGD state does not fit these settings (another " \
         "--powersgd-rank or number of ranks): what does not fit starts afresh\n" in proc.stdout
+
+
+def _final_model(proc):
+    return model_of(summary_of(proc)["checkpoint"])
+
+
+def test_localsgd_and_diloco_every_step_are_mirrored(tmp_path):
+    """Note [Local steps]: meeting after every step, post-local SGD and DiLoCo (an outer SGD
+    of lr 1 without momentum) with SGD train as mirrored — up to rounding: they average
+    updated parameters or updates, mirrored averages gradients. (With momentum, whose buffers
+    post-local SGD averages too, the runs start 1 ulp apart and drift as rounding does.)"""
+    base = ("--epochs", 2, "--lr-scaling", "none", "--optimizer", "sgd", "--no-progress")
+    mirrored = _final_model(train(2, *base, "--checkpoint-dir", tmp_path / "mirrored"))
+    for flags in (("--strategy", "localsgd", "--sync-every", 1),
+                  ("--strategy", "diloco", "--sync-every", 1, "--outer-lr", 1,
+                   "--outer-momentum", 0)):
+        local = _final_model(train(2, *base, *flags, "--checkpoint-dir", tmp_path / flags[1]))
+        for k in mirrored:
+            torch.testing.assert_close(local[k], mirrored[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("flags", [("--strategy", "localsgd", "--sync-every", 4,
+                                    "--local-sgd-warmup-steps", 6),
+                                   ("--strategy", "diloco", "--sync-every", 4)],
+                         ids=["localsgd", "diloco"])
+def test_local_strategies_resume_from_a_mid_epoch_checkpoint_exactly(flags, tmp_path):
+    """A checkpoint is a meeting (Note [Local steps]): resumed from the one at step 10 (in
+    the third interval of 4 steps), the run ends bit for bit as the uninterrupted one."""
+    run_flags = (*flags, "--epochs", 2, "--checkpoint-every", 10, "--no-progress")
+    whole = summary_of(train(2, *run_flags, "--checkpoint-dir", tmp_path / "whole"))
+    summary_of(train(2, *run_flags, "--checkpoint-dir", tmp_path / "cut", "--epochs", 1))
+    for later in ("ckpt-000000020.pt", "ckpt-000000023.pt"):
+        (tmp_path / "cut" / later).unlink()
+    proc = train(2, *run_flags, "--checkpoint-dir", tmp_path / "cut", "--resume")
+    resumed = summary_of(proc)
+    assert resumed["resumed_from"] == str(tmp_path / "cut" / "ckpt-000000010.pt"), proc.stdout
+    assert resumed["parameters_sha256"] == whole["parameters_sha256"]

@@ -141,6 +141,13 @@ def test_builtin_models_fit_the_data():
     ({"powersgd_rank": 0, "compression": "powersgd"}, "--powersgd-rank must be an integer >= 1"),
     ({"zero": True, "strategy": "central"}, "--zero applies to --strategy mirrored, not central"),
     ({"zero": True, "compression": "bf16"}, "does not combine with --compression bf16"),
+    ({"sync_every": 4}, "--sync-every applies to --strategy localsgd and diloco, not mirrored"),
+    ({"strategy": "localsgd", "sync_every": 0}, "--sync-every must be an integer >= 1"),
+    ({"strategy": "diloco", "local_sgd_warmup_steps": 3},
+     "--local-sgd-warmup-steps applies to --strategy localsgd, not diloco"),
+    ({"strategy": "localsgd", "outer_lr": 0.5}, "--outer-lr applies to --strategy diloco"),
+    ({"strategy": "diloco", "outer_momentum": 1.0}, "--outer-momentum must be in \\[0, 1\\)"),
+    ({"strategy": "diloco", "outer_lr": -1.0}, "--outer-lr must be a finite number > 0"),
 ])
 def test_settings_checks_name_the_flag(change, match):
     with pytest.raises(ValueError, match=match):

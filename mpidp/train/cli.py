@@ -61,7 +61,9 @@ def parser() -> argparse.ArgumentParser:
     a("--strategy", choices=STRATEGIES, default=d.strategy,
       help="mirrored: every rank a replica, gradients all-reduced; central: rank 0 holds "
       "parameters and optimizer, gradients reduced to it; ps: asynchronous parameter server "
-      "on dedicated ranks (see --num-ps, --staleness)")
+      "on dedicated ranks (see --num-ps, --staleness); localsgd: post-local SGD, ranks step "
+      "alone and average every --sync-every steps; diloco: DiLoCo, an outer Nesterov step on "
+      "the averaged deltas every --sync-every steps")
     a("--model", default=d.model, help="built-in (mlp, cnn) or package.module:factory, a "
       "callable taking no arguments and returning a torch.nn.Module")
     a("--dataset", default=d.dataset, help="built-in (digits, synthetic) or "
@@ -126,6 +128,15 @@ def parser() -> argparse.ArgumentParser:
       help="--strategy mirrored: ZeRO-1 — each rank holds the optimizer state of 1/N of the "
       "parameters; gradients are reduce-scattered to their owners and the updated parameters "
       "all-gathered")
+    a("--sync-every", type=int, default=d.sync_every,
+      help="--strategy localsgd, diloco: steps each rank takes alone between meetings "
+      "(default 8)")
+    a("--local-sgd-warmup-steps", type=int, default=d.local_sgd_warmup_steps,
+      help="--strategy localsgd: synchronous (mirrored) steps first (default 0)")
+    a("--outer-lr", type=float, default=d.outer_lr,
+      help="--strategy diloco: learning rate of the outer SGD (default 0.7)")
+    a("--outer-momentum", type=float, default=d.outer_momentum,
+      help="--strategy diloco: Nesterov momentum of the outer SGD (default 0.9)")
     a("--straggler", default=d.straggler, metavar="RANK:FACTOR",
       help="testing aid: rank RANK computes FACTOR times more slowly (it sleeps after each "
       "step), with every strategy (default: none)")

@@ -222,6 +222,7 @@ class _Run:
             self.checkpoint, epoch, step, self.global_step = \
                 g.comm.bcast(where, root=0) if g.size > 1 else where
         self.resumed_from = self.checkpoint
+        self.strategy.resume_at(self.global_step)
         which = f"{self.checkpoint} (sha256 {digest[:12]})" if digest else self.checkpoint
         self.report.line(f"resuming from {which}: epoch {epoch + 1}, step {step}"
                          if epoch < self.settings.epochs else

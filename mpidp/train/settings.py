@@ -10,11 +10,13 @@ import torch
 
 from .. import algorithms
 
-STRATEGIES = ("mirrored", "central", "ps")
+STRATEGIES = ("mirrored", "central", "ps", "localsgd", "diloco")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "auto")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 LR_SCALINGS = ("none", "linear", "sqrt")
 MOMENTUM = 0.9  # --optimizer momentum: SGD with this momentum (Goyal et al. use 0.9)
+SYNC_EVERY = 8  # --strategy localsgd, diloco: steps between meetings
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # --strategy diloco: Douillard et al.'s outer Nesterov
 
 
 @dataclasses.dataclass
@@ -54,6 +56,10 @@ class TrainSettings:
     powersgd_rank: Optional[int] = None        # --compression powersgd (default 1)
     powersgd_start_step: Optional[int] = None  # --compression powersgd (default 10)
     zero: bool = False                 # mirrored: ZeRO-1, the optimizer state sharded
+    sync_every: Optional[int] = None   # localsgd, diloco: steps between meetings (default 8)
+    local_sgd_warmup_steps: Optional[int] = None  # localsgd: mirrored steps first (default 0)
+    outer_lr: Optional[float] = None   # diloco: the outer SGD's learning rate (default 0.7)
+    outer_momentum: Optional[float] = None  # diloco: its Nesterov momentum (default 0.9)
 
     def check(self) -> "TrainSettings":
         _choice("--strategy", self.strategy, STRATEGIES)
@@ -78,6 +84,7 @@ class TrainSettings:
         if self.straggler is not None:
             straggler_of(self.straggler)
         self._check_compression()
+        self._check_local()
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
         _choice("--lr-scaling", self.lr_scaling, LR_SCALINGS)
         _choice("--algorithm", self.algorithm, algorithms.NAMES[algorithms.HOST])
@@ -109,6 +116,31 @@ class TrainSettings:
             raise ValueError("--allow-shared-checkpoint-dir needs --checkpoint-dir")
         return self
 
+
+    def _check_local(self) -> None:
+        local = ("localsgd", "diloco")
+        for flag, value, where in (
+                ("--sync-every", self.sync_every, local),
+                ("--local-sgd-warmup-steps", self.local_sgd_warmup_steps, ("localsgd",)),
+                ("--outer-lr", self.outer_lr, ("diloco",)),
+                ("--outer-momentum", self.outer_momentum, ("diloco",))):
+            if value is not None and self.strategy not in where:
+                raise ValueError(f"{flag} applies to --strategy {' and '.join(where)}, not "
+                                 f"{self.strategy}")
+        if self.strategy in local:
+            self.sync_every = SYNC_EVERY if self.sync_every is None else self.sync_every
+            _at_least("--sync-every", self.sync_every, 1)
+        if self.local_sgd_warmup_steps is not None:
+            _at_least("--local-sgd-warmup-steps", self.local_sgd_warmup_steps, 0)
+        if self.strategy == "diloco":
+            self.outer_lr = OUTER_LR if self.outer_lr is None else self.outer_lr
+            self.outer_momentum = OUTER_MOMENTUM if self.outer_momentum is None \
+                else self.outer_momentum
+            _positive("--outer-lr", self.outer_lr)
+            if not isinstance(self.outer_momentum, (int, float)) or \
+                    not 0 <= self.outer_momentum < 1:
+                raise ValueError(f"--outer-momentum must be in [0, 1), got "
+                                 f"{self.outer_momentum!r}")
 
     def _check_compression(self) -> None:
         _choice("--compression", self.compression, COMPRESSIONS)

@@ -1,6 +1,6 @@
-"""The training modes (mirrored, central; the parameter server's from ``ps_strategy``) behind
-the loop's ``Strategy`` interface (``strategy_base``), and ``make_strategy``, which picks one by
-name."""
+"""The training modes (mirrored, central; the parameter server's from ``ps_strategy``, local
+SGD's and DiLoCo's from ``local_strategies``) behind the loop's ``Strategy`` interface
+(``strategy_base``), and ``make_strategy``, which picks one by name."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -15,6 +15,7 @@ from ..mirrored import DistributedDataParallel
 from ..powersgd import PowerSGDState
 from ..zero import ZeroRedundancyOptimizer, reduce_scatter_hook
 from . import compress
+from .local_strategies import DiLoCo, LocalSGD
 from .ps_strategy import ParameterServerStrategy
 from .strategy_base import Strategy
 
@@ -110,7 +111,8 @@ class Central(Strategy):
             self.optimizer.load_state_dict(state)
 
 
-STRATEGIES = {"mirrored": Mirrored, "central": Central, "ps": ParameterServerStrategy}
+STRATEGIES = {"mirrored": Mirrored, "central": Central, "ps": ParameterServerStrategy,
+              "localsgd": LocalSGD, "diloco": DiLoCo}
 
 
 def make_strategy(settings: Any, model: torch.nn.Module, make_optimizer: Callable) -> Strategy:

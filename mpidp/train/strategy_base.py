@@ -69,6 +69,9 @@ class Strategy:
     def load_comm_state(self, state: Optional[dict]) -> None:
         """Collective: rank 0 passes what ``comm_state`` gave (or None), others None."""
 
+    def resume_at(self, global_step: int) -> None:
+        """Every rank: the run resumes after ``global_step`` steps."""
+
     def end_epoch(self) -> None:
         """Every rank calls it after its last step of an epoch."""
 
