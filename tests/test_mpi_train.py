@@ -419,19 +419,42 @@ def test_localsgd_and_diloco_every_step_are_mirrored(tmp_path):
 
 
 @pytest.mark.parametrize("flags", [("--strategy", "localsgd", "--sync-every", 4,
-                                    "--local-sgd-warmup-steps", 6),
-                                   ("--strategy", "diloco", "--sync-every", 4)],
+                                    "--local-sgd-warmup-steps", 12, "--model",
+                                    "user_factories:batchnorm_model"),
+                                   ("--strategy", "diloco", "--sync-every", 4,
+                                    "--optimizer", "adam", "--lr", 0.003)],
                          ids=["localsgd", "diloco"])
-def test_local_strategies_resume_from_a_mid_epoch_checkpoint_exactly(flags, tmp_path):
-    """A checkpoint is a meeting (Note [Local steps]): the run's checkpoints after step 10
-    (in the third interval of 4 steps) removed, --resume from step 10 ends bit for bit as the
-    run did."""
-    run_flags = (*flags, "--epochs", 1, "--checkpoint-every", 10, "--no-progress",
-                 "--checkpoint-dir", tmp_path)
-    whole = summary_of(train(2, *run_flags))
+def test_local_strategies_resume_between_meetings_exactly(flags, tmp_path):
+    """Note [Local steps]: checkpoints between meetings change nothing (a run checkpointing
+    every 10 steps ends as one that does not), and hold every rank's own state: with the
+    run's checkpoints after step 10 removed (the third interval of 4; localsgd still in its
+    mirrored warm-up there, BatchNorm buffers broadcast, then averaged), --resume from step
+    10 ends bit for bit as the run did. DiLoCo resumed with other outer settings takes them."""
+    base = (*flags, "--epochs", 1, "--no-progress")
+    plain = summary_of(train(2, *base, env=USER))
+    run_flags = (*base, "--checkpoint-every", 10, "--checkpoint-dir", tmp_path)
+    whole = summary_of(train(2, *run_flags, env=USER))
+    assert whole["parameters_sha256"] == plain["parameters_sha256"]
     for later in ("ckpt-000000020.pt", "ckpt-000000023.pt"):
         (tmp_path / later).unlink()
-    proc = train(2, *run_flags, "--resume")
+    proc = train(2, *run_flags, "--resume", env=USER)
     resumed = summary_of(proc)
     assert resumed["resumed_from"] == str(tmp_path / "ckpt-000000010.pt"), proc.stdout
     assert resumed["parameters_sha256"] == whole["parameters_sha256"]
+    if flags[1] == "diloco":  # this run's outer settings, not the checkpoint's
+        saved = torch.load(resumed["checkpoint"], weights_only=True)
+        assert saved["optimizer"]["outer"]["param_groups"][0]["lr"] == 0.7
+        (tmp_path / "ckpt-000000023.pt").unlink()
+        (tmp_path / "ckpt-000000020.pt").unlink()
+        other = summary_of(train(2, *run_flags, "--outer-lr", 0.2, "--resume", env=USER))
+        saved = torch.load(other["checkpoint"], weights_only=True)
+        assert saved["optimizer"]["outer"]["param_groups"][0]["lr"] == 0.2
+        assert other["parameters_sha256"] != whole["parameters_sha256"]
+
+
+def test_a_parameter_trained_on_some_ranks_only_is_named_at_the_meeting():
+    proc = train(2, "--strategy", "localsgd", "--model", "user_factories:rank_branch_model",
+                 "--optimizer", "adam", "--epochs", 1, "--no-progress", env=USER)
+    assert proc.returncode != 0
+    assert "--strategy localsgd: parameter 'branch.weight' received a gradient on some ranks " \
+        "only since the last meeting" in proc.stdout + proc.stderr, proc.stderr[-3000:]

@@ -6,12 +6,15 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
-from .. import runtime, timeline
+from .. import collectives, runtime, timeline
+from ..errors import MpidpError
 from ..fusion import grouped_allreduce_
 from ..mirrored import DistributedDataParallel
-from ..state_broadcast import broadcast_state_dict
+from ..state_broadcast import broadcast_state_dict, broadcast_tensors_
+from ..watchdog import collective
 from .strategy_base import Strategy
 
 # Note [Local steps]
@@ -26,11 +29,19 @@ from .strategy_base import Strategy
 # (--outer-lr, --outer-momentum) steps the anchor, and every rank continues from it. The inner
 # optimizers' states are averaged there too (the paper keeps them per rank; averaged, a
 # checkpoint holds the whole run). Both meet at every epoch end (the held-out score and the
-# summary then see one model) and before every checkpoint, so --resume continues exactly as the
-# uninterrupted run (which meets at the same steps). With --sync-every 1 and SGD both are
+# summary then see one model). A checkpoint between meetings changes nothing: it keeps rank 0's
+# model and optimizer, DiLoCo's anchor and outer state, and every rank's own parameters,
+# floating buffers and per-element optimizer state (gathered as bytes), which a resume on as
+# many ranks scatters back — so --resume continues exactly as the uninterrupted run, whenever
+# it was checkpointed (a signal included). A parameter trained on some ranks only between
+# meetings leaves the ranks' optimizer states of different shapes: an error naming it. While
+# localsgd's steps are mirrored's, buffers are broadcast from rank 0 as mirrored's are (after:
+# averaged at meetings). With --sync-every 1 and SGD both are
 # mirrored, up to rounding: they average updated parameters (or updates), mirrored gradients.
 # Inner steps use the one-rank learning rate in diloco (its outer step averages deltas, not a
-# larger batch's gradient), --lr-scaling's in localsgd (after warm-up as during it).
+# larger batch's gradient; a log line says so when --lr-scaling or --warmup-epochs is given),
+# --lr-scaling's in localsgd (after warm-up as during it). On resume, DiLoCo's outer optimizer
+# takes this run's --outer-lr and --outer-momentum (a momentum of 0 drops its buffers).
 
 
 class _Meeting(Strategy):
@@ -45,7 +56,8 @@ class _Meeting(Strategy):
                                            algorithm=settings.algorithm,
                                            broadcast_buffers=False)
         self.forward = self.ddp
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.optimizer = make_optimizer(self.params)
         self.stats = {"wait_s": 0.0}
         self.every, self.steps, self.since = settings.sync_every, 0, 0
@@ -53,6 +65,8 @@ class _Meeting(Strategy):
     def step(self, loss: torch.Tensor) -> None:
         synchronous = self.steps < self.warmup
         self.ddp.require_backward_grad_sync = synchronous
+        # the next forward broadcasts rank 0's buffers while steps are mirrored's
+        self.ddp.broadcast_buffers = self.steps + 1 < self.warmup
         waited = self.ddp.comm_stats["wait_s"]
         with timeline.span("backward"):
             loss.backward()
@@ -81,13 +95,25 @@ class _Meeting(Strategy):
         return False
 
     def _optimizer_tensors(self) -> list:
-        """The optimizer's per-element state, in parameter order (the same on every rank)."""
-        out = []
-        for p in self.params:
-            state = self.optimizer.state.get(p, {})
-            out += [v for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)
-                    and v.is_floating_point() and v.shape == p.shape]
-        return out
+        """The optimizer's per-element state, in parameter order. Collective: a parameter
+        with state on some ranks only (no gradient on the others since the last meeting)
+        is an error on every rank, naming it."""
+        per_param = [[v for _, v in sorted(self.optimizer.state.get(p, {}).items())
+                      if isinstance(v, torch.Tensor) and v.is_floating_point()
+                      and v.shape == p.shape] for p in self.params]
+        if runtime.size() > 1:
+            have = np.array([len(t) for t in per_param], np.int64)
+            least, most = have.copy(), have.copy()
+            collectives.allreduce_(least, "min")
+            collectives.allreduce_(most, "max")
+            uneven = [name for name, lo, hi in zip(self.names, least, most) if lo != hi]
+            if uneven:
+                raise MpidpError(
+                    f"--strategy {self.name}: parameter {uneven[0]!r} received a gradient on "
+                    "some ranks only since the last meeting, so their optimizers' states "
+                    "differ in shape; every rank must train every parameter (every rank "
+                    "raises this error)")
+        return [t for ts in per_param for t in ts]
 
     def _buffers(self) -> list:
         return [b for b in self.model.buffers() if b.is_floating_point()]
@@ -96,22 +122,67 @@ class _Meeting(Strategy):
         self.meet()
 
     def optimizer_state(self) -> Optional[dict]:
-        self.meet()  # a checkpoint is a meeting (Note [Local steps])
         return self.optimizer.state_dict() if runtime.rank() == 0 else None
 
     def load_optimizer(self, state: Optional[dict]) -> None:
         self.optimizer.load_state_dict(broadcast_state_dict(state, 0))
 
+    def _own(self) -> list:
+        """What differs between the ranks between meetings: parameters, floating buffers,
+        per-element optimizer state (collective: ``_optimizer_tensors``)."""
+        return [p.detach() for p in self.params] + self._buffers() + self._optimizer_tensors()
+
+    def comm_state(self) -> Optional[dict]:
+        """Between meetings every rank's own state, gathered as bytes (Note [Local steps]);
+        None at a meeting (the model and optimizer rank 0 saves are everyone's)."""
+        if self.since == 0:
+            return None
+        g = runtime.group()
+        mine = torch.cat([t.reshape(-1).view(torch.uint8) for t in self._own()]).numpy()
+        every = np.empty((g.size, mine.size), np.uint8) if g.rank == 0 else None
+        with collective(g, f"checkpoint: gathering every rank's {self.name} state"):
+            g.comm.Gather(mine, every, root=0)  # buffers, not pickled
+        return {"kind": self.name, "since": self.since,
+                "ranks": torch.from_numpy(every)} if g.rank == 0 else None
+
+    def load_comm_state(self, state: Optional[dict]) -> None:
+        g = runtime.group()
+        since = int(state["since"]) if state is not None else 0
+        with collective(g, f"resume: every rank's {self.name} state"):
+            since = int(g.comm.bcast(since, root=0))
+        if since == 0:
+            return
+        own = self._own()
+        nbytes = sum(t.numel() * t.element_size() for t in own)
+        every = state["ranks"].contiguous() if g.rank == 0 else \
+            torch.empty(g.size, nbytes, dtype=torch.uint8)
+        if tuple(every.shape) != (g.size, nbytes):
+            raise MpidpError(f"--resume: the checkpoint's {self.name} state does not fit "
+                             "this model and optimizer")
+        if g.size > 1:
+            broadcast_tensors_([every], 0)
+        offset, mine = 0, every[g.rank]
+        with torch.no_grad():
+            for t in own:
+                n = t.numel() * t.element_size()
+                t.view(-1).view(torch.uint8).copy_(mine[offset:offset + n])
+                offset += n
+        self.since = since
+
     def resume_at(self, global_step: int) -> None:
-        self.steps, self.since = global_step, 0
+        self.steps = global_step
+        self.ddp.broadcast_buffers = self.steps < self.warmup
 
 
 class LocalSGD(_Meeting):
     """Post-local SGD (Note [Local steps])."""
 
+    name = "localsgd"
+
     def __init__(self, model: torch.nn.Module, make_optimizer: Callable, settings: Any):
         super().__init__(model, make_optimizer, settings)
         self.warmup = settings.local_sgd_warmup_steps or 0
+        self.ddp.broadcast_buffers = self.warmup > 0
 
     def _meet(self) -> None:
         grouped_allreduce_([p.detach() for p in self.params] + self._buffers()
@@ -122,10 +193,15 @@ class DiLoCo(_Meeting):
     """DiLoCo (Note [Local steps])."""
 
     lr_ranks = 1
+    name = "diloco"
 
     def __init__(self, model: torch.nn.Module, make_optimizer: Callable, settings: Any):
         super().__init__(model, make_optimizer, settings)
+        self.settings = settings
         self.anchor = [p.detach().clone() for p in self.params]
+        if settings.lr_scaling != "none" or settings.warmup_epochs:
+            self.notes.append("--strategy diloco: inner steps take --lr as one rank would "
+                              "(--lr-scaling and --warmup-epochs do not apply)")
         momentum = settings.outer_momentum
         self.outer = torch.optim.SGD(self.anchor, lr=settings.outer_lr, momentum=momentum,
                                      nesterov=momentum > 0)
@@ -146,15 +222,24 @@ class DiLoCo(_Meeting):
 
     def optimizer_state(self) -> Optional[dict]:
         inner = super().optimizer_state()
-        return {"inner": inner, "outer": self.outer.state_dict()} if inner is not None else None
+        return {"inner": inner, "outer": self.outer.state_dict(),
+                "anchor": [a.clone() for a in self.anchor]} if inner is not None else None
 
     def load_optimizer(self, state: Optional[dict]) -> None:
         if runtime.rank() == 0:
             inner, outer = state["inner"], state["outer"]
+            anchor = [a.contiguous() for a in state["anchor"]]
         else:
             inner = outer = None
+            anchor = [torch.empty_like(a) for a in self.anchor]
         self.optimizer.load_state_dict(broadcast_state_dict(inner, 0))
         self.outer.load_state_dict(broadcast_state_dict(outer, 0))
+        for group in self.outer.param_groups:  # this run's --outer-lr, --outer-momentum
+            group.update(lr=self.settings.outer_lr, momentum=self.settings.outer_momentum,
+                         nesterov=self.settings.outer_momentum > 0)
+        if not self.settings.outer_momentum:
+            self.outer.state.clear()
+        broadcast_tensors_(anchor, 0)
         with torch.no_grad():
-            for a, p in zip(self.anchor, self.params):
-                a.copy_(p)  # the checkpoint's parameters: the last meeting's
+            for a, saved in zip(self.anchor, anchor):
+                a.copy_(saved)  # the last meeting's parameters

@@ -130,6 +130,31 @@ def sync_model():
                                torch.nn.ReLU(), torch.nn.Linear(16, 10))
 
 
+def batchnorm_model():
+    """An MLP for the digits with a BatchNorm layer (buffers that each rank updates)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32),
+                               torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                               torch.nn.Linear(32, 10))
+
+
+class _RankBranch(torch.nn.Module):
+    """A branch only rank 0 takes (data-dependent routing, in miniature)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.branch = torch.nn.Linear(64, 10), torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = x.flatten(1)
+        return self.body(x) + (self.branch(x) if mpidp.rank() == 0 else 0)
+
+
+def rank_branch_model():
+    return _RankBranch()
+
+
 def tiny_model():
     torch.manual_seed(1)
     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
