@@ -115,10 +115,10 @@ def uninterrupted(n, strategy, tmp_path_factory):
 # epoch's end, so each crash falls in epoch 2 with a mid-epoch checkpoint to go back to (the
 # first item is read once at start-up, for the input shape). Rank 0 (the writer) dies under
 # --zero, a rank of three under --compression powersgd: both are mirrored underneath, with
-# their own state to resume (the chaos suite kills random ranks of plain mirrored runs too)
+# their own state to resume. The chaos suite (tests/test_chaos.py) faults random ranks of
+# mirrored, central and ps runs at random moments and resumes them bit-exact too.
 KILLS = [(2, "mirrored", 1, 1 + 719 + 11 * 32 + 5, "ckpt-000000030.pt"),
          (2, "zero", 0, 1 + 719 + 11 * 32 + 5, "ckpt-000000030.pt"),
-         (2, "central", 1, 1 + 719 + 11 * 32 + 5, "ckpt-000000030.pt"),
          (3, "powersgd", 2, 1 + 480 + 11 * 32 + 5, "ckpt-000000020.pt")]
 
 
@@ -431,10 +431,11 @@ def test_local_strategies_resume_between_meetings_exactly(flags, tmp_path):
     mirrored warm-up there, BatchNorm buffers broadcast, then averaged), --resume from step
     10 ends bit for bit as the run did. DiLoCo resumed with other outer settings takes them."""
     base = (*flags, "--epochs", 1, "--no-progress")
-    plain = summary_of(train(2, *base, env=USER))
     run_flags = (*base, "--checkpoint-every", 10, "--checkpoint-dir", tmp_path)
     whole = summary_of(train(2, *run_flags, env=USER))
-    assert whole["parameters_sha256"] == plain["parameters_sha256"]
+    if flags[1] == "localsgd":  # the checkpoints' gathering is the same code for diloco
+        plain = summary_of(train(2, *base, env=USER))
+        assert whole["parameters_sha256"] == plain["parameters_sha256"]
     for later in ("ckpt-000000020.pt", "ckpt-000000023.pt"):
         (tmp_path / later).unlink()
     proc = train(2, *run_flags, "--resume", env=USER)
