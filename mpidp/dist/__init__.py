@@ -113,6 +113,7 @@ def _mpi_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwar
 
     def stop(timeout_s: float) -> bool:
         from mpi4py import MPI  # deferred for cost, as everywhere in mpidp
+        _destroy_torch_groups()
         ended = store.close(timeout_s)
         if ended and comm != MPI.COMM_NULL:
             comm.Free()
@@ -120,6 +121,19 @@ def _mpi_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwar
     g.resources.add_user(stop)
     yield store, g.rank, g.size
     raise RuntimeError("the mpidp:// rendezvous runs once per process")
+
+
+def _destroy_torch_groups() -> None:
+    """torch's process groups, destroyed while the interpreter and the store over MPI still
+    live: left to the interpreter's end (scripts rarely call destroy_process_group; Lightning
+    does not), a gloo group's threads were seen to abort the process ("terminate called
+    without an active exception") after the store and MPI had gone."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - at exit, a group torch already tore down
+            pass
 
 
 def process_group_for_join():
