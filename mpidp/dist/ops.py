@@ -75,6 +75,7 @@ def checked(g, name: str, t=None, count: int = 0, root=None, validate=None):
     b = g.board
     try:
         try:
+            _dense(name, t)
             if validate is not None:
                 validate()
             op = 0 if root is None else int(root) + 1
@@ -91,6 +92,16 @@ def checked(g, name: str, t=None, count: int = 0, root=None, validate=None):
         yield
     finally:
         b.done = b.seq
+
+
+def _dense(what: str, *tensors) -> None:
+    """TypeError naming ``what`` unless every tensor (None aside) is dense: the backend moves
+    a tensor's bytes, and a sparse or other layout has none of its own (torch's gloo sends
+    sparse tensors' indices and values; mpidp does not)."""
+    for t in tensors:
+        if t is not None and t.layout != torch.strided:
+            raise TypeError(f"{what}: {t.layout} tensors are not supported by the mpidp "
+                            "backend; pass dense tensors (tensor.to_dense())")
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
@@ -150,7 +161,7 @@ def _check_op_dtype(kind, t: torch.Tensor) -> None:
 
 
 def _native(kind, t: torch.Tensor) -> bool:
-    return kind in _MPIDP_OPS and t.dtype in _MPIDP_DTYPES and not (
+    return t.layout == torch.strided and kind in _MPIDP_OPS and t.dtype in _MPIDP_DTYPES and not (
         kind == RED.AVG and not t.is_floating_point())
 
 
@@ -207,6 +218,7 @@ def reduce_scatter_tensor(g, out: torch.Tensor, x: torch.Tensor, op) -> None:
 
     def validate():
         reduce_name(op)
+        _dense("reduce_scatter_tensor", x, out)
         if x.dtype != out.dtype:
             raise TypeError(f"reduce_scatter_tensor: input dtype {x.dtype} and output dtype "
                             f"{out.dtype} differ")
@@ -215,7 +227,7 @@ def reduce_scatter_tensor(g, out: torch.Tensor, x: torch.Tensor, op) -> None:
                              f"needs the output's {out.numel()} times the group's {g.size}")
         _check_op_dtype(kind, x)
 
-    if _native(kind, x) and out.device == x.device:
+    if _native(kind, x) and out.device == x.device and out.layout == torch.strided:
         try:
             validate()
         except Exception as exc:
@@ -245,6 +257,7 @@ def all_gather_into_tensor(g, out: torch.Tensor, x: torch.Tensor) -> None:
     """torch.distributed.all_gather_into_tensor: ``out`` holds every rank's ``x`` back to
     back in rank order."""
     def validate():
+        _dense("all_gather_into_tensor", out)
         if x.dtype != out.dtype or out.numel() != x.numel() * g.size:
             raise ValueError(f"all_gather_into_tensor: the output ({out.dtype}, {out.numel()} "
                              f"elements) must hold the group's {g.size} inputs of {x.dtype}, "
@@ -316,6 +329,7 @@ def scatter(g, out: torch.Tensor, ins, root: int) -> None:
 
 
 def _check_list(what: str, tensors, like: torch.Tensor, size: int) -> None:
+    _dense(what, *tensors)
     if len(tensors) != size:
         raise ValueError(f"{what}: the list has {len(tensors)} tensors; the group has {size} "
                          "ranks")
@@ -331,6 +345,7 @@ def all_to_all_single(g, out: torch.Tensor, x: torch.Tensor, out_splits, in_spli
     row_bytes = [0]
 
     def validate():
+        _dense("all_to_all_single", out)
         if x.dtype != out.dtype:
             raise TypeError(f"all_to_all_single: input dtype {x.dtype} and output dtype "
                             f"{out.dtype} differ")
@@ -365,6 +380,7 @@ def all_to_all(g, outs, ins) -> None:
         if len(outs) != g.size or len(ins) != g.size:
             raise ValueError(f"all_to_all: {len(ins)} inputs and {len(outs)} outputs; the "
                              f"group has {g.size} ranks")
+        _dense("all_to_all", *outs, *ins)
         if len({t.dtype for t in list(outs) + list(ins)}) > 1:
             raise TypeError("all_to_all: the tensors' dtypes differ")
 

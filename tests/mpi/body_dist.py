@@ -252,6 +252,12 @@ if n > 1:
     kind = ValueError if rank == 0 else MismatchError
     raises(kind, lambda: all_gather_single(bad, values(rank)),
            "a rank with a bad output")
+    sparse = torch.ones(3).to_sparse() if rank == 0 else torch.ones(3)
+    raises(TypeError if rank == 0 else MismatchError, lambda: dist.broadcast(sparse, src=0),
+           "a sparse tensor on rank 0 only", "sparse_coo tensors are not supported" if
+           rank == 0 else "")
+    raises(TypeError, lambda: dist.all_reduce(torch.ones(3).to_sparse()),
+           "a sparse all_reduce", "all_reduce SUM: torch.sparse_coo tensors are not supported")
     op = R.PRODUCT if rank == 0 else R.SUM
     raises(MismatchError, lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=op),
            "different ops")
