@@ -164,16 +164,36 @@ class ShardSampler:
             return -(-self.length // self.size)
         return len(range(self.rank, self.length, self.size))
 
-    def indices(self, epoch: int) -> np.ndarray:
-        """This rank's sample indices for ``epoch``, in the order they are visited."""
+    def indices(self, epoch: int, cursor: int = 0) -> np.ndarray:
+        """This rank's sample indices for ``epoch``, in the order they are visited, from
+        position ``cursor`` of the epoch's permutation on (Note [Sample cursor])."""
+        if not 0 <= cursor < self.length:
+            raise ValueError(f"sample cursor {cursor} outside an epoch of {self.length}")
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.length)
         else:
             order = np.arange(self.length)
         if self.pad:
-            total = len(self) * self.size
+            total = cursor + -(-(self.length - cursor) // self.size) * self.size
             order = np.resize(order, total)  # wraps around, as DistributedSampler pads
-        return order[self.rank::self.size]
+        return order[cursor + self.rank::self.size]
+
+    def cursor_after(self, cursor: int, batches: int, batch_size: int) -> int:
+        """The epoch's cursor once every rank has taken ``batches`` full batches of
+        ``batch_size`` from ``cursor`` (Note [Sample cursor])."""
+        return cursor + batches * batch_size * self.size
+
+
+# Note [Sample cursor]
+# Rank r of n takes positions r, r+n, r+2n, ... of the epoch's permutation, in batches of B.
+# So once every rank has taken s full batches, the samples consumed are exactly the first
+# c = n*s*B positions: the cursor. What is left of the epoch is the permutation from c on,
+# shared out the same way over however many ranks continue (padded, as at an epoch's start, by
+# wrapping around to the permutation's start). On as many ranks the shares are exactly the
+# batches an uninterrupted run would have taken (the same positions, the same padding), so a
+# resume stays bit-exact; on m ranks every sample of the epoch is still taken exactly once
+# (padding apart). Checkpoints record the cursor (data_order["cursor"]); a resume on another
+# number of ranks continues from it.
 
 
 def batches(dataset: Dataset, indices: Sequence[int], batch_size: int,

@@ -294,4 +294,6 @@ def write(records: Optional[list]) -> Optional[str]:
     except OSError as exc:  # at exit: say so, do not turn a finished run into a failure
         sys.stderr.write(f"mpidp: rank 0: {exc}\n")
         return None
+    sys.stderr.write(f"mpidp: timeline of {len(records)} rank(s) written to {path} (open it in "
+                     "https://ui.perfetto.dev or chrome://tracing)\n")
     return path

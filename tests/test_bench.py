@@ -43,6 +43,9 @@ def test_bench_help_lists_nccl_tests_flags():
     proc = run(1, ["-m", "mpidp.bench", "allreduce", "--help"], timeout_s=60)
     for flag in ("-b", "-e", "-f", "-n", "-w", "--dtype", "--op", "--algorithms", "--json", "--plot"):
         assert flag in proc.stdout
+    text = " ".join(proc.stdout.split())  # each default said once, none said as None
+    assert "smallest size (default 8)" in text and "(default 8) (default: 8)" not in text
+    assert "(default: None)" not in text and "(default: 64M)" not in text
 
 
 def test_train_bench_runs_every_mode(tmp_path):

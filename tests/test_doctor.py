@@ -205,17 +205,25 @@ def test_rma_and_allreduce_verdicts():
 
 
 def test_gpu_verdicts_never_need_cupy():
-    found = verdicts.verdict_gpu([{"installed": False}])
-    assert found[0].status == SKIP and "pip install 'mpidp[gpu]'" in found[0].fix
+    """The first line says what the training tool's --device auto picks (torch's count of
+    GPUs, Note [Training device]), with or without CuPy."""
+    found = verdicts.verdict_gpu([{"installed": False, "host": "a"}])
+    assert found[0] == Finding(INFO, "python -m mpidp.train --device auto: cpu (auto: no GPU "
+                               "visible; the parameter server and central train on the CPU)")
+    assert found[1].status == SKIP and "pip install 'mpidp[gpu]'" in found[1].fix
     base = {"installed": True, "version": "13.3", "devices": 1, "name": "H100", "nccl": 22005,
-            "local_size": 2, "host": "a"}
+            "local_size": 2, "host": "a", "torch_gpus": 1, "torch_gpu_id": "GPU-a"}
     found = verdicts.verdict_gpu([base, base])
-    assert [f.status for f in found] == [INFO, OK, WARN, OK]  # 2 ranks share 1 GPU
+    assert [f.status for f in found] == [INFO, INFO, OK, WARN, OK]  # 2 ranks share 1 GPU
+    assert "--device auto: cpu (auto: ranks 0 and 1 would share a GPU" in found[0].text
+    two = dict(base, devices=2, torch_gpus=2)
+    assert "--device auto: cuda (auto: a GPU for every rank" in \
+        verdicts.verdict_gpu([two, dict(two, torch_gpu_id="GPU-b")])[0].text
     none = dict(base, devices=0, device_error="cudaErrorNoDevice", nccl=None,
-                nccl_error="ImportError: libnccl.so.2")
+                nccl_error="ImportError: libnccl.so.2", torch_gpus=0, torch_gpu_id=None)
     found = verdicts.verdict_gpu([none])
-    assert [f.status for f in found] == [INFO, WARN, WARN]
-    assert "cudaErrorNoDevice" in found[1].text and "nvidia-nccl" in found[2].fix
+    assert [f.status for f in found] == [INFO, INFO, WARN, WARN]
+    assert "cudaErrorNoDevice" in found[2].text and "nvidia-nccl" in found[3].fix
 
 
 def test_slurm_verdicts():

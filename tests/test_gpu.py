@@ -4,6 +4,7 @@ offsets; multi-tensor pack and unpack; the ring on device buffers for n virtual 
 under mpiexec every collective and DDP with device arrays (tests/mpi/body_gpu.py), and the
 torch.distributed backend with CUDA tensors (tests/mpi/body_dist_gpu.py).
 Without a GPU the tier-1 tests of the same code run instead: tests/test_gpu_kernels.py."""
+import json
 import threading
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from mpidp import host_kernels
 from mpidp.dtypes import BF16, F16, F32, F64, FLOATING, I32, I64, NUMPY_STORAGE
-from mpirun import assert_ok, body
+from mpirun import assert_ok, body, run
 
 
 def _no_gpu_reason():
@@ -24,6 +25,11 @@ def _no_gpu_reason():
     except Exception as exc:  # CuPy without a driver
         return f"no CUDA device ({type(exc).__name__}: {exc})"
     return None if count else "no CUDA device visible"
+
+
+def _torch_cuda():
+    import torch
+    return torch.cuda.is_available()
 
 
 REASON = _no_gpu_reason()
@@ -184,3 +190,29 @@ def test_collectives_and_ddp_on_two_ranks_sharing_the_gpu():
 @pytest.mark.parametrize("n", [1, 2])
 def test_torch_distributed_backend_with_cuda_tensors(n):
     assert_ok(body(n, "body_dist_gpu.py", env={"MASTER_ADDR": None}, timeout_s=600), n)
+
+
+@pytest.mark.skipif(not _torch_cuda(), reason="torch sees no CUDA device (a CPU build?)")
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_the_training_tool_on_the_gpu(amp, tmp_path):
+    """Note [Training device]: --device auto on one rank picks the GPU; --device cuda on two
+    ranks sharing it trains the digits with autocast, checkpoints in the background, and a
+    resume from the middle of the run ends as the run did."""
+    def train(n, *flags):
+        proc = run(n, ["-m", "mpidp.train", "--epochs", "2", "--no-progress", *map(str, flags)],
+                   timeout_s=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")][-1], \
+            proc.stdout
+
+    one, out = train(1, "--amp", amp)
+    assert one["device"] == "cuda" and "training on cuda (auto: a GPU for every rank)" in out
+    flags = ("--device", "cuda", "--amp", amp, "--checkpoint-every", 10, "--async-checkpoint",
+             "--checkpoint-dir", tmp_path)
+    whole, _ = train(2, *flags)
+    assert whole["device"] == "cuda" and whole["final_accuracy"] >= 0.9, whole
+    for later in ("ckpt-000000040.pt", "ckpt-000000046.pt"):
+        (tmp_path / later).unlink()
+    resumed, _ = train(2, *flags, "--resume")
+    assert resumed["resumed_from"].endswith("ckpt-000000030.pt")
+    assert resumed["parameters_sha256"] == whole["parameters_sha256"]

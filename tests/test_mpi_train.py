@@ -20,8 +20,16 @@ USER = {"PYTHONPATH": str(BODIES)}  # tests/mpi/user_factories.py
 END_S = 10  # a job signalled with --checkpoint-on-signal ends within this
 
 
+# on a GPU host --device auto would move mirrored to the GPU and leave central and ps on the
+# CPU: these tests compare runs bit for bit, so they stay on the CPU there (tests/test_gpu.py
+# trains on the GPU)
+ON_CPU = ("--device", "cpu") if torch.cuda.is_available() else ()
+
+
 def train(n, *flags, env=None, timeout_s=180):
-    return run(n, ["-m", "mpidp.train", *map(str, flags)], env=env, timeout_s=timeout_s)
+    device = () if "--device" in flags else ON_CPU
+    return run(n, ["-m", "mpidp.train", *map(str, flags), *device], env=env,
+               timeout_s=timeout_s)
 
 
 def summary_of(proc):
@@ -97,12 +105,14 @@ RESUMABLE = ("--dataset", "user_factories:dying_digits", "--epochs", 3, "--check
 MODES = {"mirrored": ("--strategy", "mirrored"), "central": ("--strategy", "central"),
          "powersgd": ("--compression", "powersgd", "--powersgd-rank", 2,
                       "--powersgd-start-step", 5, "--seed", 12345),
-         "zero": ("--zero",)}
+         "zero": ("--zero",),
+         "async": ("--async-checkpoint", "--dataset", "user_factories:slowly_written_digits")}
 _uninterrupted = {}
 
 
 def uninterrupted(n, strategy, tmp_path_factory):
     """The reference run of a (ranks, mode of MODES), made once per session."""
+    strategy = "mirrored" if strategy == "async" else strategy  # it trains as mirrored
     if (n, strategy) not in _uninterrupted:
         d = tmp_path_factory.mktemp(f"uninterrupted-{n}-{strategy}")
         _uninterrupted[n, strategy] = summary_of(train(n, *RESUMABLE, *MODES[strategy],
@@ -115,9 +125,14 @@ def uninterrupted(n, strategy, tmp_path_factory):
 # epoch's end, so each crash falls in epoch 2 with a mid-epoch checkpoint to go back to (the
 # first item is read once at start-up, for the input shape). Rank 0 (the writer) dies under
 # --zero, a rank of three under --compression powersgd: both are mirrored underneath, with
-# their own state to resume. The chaos suite (tests/test_chaos.py) faults random ranks of
-# mirrored, central and ps runs at random moments and resumes them bit-exact too.
-KILLS = [(2, "mirrored", 1, 1 + 719 + 11 * 32 + 5, "ckpt-000000030.pt"),
+# their own state to resume. Under --async-checkpoint rank 1 dies 5 steps after checkpoint 30
+# was handed to rank 0's writer, which is still writing it (user_factories.
+# slowly_written_digits holds that write open): the job's end cuts it short, checkpoint 23
+# (the epoch's end) is the newest whole one, and the run resumed from it ends as the
+# uninterrupted (synchronous) one (Note [Asynchronous checkpoints]). The chaos suite
+# (tests/test_chaos.py) faults random ranks of mirrored (there with asynchronous
+# checkpoints), central and ps runs at random moments and resumes them bit-exact too.
+KILLS = [(2, "async", 1, 1 + 719 + 11 * 32 + 5, "ckpt-000000023.pt"),
          (2, "zero", 0, 1 + 719 + 11 * 32 + 5, "ckpt-000000030.pt"),
          (3, "powersgd", 2, 1 + 480 + 11 * 32 + 5, "ckpt-000000020.pt")]
 
@@ -128,9 +143,14 @@ def test_sigkill_then_resume_ends_bitwise_equal(n, strategy, victim, item, resum
                                                 tmp_path, tmp_path_factory):
     reference = uninterrupted(n, strategy, tmp_path_factory)
     flags = (*RESUMABLE, *MODES[strategy], "--checkpoint-dir", tmp_path)
-    killed = train(n, *flags, env=dict(USER, DIE_RANK=str(victim), DIE_AT_ITEM=str(item)))
+    killed = train(n, *flags, env=dict(USER, DIE_RANK=str(victim), DIE_AT_ITEM=str(item),
+                                       SLOW_WRITE_AT="30"))
     out = killed.stdout + killed.stderr
     assert killed.returncode != 0 and "Killed" in out and '"event": "summary"' not in out, out
+    if strategy == "async":  # checkpoint 30 cut short mid-write: its temporary file is left
+        assert not (tmp_path / "ckpt-000000030.pt").exists()
+        assert [p.name for p in tmp_path.glob(".ckpt-000000030.pt.tmp-*")], \
+            list(tmp_path.iterdir())
     digest = checkpoint.read(tmp_path / resume_file).sha256[:12]  # (rotated away by resume)
     proc = train(n, *flags, "--resume", env=USER)
     resumed = summary_of(proc)
@@ -140,6 +160,7 @@ def test_sigkill_then_resume_ends_bitwise_equal(n, strategy, victim, item, resum
     assert resumed["parameters_sha256"] == reference["parameters_sha256"]
     a, b = model_of(resumed["checkpoint"]), model_of(reference["checkpoint"])
     assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not list(tmp_path.glob(".*.tmp-*"))  # the resumed run removed what was left
     if strategy == "zero":  # on 2 ranks ZeRO's reduce-scatter adds as the all-reduce does
         assert reference["parameters_sha256"] == \
             uninterrupted(n, "mirrored", tmp_path_factory)["parameters_sha256"]
@@ -179,7 +200,7 @@ def _resume_ends_as_uninterrupted(flags, path, reference, env=USER):
 
 def test_sigusr1_to_mpiexec_checkpoints_then_resume_ends_bitwise_equal(tmp_path,
                                                                         tmp_path_factory):
-    """--checkpoint-on-signal (Note [Checkpoint on signal] in mpidp/train/loop.py): SIGUSR1
+    """--checkpoint-on-signal (Note [Checkpoint on signal] in mpidp/train/on_signal.py): SIGUSR1
     to mpiexec, which Hydra forwards to every rank, once the run has written its first
     checkpoint: every rank stops at one step, a checkpoint is written, the job ends with
     exit code 138 within END_S and one line naming it; --resume from it ends with the
@@ -240,6 +261,66 @@ def test_n_ranks_equal_one_rank_on_the_concatenated_batch(tmp_path):
     assert one["global_step"] == two["global_step"] == 23
 
 
+def test_amp_fp16_and_async_checkpoints_resume_exactly(tmp_path):
+    """Note [Training device], Note [Asynchronous checkpoints]: --amp fp16 (autocast on the
+    CPU, a gradient scaler) with checkpoints written in the background; the checkpoint holds
+    the scaler's state, and a resume from step 30 ends bit for bit as the run did."""
+    flags = ("--amp", "fp16", "--async-checkpoint", "--epochs", 2, "--checkpoint-every", 10,
+             "--no-progress", "--checkpoint-dir", tmp_path)
+    whole = summary_of(train(2, *flags))
+    assert (whole["amp"], whole["device"]) == ("fp16", "cpu") and whole["final_accuracy"] > 0.8
+    assert 0 < whole["checkpoint_wait_s"] < whole["total_s"]
+    saved = torch.load(tmp_path / "ckpt-000000030.pt", weights_only=True)
+    assert saved["amp_scaler"]["scale"] > 0 and saved["settings"]["amp"] == "fp16"
+    end = torch.load(tmp_path / "ckpt-000000046.pt", weights_only=True)["amp_scaler"]
+    for later in ("ckpt-000000040.pt", "ckpt-000000046.pt"):
+        (tmp_path / later).unlink()
+    resumed = summary_of(train(2, *flags, "--resume"))
+    assert resumed["resumed_from"] == str(tmp_path / "ckpt-000000030.pt")
+    assert resumed["parameters_sha256"] == whole["parameters_sha256"]
+    # the scaler resumed too: its growth tracker counts every step since the last backoff
+    assert torch.load(resumed["checkpoint"], weights_only=True)["amp_scaler"] == end
+
+
+def test_resume_on_another_number_of_ranks_takes_each_sample_once(tmp_path):
+    """Note [Resuming on another number of ranks]: 46 samples in batches of 4, --amp bf16. A
+    run on 2 ranks (6 steps an epoch) is resumed from its checkpoint after step 2 (sample
+    cursor 16) on 3 ranks, and that run from its checkpoint after step 4 (cursor 16 + 2·3·4)
+    on 2 again: the samples each took before the checkpoint it was resumed from, and what the
+    last took after, make up the data set, each sample once; each log says what changed; the
+    next epoch is sharded over the new number; the steps add up."""
+    flags = ("--dataset", "user_factories:recorded_digits", "--batch-size", 4, "--epochs", 2,
+             "--checkpoint-every", 2, "--keep-checkpoints", 9, "--amp", "bf16", "--no-progress")
+
+    def run(n, name, resume_from=None):
+        d, log = tmp_path / name, tmp_path / f"{name}-samples"
+        d.mkdir(mode=0o700)
+        log.mkdir()
+        if resume_from is not None:
+            (d / resume_from.name).write_bytes(resume_from.read_bytes())
+        proc = train(n, *flags, "--checkpoint-dir", d, *(("--resume",) if resume_from else ()),
+                     env=dict(USER, SAMPLE_LOG_DIR=str(log)))
+        s = summary_of(proc)
+        assert s["amp"] == "bf16"
+        return d, [[int(l) for l in f.read_text().split()][1:]  # without the start-up item
+                   for f in sorted(log.iterdir())], s, proc.stdout
+
+    a, a_took, *_ = run(2, "a")
+    b, b_took, _, b_out = run(3, "b", a / "ckpt-000000002.pt")
+    _, c_took, c, c_out = run(2, "c", b / "ckpt-000000004.pt")
+    taken = [i for r in a_took for i in r[:2 * 4]] + [i for r in b_took for i in r[:2 * 4]] + \
+        [i for r in c_took for i in r[:3]]
+    assert sorted(taken) == list(range(46))
+    assert [len(r) for r in c_took] == [3 + 23] * 2  # the rest, then a whole epoch each
+    assert {i for r in c_took for i in r[3:]} == set(range(46))
+    assert c["global_step"] == 4 + 1 + 6
+    for out, n, m, rest, at, new in ((b_out, 2, 3, 30, 16, "; rank 2 starts its generator "
+                                      "from --seed"), (c_out, 3, 2, 6, 40, "")):
+        assert (f"the checkpoint was written by {n} ranks, this run has {m}: the rest of the "
+                f"epoch ({rest} of 46 samples, from position {at}) shared out over {m}; "
+                f"--lr-scaling linear now counts {m} ranks{new}\n") in out, out
+
+
 def test_accuracy_is_reported_only_for_evaluated_epochs(tmp_path):
     log = tmp_path / "log.jsonl"
     summary_of(train(1, "--epochs", 4, "--eval-every", 2, "--log-json", log, "--no-progress"))
@@ -297,6 +378,9 @@ BAD = [
     (2, ("--strategy", "ps", "--num-ps", 2), "--num-ps 2 needs at least 3 ranks"),
     (3, ("--strategy", "ps", "--staleness", -1), "--staleness must be an integer >= 0"),
     (2, ("--num-ps", 1), "--num-ps only apply to --strategy ps, not mirrored"),
+    pytest.param(2, ("--device", "cuda"), "--device cuda: rank 0 sees no GPU (2 of 2 ranks see "
+                 "none)", marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                   reason="this host has a GPU")),
     (2, ("--strategy", "central", "--staleness", 2, "--staleness-lr"),
      "--staleness, --staleness-lr only apply to --strategy ps"),
     (3, ("--strategy", "ps", "--checkpoint-dir", "{tmp}/c", "--checkpoint-every", 3),
@@ -321,7 +405,8 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("n,flags,message", BAD, ids=[" ".join(map(str, b[1])) for b in BAD])
+@pytest.mark.parametrize("n,flags,message", BAD, ids=[
+    " ".join(map(str, getattr(b, "values", b)[1])) for b in BAD])
 def test_bad_input_is_one_line_and_exit_code_2(n, flags, message, tmp_path):
     (tmp_path / "a-file").write_text("x")
     (tmp_path / "shared").mkdir()
@@ -335,6 +420,14 @@ def test_bad_input_is_one_line_and_exit_code_2(n, flags, message, tmp_path):
     assert len(errors) == 1, proc.stderr  # one line, from rank 0 only
     assert errors[0].startswith("mpidp.train: error: ") and message in errors[0], errors[0]
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_help_is_printed_once_under_mpiexec():
+    proc = train(2, "--help")
+    assert proc.returncode == 0 and proc.stdout.count("usage: python -m mpidp.train") == 1
+    text = " ".join(proc.stdout.split())
+    assert "--device {auto,cpu,cuda}" in text and "(default: None)" not in text
+    assert "(default 0.7) (default: 0.7)" not in text and "(default 0.7)" in text
 
 
 def test_user_model_and_the_python_api():
@@ -367,11 +460,18 @@ def test_parameter_server_trains_as_well_as_mirrored(n, servers, tmp_path):
     epoch = json.loads(log.read_text().splitlines()[0])
     roles = [r["samples"] for r in epoch["ranks"]]
     assert sum(roles) == 1438 and roles[n - servers:] == [0] * servers  # servers take none
-    # checkpoints at epoch ends hold the servers' optimizer state; resume continues the run
-    more = summary_of(train(n, "--strategy", "ps", "--num-ps", servers, "--no-progress",
-                            "--epochs", 22, "--checkpoint-dir", tmp_path / "ckpt", "--resume"))
+    # checkpoints at epoch ends hold the servers' optimizer state; resume continues the run,
+    # here on the other shape: other numbers of workers and servers (the servers' momentum
+    # re-cut for the new shard map: Note [Resuming on another number of ranks])
+    m, k = {(3, 1): (4, 2), (4, 2): (3, 1)}[n, servers]
+    proc = train(m, "--strategy", "ps", "--num-ps", k, "--no-progress", "--epochs", 22,
+                 "--checkpoint-dir", tmp_path / "ckpt", "--resume")
+    more = summary_of(proc)
     assert more["resumed_from"].endswith("ckpt-000000900.pt") and more["global_step"] == 990
-    assert more["final_accuracy"] >= 0.9
+    assert more["final_accuracy"] >= 0.9 and (more["workers"], more["servers"]) == (m - k, k)
+    assert f"the checkpoint was written by {n} ranks, this run has {m}: the epochs now " \
+        f"shared by {m - k} workers, {k} server(s) (the servers' optimizer state re-cut from " \
+        f"{servers})" in proc.stdout
 
 
 def test_straggler_slows_only_its_rank_and_is_reported(tmp_path):

@@ -289,7 +289,8 @@ def test_the_other_batch_scripts_across_nodes(nodes_cluster):
         assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), output[-4000:]
         summary = _summary(output)
         assert summary["ranks"] == 2 and summary["strategy"] == strategy, summary
-        assert f"mpidp.train: {strategy} on 2 rank(s), 2 node(s)" in output, output[-4000:]
+        ranks = "2 ranks (1 worker(s), 1 server(s))" if strategy == "ps" else "2 rank(s)"
+        assert f"mpidp.train: {strategy} on {ranks}, 2 node(s)" in output, output[-4000:]
         for r in range(2):
             assert f"[rank {r}] epoch   1/1" in output, output[-4000:]
     ps = _summary(done["ps.sbatch"][1])

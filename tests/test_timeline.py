@@ -162,6 +162,7 @@ def train(n, tmp_path, *flags, env=None):
                env={"MPIDP_TIMELINE": str(path), **(env or {})}, timeout_s=180)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert [p.name for p in tmp_path.iterdir()] == ["timeline.json"]  # no temporary left
+    assert f"mpidp: timeline of {n} rank(s) written to {path} (open it in" in proc.stderr
     return trace_of(path)
 
 

@@ -4,6 +4,7 @@ data and model factories, the command line's help."""
 import dataclasses
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -39,6 +40,35 @@ def test_shards_reshuffle_per_epoch_and_repeat_per_seed():
     assert not np.array_equal(a[0], a[1])
     assert not np.array_equal(a[0], data.ShardSampler(100, 0, 2, seed=6).indices(0))
     assert np.array_equal(data.ShardSampler(6, 1, 2, shuffle=False).indices(0), [1, 3, 5])
+
+
+@pytest.mark.parametrize("length,size,batch", [(46, 2, 4), (1438, 3, 32), (11, 4, 1),
+                                               (10, 1, 3)])
+def test_a_sample_cursor_continues_the_epoch(length, size, batch):
+    """Note [Sample cursor]: after s steps on every rank the rest of each rank's shard is the
+    shard from cursor n*s*B (the same padding: a resume on as many ranks is exact); shared
+    out over another number of ranks, the rest and what went before are the epoch, each
+    sample once (padding apart)."""
+    steps = -(-math.ceil(length / size) // batch)
+    for s in range(steps):
+        cursor = data.ShardSampler(length, 0, size).cursor_after(0, s, batch)
+        assert cursor == size * s * batch and cursor < length
+        for r in range(size):
+            sampler = data.ShardSampler(length, r, size, seed=9)
+            assert np.array_equal(sampler.indices(2, cursor), sampler.indices(2)[s * batch:])
+        taken = [i for r in range(size)
+                 for i in data.ShardSampler(length, r, size, seed=9).indices(2)[:s * batch]]
+        for other in (1, 3):
+            rest = [data.ShardSampler(length, r, other, seed=9).indices(2, cursor)
+                    for r in range(other)]
+            both = taken + np.concatenate(rest).tolist()
+            padding = len(both) - length
+            assert 0 <= padding < other and len({len(x) for x in rest}) == 1
+            assert set(both) == set(range(length))
+            if padding == 0:
+                assert sorted(both) == list(range(length))
+    with pytest.raises(ValueError, match="sample cursor 46 outside an epoch of 46"):
+        data.ShardSampler(46, 0, 2).indices(0, 46)
 
 
 def test_unpadded_shards_partition_exactly():
@@ -173,10 +203,10 @@ def test_recorded_signals_only_while_recording():
     the previous handlers come back afterwards; nested uses share the record."""
     import os
     import signal
-    from mpidp.train import loop
+    from mpidp.train import on_signal
     before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
-    with loop.recording_signals() as record:
-        with loop.recording_signals() as inner:
+    with on_signal.recording_signals() as record:
+        with on_signal.recording_signals() as inner:
             assert inner is record
         assert record.signum == 0
         os.kill(os.getpid(), signal.SIGUSR1)
@@ -353,6 +383,25 @@ def test_a_checkpoint_missing_a_key_is_passed_over(tmp_path):
         find_resume_point(_resume_settings(only, epochs=3), 2, model, 100, pytest.fail)
 
 
+def test_a_checkpoint_of_another_format_is_passed_over(tmp_path, monkeypatch):
+    """A whole archive, its digest right, written by another program (or a later mpidp) under
+    another format tag: named in one warning and passed over for the previous good one."""
+    from mpidp.train.setup import find_resume_point
+    model = models.build("mlp", (1, 8, 8), 10)
+    s = _resume_settings(tmp_path, epochs=3)
+    _two_checkpoints(tmp_path, model, s)
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "FORMAT", "someone-elses-format-7")
+        foreign = checkpoint.save(tmp_path, _training_state(model, s, global_step=15), 15,
+                                  keep=3)
+    assert checkpoint.read(foreign.parent / "ckpt-000000010.pt").state["epoch"] is not None
+    warnings = []
+    assert find_resume_point(s, 2, model, 100, warnings.append).path.name == \
+        "ckpt-000000010.pt"
+    assert warnings == [f"checkpoint {foreign} is not an mpidp checkpoint "
+                        f"({checkpoint.FORMAT}); passed over"], warnings
+
+
 def test_a_full_disk_is_named_and_loses_nothing(tmp_path):
     with small_tmpfs(tmp_path / "small") as small:
         good = checkpoint.save(small, _state(1), 1, keep=3)
@@ -410,7 +459,7 @@ def test_resume_checks_the_checkpoint_fits_this_run(tmp_path):
     assert find_resume_point(_resume_settings(tmp_path, epochs=3), 2, model, 100, fail).state[
         "epoch"] == 2
     for kw, n, samples, match in [({"batch_size": 7}, 2, 100, "batch_size=32, this run has "
-                                   "batch_size=7"), ({}, 3, 100, "world_size=2"),
+                                   "batch_size=7"),
                                   ({"seed": 1}, 2, 100, "seed"), ({}, 2, 99, "train_samples"),
                                   ({"optimizer": "adam"}, 2, 100, "optimizer"),
                                   ({"epochs": 1}, 2, 100, "beyond --epochs 1")]:
@@ -418,12 +467,35 @@ def test_resume_checks_the_checkpoint_fits_this_run(tmp_path):
             find_resume_point(_resume_settings(tmp_path, **{"epochs": 3, **kw}), n, model,
                               samples, fail)
     ps = TrainSettings(checkpoint_dir=str(tmp_path / "ps"), epochs=3, strategy="ps")
-    checkpoint.save(tmp_path / "ps", dict(state, settings=dataclasses.asdict(ps)), 10, keep=3)
+    total = sum(p.numel() for p in model.parameters())
+    servers = _server_states(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), total, 1, [1])
+    checkpoint.save(tmp_path / "ps", dict(state, settings=dataclasses.asdict(ps),
+                                          optimizer=[None] + servers), 10, keep=3)
     assert find_resume_point(_resume_settings(tmp_path / "ps", epochs=3, strategy="ps",
                                               num_ps=1), 2, model, 100, fail)
-    with pytest.raises(ValueError, match="num_ps=1, this run has num_ps=2"):
-        find_resume_point(_resume_settings(tmp_path / "ps", epochs=3, strategy="ps",
-                                           num_ps=2), 2, model, 100, fail)
+    # Note [Resuming on another number of ranks]: other numbers of ranks and servers move
+    assert find_resume_point(_resume_settings(tmp_path, epochs=3), 3, model, 100, fail)
+    assert find_resume_point(_resume_settings(tmp_path / "ps", epochs=3, strategy="ps",
+                                              num_ps=2), 3, model, 100, fail)
+    # a servers' state that cannot be re-cut is refused here, before any rank commits
+    bad = TrainSettings(checkpoint_dir=str(tmp_path / "bad"), epochs=3, strategy="ps")
+    checkpoint.save(tmp_path / "bad", dict(state, settings=dataclasses.asdict(bad)), 10, keep=3)
+    with pytest.raises(ValueError, match=r"^--resume: the servers' optimizer state in .* cannot "
+                       r"be re-cut from 1 to 2 servers: not a parameter server's optimizer"):
+        find_resume_point(_resume_settings(tmp_path / "bad", epochs=3, strategy="ps",
+                                           num_ps=2), 3, model, 100, fail)
+    # but not local models between meetings
+    local = TrainSettings(checkpoint_dir=str(tmp_path / "local"), epochs=3, strategy="localsgd")
+    checkpoint.save(tmp_path / "local", dict(state, settings=dataclasses.asdict(local),
+                                             comm_hook={"kind": "localsgd", "since": 3}),
+                    10, keep=3)
+    assert find_resume_point(_resume_settings(tmp_path / "local", epochs=3,
+                                              strategy="localsgd"), 2, model, 100, fail)
+    with pytest.raises(ValueError, match="holds 2 ranks' own localsgd models between meetings, "
+                       "which cannot move to 3 ranks; resume on 2 ranks, or from a checkpoint "
+                       "written at an epoch's end"):
+        find_resume_point(_resume_settings(tmp_path / "local", epochs=3, strategy="localsgd"),
+                          3, model, 100, fail)
     with pytest.raises(ValueError, match="other parameters"):
         find_resume_point(_resume_settings(tmp_path, epochs=3), 2,
                           models.build("mlp", (1, 4, 4), 10), 100, fail)
@@ -433,6 +505,9 @@ def test_resume_checks_the_checkpoint_fits_this_run(tmp_path):
 
 def test_outputs_are_checked_before_training(tmp_path):
     from mpidp.train.setup import check_outputs
+    with pytest.raises(ValueError, match="--resume: --checkpoint-dir .*typo does not exist"):
+        check_outputs(TrainSettings(checkpoint_dir=str(tmp_path / "typo"), resume=True))
+    assert not (tmp_path / "typo").exists()  # nothing created by a command that fails
     check_outputs(TrainSettings(checkpoint_dir=str(tmp_path / "new" / "dir"),
                                 log_json=str(tmp_path / "log.jsonl")))
     assert (tmp_path / "new" / "dir").is_dir()
@@ -460,3 +535,113 @@ def test_straggler_detection_is_per_sample_and_needs_a_clear_margin():
     # (no samples) are left out
     assert stragglers.straggler([1.0, 1.0, 5.0], [10, 4, 0], hosts, 1, 1)["rank"] == 1
     assert stragglers.straggler([1.0, 9.0], [10, 0], hosts[:2], 1, 1) is None
+
+
+# ---- resuming the parameter server on another number of servers ------------------------------
+
+def _server_states(make, total, servers, pushes):
+    """Each server's optimizer state after ``pushes[k]`` steps of its shard of a flat vector of
+    ``total`` (the gradient: the flat index + 1), as ps.shard_map cuts it."""
+    from mpidp.ring import partition
+    states, grad = [], torch.arange(1.0, total + 1)
+    for (lo, n), k in zip(partition(total, servers), pushes):
+        p = torch.nn.Parameter(torch.zeros(n))
+        opt = make([p])
+        for _ in range(k):
+            p.grad = grad[lo:lo + n].clone()
+            opt.step()
+        states.append(opt.state_dict())
+    return states
+
+
+@pytest.mark.parametrize("kind", ["momentum", "adam"])
+def test_servers_optimizer_states_are_recut_for_another_number_of_servers(kind):
+    """Note [Resuming on another number of ranks]: per-element state (momentum, Adam's
+    moments) joined and split at the new shards' bounds, exactly; Adam's step, where servers
+    differ, their largest; the workers' None entries ignored; each result loads."""
+    from mpidp.train.ps_state import reshard_optimizer_states
+    make = {"momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            "adam": lambda p: torch.optim.Adam(p, lr=0.1)}[kind]
+    total = 11
+    whole = _server_states(make, total, 1, [2])[0]["state"][0]
+    two = _server_states(make, total, 2, [2, 2])
+    for servers in (1, 3, 2):
+        cut = reshard_optimizer_states([None, None] + two, servers, total)
+        assert len(cut) == servers
+        for key, value in whole.items():
+            if value.dim():
+                assert torch.equal(torch.cat([c["state"][0][key] for c in cut]), value)
+            else:
+                assert all(torch.equal(c["state"][0][key], value) for c in cut)
+        vector = next(k for k, v in whole.items() if v.dim())
+        for c in cut:
+            make([torch.nn.Parameter(torch.zeros(len(c["state"][0][vector])))]).load_state_dict(c)
+    if kind == "adam":
+        uneven = reshard_optimizer_states(_server_states(make, total, 2, [2, 5]), 3, total)
+        assert [float(c["state"][0]["step"]) for c in uneven] == [5.0] * 3
+    with pytest.raises(ValueError, match="different entries; resume with --num-ps 2"):
+        reshard_optimizer_states(_server_states(make, total, 2, [1, 0]), 3, total)
+
+
+# ---- the training device and precision (Note [Training device]) ------------------------------
+
+def test_the_device_auto_picks_and_what_cuda_insists_on():
+    """Note [Training device]: each rank's (GPUs it sees, the UUID of the one it is bound
+    to); ranks bound to one GPU share it."""
+    from mpidp.train.devices import decide
+    two = [(2, "GPU-a"), (2, "GPU-b")]  # one node, two GPUs, a rank on each
+    assert decide("cpu", "mirrored", two) == ("cpu", "--device cpu")
+    assert decide("auto", "mirrored", [(0, None)] * 2) == ("cpu", "auto: no GPU visible")
+    assert decide("auto", "mirrored", [(2, "GPU-a"), (0, None)]) == (
+        "cpu", "auto: rank 1 sees no GPU")
+    assert decide("auto", "mirrored", [(1, "GPU-a")] * 2) == (
+        "cpu", "auto: ranks 0 and 1 would share a GPU")
+    assert decide("auto", "mirrored", two) == ("cuda", "auto: a GPU for every rank")
+    # srun --gpus-per-task=1: each rank sees one GPU, its own
+    assert decide("auto", "localsgd", [(1, "GPU-a"), (1, "GPU-b"), (1, "GPU-c")])[0] == "cuda"
+    assert decide("auto", "ps", two) == ("cpu", "auto: --strategy ps trains on the CPU")
+    assert decide("cuda", "diloco", [(1, "GPU-a")] * 2) == (
+        "cuda", "--device cuda; ranks 0 and 1 share a GPU (more ranks than GPUs)")
+    with pytest.raises(ValueError, match=r"^--device cuda: rank 1 sees no GPU \(1 of 3 ranks"):
+        decide("cuda", "mirrored", [(1, "GPU-a"), (0, None), (1, "GPU-b")])
+    with pytest.raises(ValueError, match="--strategy central keeps its parameters in host"):
+        decide("cuda", "central", two)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"amp": "fp32"}, "--amp 'fp32': expected one of off, bf16, fp16"),
+    ({"device": "gpu"}, "--device 'gpu': expected one of auto, cpu, cuda"),
+    ({"amp": "fp16", "strategy": "ps"}, "--amp fp16 scales the loss"),
+    ({"amp": "fp16", "zero": True}, "needs --strategy mirrored without --zero"),
+    ({"async_checkpoint": True}, "--async-checkpoint needs --checkpoint-dir"),
+    ({"ps_lookahead": False}, "--[no-]ps-lookahead only apply to --strategy ps, not mirrored")])
+def test_device_amp_and_async_settings_are_checked(kw, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        TrainSettings(**kw).check()
+    TrainSettings(amp="bf16", strategy="ps").check()
+
+
+def test_an_async_writer_copies_the_state_then_writes_it_as_save_does(tmp_path):
+    """Note [Asynchronous checkpoints]: the state is copied before submit returns (the live
+    tensors may change at once), the write is checkpoint.save's, a failed write is raised
+    by the next wait."""
+    from mpidp.train.async_checkpoint import Writer
+    live = torch.arange(4.0)
+    writer = Writer(str(tmp_path), keep=2)
+    path = writer.submit({"model": {"w": live}, "epoch": 1}, 7)
+    live.add_(100)  # the next step
+    writer.wait()
+    assert path == checkpoint.path_for(tmp_path, 7)
+    assert torch.equal(checkpoint.read(path).state["model"]["w"], torch.arange(4.0))
+    for step in (8, 9):
+        writer.submit({"model": {"w": live}, "epoch": 1}, step)
+    writer.wait()
+    assert [p.name for p in checkpoint.existing(tmp_path)] == ["ckpt-000000009.pt",
+                                                               "ckpt-000000008.pt"]
+    assert writer.write_s > 0
+    (tmp_path / "a-file").write_text("")
+    gone = Writer(str(tmp_path / "a-file" / "dir"), keep=2)
+    gone.submit({"epoch": 1}, 1)
+    with pytest.raises(OutputError):
+        gone.wait()
+    gone.wait()  # the error is raised once

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..helpformat import DefaultsHelpFormatter
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mpidp.bench",
                                 description="mpidp benchmarks; launch with mpiexec -n N "
                                             "(model: no mpiexec)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     from . import allreduce, fusion, kernels, model, train
     for name, module, text in (
@@ -20,7 +22,7 @@ def parser() -> argparse.ArgumentParser:
             ("kernels", kernels, "GPU kernel GB/s against a device-to-device copy"),
             ("model", model, "alpha-beta-gamma scale model: calibrate, predict 1..1024 nodes")):
         sub_parser = sub.add_parser(name, help=text,
-                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                    formatter_class=DefaultsHelpFormatter)
         module.add_arguments(sub_parser)
         sub_parser.set_defaults(run=module.main)
     return p

@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 
 from .. import launcher
+from ..gpu.device import torch_gpu
 from . import leftovers, verdicts
 
 ALLREDUCE_COUNTS = (5, 1 << 16)  # float32: 20 B (inline in shm) and 256 KiB (sliced)
@@ -278,6 +279,7 @@ def allreduce(ctx) -> list:
 def gpu(ctx) -> dict:
     info = dict(gpu_info())
     g = ctx.group
+    info["torch_gpus"], info["torch_gpu_id"] = _torch_gpu(g.local_rank if g is not None else 0)
     info["local_size"] = g.local_size if g is not None else 1
     info["host"] = socket.gethostname()
     if info.get("devices") and g is not None:
@@ -289,6 +291,14 @@ def gpu(ctx) -> dict:
         except Exception as exc:
             info["name"] = f"? ({type(exc).__name__})"
     return info
+
+
+def _torch_gpu(local_rank: int) -> tuple:
+    """What the training tool's --device auto looks at: the GPUs torch sees here and the
+    identity of the one this rank is bound to ((0, None) without torch or CUDA)."""
+    if importlib.util.find_spec("torch") is None:
+        return 0, None
+    return torch_gpu(local_rank)
 
 
 def slurm(ctx) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 from typing import Mapping, Optional
 
+from ..gpu.device import training_device
 from ..launcher import singleton_launch
 from .findings import FAIL, INFO, OK, SKIP, WARN, Finding, by_value, rank_list
 from .leftovers import globs
@@ -289,10 +290,13 @@ def verdict_gpu(values: list) -> list:
     """values: {installed, version, error, devices, device_error, nccl, nccl_error, name,
     local_size, host}."""
     v0 = values[0]
+    kind, why = training_device("auto", [v.get("torch_gpus", 0) for v in values],
+                                [v.get("torch_gpu_id") for v in values])
+    out = [Finding(INFO, f"python -m mpidp.train --device auto: {kind} ({why}; the parameter "
+                         "server and central train on the CPU)")]
     if not any(v["installed"] for v in values):
-        return [Finding(SKIP, "CuPy not installed: CPU only",
-                        "for GPU training: pip install 'mpidp[gpu]'")]
-    out = []
+        return out + [Finding(SKIP, "CuPy not installed: CPU only",
+                              "for GPU training: pip install 'mpidp[gpu]'")]
     broken = by_value([v.get("error") for v in values])
     broken.pop(None, None)
     for err, rs in broken.items():

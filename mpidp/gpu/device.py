@@ -1,6 +1,7 @@
 """CuPy and NCCL as optional backends, and the binding of each rank to its GPU."""
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 
@@ -97,3 +98,50 @@ def bind_if_visible(local_rank: int) -> None:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
             torch.cuda.set_device(device_for(local_rank, torch.cuda.device_count()))
+
+
+def torch_gpu(local_rank: int) -> tuple:
+    """(GPUs torch sees here, the identity of the one a rank of this ``local_rank`` is bound
+    to: its UUID, unique across nodes; None without CUDA). Imports torch (deferred for cost:
+    only the training tool and the doctor ask)."""
+    import torch
+    if not torch.cuda.is_available():
+        return 0, None
+    count = torch.cuda.device_count()
+    index = device_for(local_rank, count)
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return count, str(uuid) if uuid is not None else f"{socket.gethostname()}/{index}"
+
+
+def training_device(setting: str, gpus: list, ids: list, host_strategy=None,
+                    cuda_strategies: tuple = ()) -> tuple:
+    """('cpu' or 'cuda', why) for a training run's ``--device setting`` (auto, cpu, cuda:
+    Note [Training device] in mpidp/train/devices.py) on ranks that see ``gpus[r]`` GPUs and
+    are bound to the GPU of identity ``ids[r]`` (``torch_gpu``: two ranks with one identity
+    share a GPU); ``host_strategy``: the name of a training mode that keeps its parameters in
+    host memory (None: the mode can train on CUDA, as ``cuda_strategies`` can). Pure;
+    ValueError for a choice that cannot be had."""
+    if setting == "cpu":
+        return "cpu", "--device cpu"
+    without = [r for r, n in enumerate(gpus) if n == 0]
+    shared = [r for r, i in enumerate(ids) if i is not None and ids.count(i) > 1]
+    if setting == "cuda":
+        if host_strategy is not None:
+            raise ValueError(f"--device cuda: --strategy {host_strategy} keeps its parameters "
+                             f"in host memory and trains on the CPU; use --device cpu (CUDA "
+                             f"training: {', '.join(cuda_strategies)})")
+        if without:
+            raise ValueError(f"--device cuda: rank {without[0]} sees no GPU "
+                             f"({len(without)} of {len(gpus)} ranks see none)")
+        why = "--device cuda"
+        if shared:
+            why += f"; ranks {shared[0]} and {shared[1]} share a GPU (more ranks than GPUs)"
+        return "cuda", why
+    if without:
+        return "cpu", ("auto: no GPU visible" if len(without) == len(gpus) else
+                       f"auto: rank {without[0]} sees no GPU")
+    if shared:
+        return "cpu", f"auto: ranks {shared[0]} and {shared[1]} would share a GPU"
+    if host_strategy is not None:
+        return "cpu", f"auto: --strategy {host_strategy} trains on the CPU"
+    return "cuda", "auto: a GPU for every rank"

@@ -246,8 +246,12 @@ def seed_rng(seed: int, rank: int) -> None:
 def rng_state() -> dict:
     """This process's generator states, in types ``torch.load(weights_only=True)`` accepts."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "numpy": torch.from_numpy(keys.astype(np.int64)),
-            "numpy_rest": (int(pos), int(has_gauss), float(gauss)), "python": random.getstate()}
+    state = {"torch": torch.get_rng_state(), "numpy": torch.from_numpy(keys.astype(np.int64)),
+             "numpy_rest": (int(pos), int(has_gauss), float(gauss)),
+             "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's GPU's
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
@@ -257,3 +261,20 @@ def set_rng_state(state: dict) -> None:
                          gauss))
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def cursor_of(state: dict, batch_size: int) -> int:
+    """The sample cursor of a training checkpoint's epoch (Note [Sample cursor] in
+    mpidp/data.py); a checkpoint from before cursors were recorded has its ranks' full batches."""
+    cursor = state["data_order"].get("cursor")
+    if cursor is None:
+        cursor = int(state["world_size"]) * int(state["step_in_epoch"]) * batch_size
+    return int(cursor)
+
+
+def rng_states_for(saved: list, size: int) -> list:
+    """Each of ``size`` ranks' generator states from a checkpoint's per-rank ``saved``: rank r
+    takes rank r's, a rank the checkpoint had not takes None (its seeded stream stays)."""
+    return [saved[r] if r < len(saved) else None for r in range(size)]

@@ -2,7 +2,7 @@
 the job on every rank with one line on rank 0 and exit code 2, before any training collective;
 Ctrl-C or SIGTERM end it with one line (Note [Interrupted run]) and exit code 130 or 143; with
 --checkpoint-on-signal, SIGTERM or SIGUSR1 first checkpoint (Note [Checkpoint on signal] in
-loop.py) and end it with exit code 143 or 138."""
+on_signal.py) and end it with exit code 143 or 138."""
 from __future__ import annotations
 
 import argparse
@@ -20,10 +20,13 @@ from .. import algorithms, data, models
 from .. import runtime
 from ..abort import FORWARD_S, abort_job
 from ..errors import LaunchError, OutputError
+from ..helpformat import DefaultsHelpFormatter
 from . import checkpoint
 from .interrupts import PROG, end_while_starting, launcher_rank, raise_interrupted, signal_of
-from .loop import StoppedOnSignal, Trainer, recording_signals
+from .loop import Trainer
+from .on_signal import StoppedOnSignal, recording_signals
 from .report import emit
+from .devices import AMPS, DEVICES
 from .settings import COMPRESSIONS, LR_SCALINGS, OPTIMIZERS, STRATEGIES, TrainSettings
 from .setup import SetupError, agree
 
@@ -37,23 +40,18 @@ def fail(message: str, rank: Optional[int] = None) -> None:
     sys.exit(USAGE_ERROR)
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each flag's default, except where there is none (the help text says why)."""
-
-    def _get_help_string(self, action):
-        if action.default is None:
-            return action.help
-        return super()._get_help_string(action)
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's own errors: one line, rank 0, exit 2
         fail(message)
 
+    def _print_message(self, message: str, file=None) -> None:
+        if launcher_rank() == 0:  # --help (and --version) once under mpiexec, not per rank
+            super()._print_message(message, file)
+
 
 def parser() -> argparse.ArgumentParser:
     d = TrainSettings()
-    p = _Parser(prog=f"python -m {PROG}", formatter_class=_Help,
+    p = _Parser(prog=f"python -m {PROG}", formatter_class=DefaultsHelpFormatter,
                 description="Data-parallel training of a PyTorch model on the ranks of an MPI "
                 "job: mpirun -np N python -m mpidp.train [flags]. With no flags: an MLP on the "
                 "8x8 handwritten digits shipped with mpidp (>= 95% held-out accuracy).")
@@ -94,8 +92,18 @@ def parser() -> argparse.ArgumentParser:
       help="on SIGTERM or SIGUSR1 (Slurm's warning before a time limit), every rank finishes "
       "its step, a checkpoint is written, and the job ends with exit code 128 + the signal's "
       "number (without it SIGTERM ends the job at once and SIGUSR1 kills it)")
+    a("--device", choices=DEVICES, default=d.device,
+      help="auto: CUDA when every rank has a GPU of its own (mirrored, localsgd, diloco), "
+      "else the CPU; the first lines say which and why")
+    a("--amp", choices=AMPS, default=d.amp,
+      help="automatic mixed precision: forward and loss under autocast in bf16, or fp16 with "
+      "a gradient scaler (mirrored)")
+    a("--async-checkpoint", action="store_true", default=d.async_checkpoint,
+      help="write checkpoints in a background thread while training goes on (training "
+      "waits only for a copy of the state in host memory; one write in flight at a time)")
     a("--resume", action="store_true", default=d.resume,
-      help="continue from the newest good checkpoint in --checkpoint-dir")
+      help="continue from the newest good checkpoint in --checkpoint-dir (on any number of "
+      "ranks)")
     a("--allow-shared-checkpoint-dir", action="store_true",
       default=d.allow_shared_checkpoint_dir,
       help="accept a --checkpoint-dir that other users can write to (owned by another user, "
@@ -116,6 +124,10 @@ def parser() -> argparse.ArgumentParser:
     a("--staleness-lr", action="store_true", default=d.staleness_lr,
       help="--strategy ps: scale each pushed gradient by 1/its measured staleness "
       "(Zhang et al. 2016)")
+    a("--ps-lookahead", action=argparse.BooleanOptionalAction, default=d.ps_lookahead,
+      help="--strategy ps with several workers: compute each gradient at the pulled "
+      "parameters extrapolated by (workers - 1) x their change since the previous pull, "
+      "where the server will be when it lands (default: on)")
     a("--compression", choices=COMPRESSIONS, default=d.compression,
       help="--strategy mirrored: gradients averaged over a float16 or bfloat16 wire (half the "
       "bytes), with PowerSGD (low-rank, error feedback), or auto: bf16 where a measured "
@@ -136,7 +148,7 @@ def parser() -> argparse.ArgumentParser:
     a("--outer-lr", type=float, default=d.outer_lr,
       help="--strategy diloco: learning rate of the outer SGD (default 0.7)")
     a("--outer-momentum", type=float, default=d.outer_momentum,
-      help="--strategy diloco: Nesterov momentum of the outer SGD (default 0.9)")
+      help="--strategy diloco: Nesterov momentum of the outer SGD (default 0.5)")
     a("--straggler", default=d.straggler, metavar="RANK:FACTOR",
       help="testing aid: rank RANK computes FACTOR times more slowly (it sleeps after each "
       "step), with every strategy (default: none)")
@@ -180,7 +192,7 @@ def build(settings: TrainSettings) -> tuple:
 # the signal reached that rank alone (`kill` of one process), or rank 0 is stuck in a wait
 # that no signal ends (an MPI call). With --checkpoint-on-signal, SIGTERM and SIGUSR1 are only
 # recorded, and the run ends this way after every rank has checkpointed at one step (Note
-# [Checkpoint on signal] in loop.py); SIGINT still ends it at once. Before MPI has started
+# [Checkpoint on signal] in on_signal.py); SIGINT still ends it at once. Before MPI has started
 # (the imports of `python -m mpidp.train`, which take seconds, and MPI_Init) there is no job
 # to abort: each rank ends on its own with the same exit code, rank 0 with the line
 # "interrupted while starting" (interrupts.py, which __main__ arms before its imports).
@@ -210,7 +222,7 @@ def interrupted_line(signum: int, settings: TrainSettings, argv: Sequence[str],
 
 def stopped_line(stop: StoppedOnSignal, argv: Sequence[str], world_size: int) -> str:
     """Rank 0's line for a run that checkpointed on a signal (Note [Checkpoint on signal] in
-    loop.py): the checkpoint and the command line that resumes from it."""
+    on_signal.py): the checkpoint and the command line that resumes from it."""
     return (f"{PROG}: checkpoint written on {signal.Signals(stop.signum).name}: {stop.path}; "
             f"resume with: {resume_command(argv, world_size)}")
 
@@ -263,7 +275,10 @@ def _run(settings: TrainSettings, argv: Sequence[str]) -> int:
     try:
         model, sets = agree(g, lambda: build(settings))
         if g.rank == 0:
-            emit(f"{PROG}: {settings.strategy} on {g.size} rank(s), {g.node_count} node(s); "
+            servers = settings.num_ps or 1
+            ranks = f"{g.size} ranks ({g.size - servers} worker(s), {servers} server(s))" \
+                if settings.strategy == "ps" else f"{g.size} rank(s)"
+            emit(f"{PROG}: {settings.strategy} on {ranks}, {g.node_count} node(s); "
                  f"{data.describe(settings.dataset, sets)}; model {settings.model} "
                  f"({sum(p.numel() for p in model.parameters()):,} parameters)")
         Trainer(settings).fit(model, sets.train, sets.test,

@@ -138,7 +138,7 @@ class _Meeting(Strategy):
         if self.since == 0:
             return None
         g = runtime.group()
-        mine = torch.cat([t.reshape(-1).view(torch.uint8) for t in self._own()]).numpy()
+        mine = torch.cat([t.reshape(-1).view(torch.uint8) for t in self._own()]).cpu().numpy()
         every = np.empty((g.size, mine.size), np.uint8) if g.rank == 0 else None
         with collective(g, f"checkpoint: gathering every rank's {self.name} state"):
             g.comm.Gather(mine, every, root=0)  # buffers, not pickled

@@ -5,94 +5,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
 import sys
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from .. import collectives, runtime, timeline
 from ..data import ShardSampler
+from ..gpu.device import torch_gpu
 from ..watchdog import collective
-from . import checkpoint, setup, stragglers
+from . import async_checkpoint, checkpoint, devices, setup, stragglers
+from .on_signal import StoppedOnSignal, arrive, recorded_signal, recording_signals
 from .report import Report, emit
 from .scoring import evaluate, parameters_sha256
 from .settings import TrainSettings, check_world, make_optimizer, scaled_lr, straggler_of
 from .strategies import make_strategy
 from .strategy_base import Strategy
-
-# Note [Checkpoint on signal]
-# With --checkpoint-on-signal, SIGTERM and SIGUSR1 (what Slurm sends before a time limit, e.g.
-# `#SBATCH --signal=USR1@120`; Hydra's mpiexec forwards both to every rank) do not end the run
-# at once: the handler only records the signal (a rank waiting in the shared-memory protocol
-# waits on, since the handler raises nothing). The signal may reach the ranks at different
-# steps, so after each step every rank contributes the number of the signal it has seen (0:
-# none) to a one-element max all-reduce, and every rank acts on the same answer at the same
-# step boundary: it writes the checkpoint --checkpoint-every would write there (after an
-# epoch's last step, the epoch-end one), so --resume continues bit for bit, then raises
-# StoppedOnSignal, which the command line ends as an interrupted run (Note [Interrupted run]
-# in cli.py) with exit code 128 + the signal's number. A signal recorded after the last step
-# lets the run finish: its last checkpoint is the end of the run. SIGINT keeps interrupting at
-# once. The all-reduce runs only with the flag, at every step: ~1 µs on 2 ranks of one node
-# (the one-call shared-memory path) against ~1.3 ms for a step of the default MLP; agreeing
-# every K steps instead would save nothing measurable and only delay the stop.
-
-_SIGNALS_TO_CHECKPOINT = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class SignalRecord:
-    """The first of SIGTERM or SIGUSR1 received while installed (0: none yet)."""
-
-    def __init__(self):
-        self.signum = 0
-
-    def record(self, signum: int, frame) -> None:
-        self.signum = self.signum or signum
-
-
-_recording: Optional[SignalRecord] = None
-
-
-@contextlib.contextmanager
-def recording_signals() -> Iterator[SignalRecord]:
-    """Within it SIGTERM and SIGUSR1 are only recorded (Note [Checkpoint on signal]); the
-    previous handlers come back after. Nested uses share the outer record. Main thread only."""
-    global _recording
-    if _recording is not None:
-        yield _recording
-        return
-    record = SignalRecord()
-    previous = {s: signal.signal(s, record.record) for s in _SIGNALS_TO_CHECKPOINT}
-    _recording = record
-    try:
-        yield record
-    finally:
-        _recording = None
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-class StoppedOnSignal(Exception):
-    """Every rank stopped training at the same step after ``signum`` and wrote a checkpoint
-    (Note [Checkpoint on signal]): ``path`` on rank 0, None elsewhere."""
-
-    def __init__(self, signum: int, path):
-        super().__init__(f"checkpoint written on {signal.Signals(signum).name}: {path}")
-        self.signum, self.path = signum, path
-
-
-
-def _arrive(comm) -> None:
-    """Returns once every rank of ``comm`` has called it: MPI_Ibarrier polled from Python, so
-    a Ctrl-C or SIGTERM to this rank raises here while it waits (Note [Interrupted run] in
-    cli.py). A blocking MPI call would hold the signal until the others came, and they may be
-    ending on the same signal: the job would then end with another rank's line, rank 0's
-    withheld (seen in CI: rank 0 in the checkpoint's MPI_Gather, rank 1 already stopped)."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.0002)
 
 class Trainer:
     """Trains a model with the settings of ``python -m mpidp.train`` (TrainSettings, or the
@@ -125,12 +55,19 @@ class Trainer:
                 s, g.size, model, len(train_data), _warn) if g.rank == 0 else None,
                 name_rank=False)
         torch.set_num_threads(s.threads_per_rank or setup.default_threads(g.local_size))
+        mine = torch_gpu(g.local_rank)
+        with collective(g, "set-up: every rank's GPU"):
+            gpus = g.comm.allgather(mine) if g.size > 1 else [mine]
+        kind, why = setup.agree(g, lambda: devices.decide(s.device, s.strategy, gpus))
+        device = torch.device(kind)  # mpidp.init bound this rank's GPU (Note [Training device])
         names = names or (type(model).__name__, type(train_data).__name__)
         report = Report(g.rank, g.size, s.progress, s.verbose, s.log_json)
         try:
             with recording_signals() if s.checkpoint_on_signal else contextlib.nullcontext():
-                return self._train(g, model, train_data, test_data, loss_fn, sampler, resumed,
-                                   report, names)
+                report.line(f"training on {kind} ({why})" + (
+                    f", autocast {s.amp}" if s.amp != "off" else ""))
+                return self._train(g, model.to(device), train_data, test_data, loss_fn,
+                                   sampler, resumed, report, names)
         finally:
             report.close()
 
@@ -142,13 +79,17 @@ class Trainer:
         strategy = _start_strategy(s, g, model, resumed)
         run = _Run(s, g, model, strategy, train_data, test_data,
                    loss_fn or torch.nn.functional.cross_entropy, sampler, report)
-        first_epoch, first_step = run.resume(resumed) if s.resume else (0, 0)
-        for line in strategy.notes:
-            report.line(line)
-        t_run = run.start_clocks()
-        for epoch in range(first_epoch, s.epochs):
-            run.train_epoch(epoch, first_step if epoch == first_epoch else 0)
-        return run.summarize(time.perf_counter() - t_run, names)
+        try:
+            first_epoch, cursor = run.resume(resumed) if s.resume else (0, 0)
+            for line in strategy.notes:
+                report.line(line)
+            t_run = run.start_clocks()
+            for epoch in range(first_epoch, s.epochs):
+                run.train_epoch(epoch, cursor if epoch == first_epoch else 0)
+            return run.summarize(time.perf_counter() - t_run, names)
+        finally:
+            if run.writer is not None:
+                run.writer.close()
 
 
 def _start_strategy(s: TrainSettings, g, model: torch.nn.Module,
@@ -203,31 +144,50 @@ class _Run:
         self.stop_signum = 0  # agreed by every rank: Note [Checkpoint on signal]
         self.straggling: Optional[int] = None  # the rank last reported as the straggler
         self._agreement = np.zeros(1, np.int64)
+        self.device = next(model.parameters()).device
+        self.writer = async_checkpoint.Writer(s.checkpoint_dir, s.keep_checkpoints) \
+            if s.async_checkpoint and g.rank == 0 else None
+        self.checkpoint_wait_s = 0.0  # rank 0's seconds of training spent on checkpoints
 
     # ---- before the first epoch ---------------------------------------------------------
 
     def resume(self, resumed: Optional[checkpoint.Checkpoint]) -> tuple:
         """Every rank takes up the checkpoint rank 0 found (``resumed``, on rank 0): the
         optimizer state, each rank's RNG state, the position; rank 0 says which checkpoint,
-        with its digest. Returns (epoch, batches done in it)."""
+        with its digest, and what changed with the number of ranks (Note [Resuming on another
+        number of ranks]). Returns (epoch, its sample cursor: Note [Sample cursor])."""
         g = self.g
         path, state, digest = resumed if g.rank == 0 else (None, None, None)
         self.strategy.load_optimizer(state["optimizer"] if state else None)
         self.strategy.load_comm_state(state.get("comm_hook") if state else None)
-        rngs = state["rng"] if state else None
-        where = (str(path), state["epoch"], state["step_in_epoch"], state["global_step"]) \
-            if state else None
+        if self.strategy.scaler is not None:  # the same on every rank: Note [Training device]
+            with collective(g, "resume: broadcasting the gradient scaler's state"):
+                scaler = state.get("amp_scaler") if state else None
+                scaler = g.comm.bcast(scaler, root=0) if g.size > 1 else scaler
+            if scaler:
+                self.strategy.scaler.load_state_dict(scaler)
+        where = (str(path), state["epoch"], state["step_in_epoch"], state["global_step"],
+                 checkpoint.cursor_of(state, self.settings.batch_size), state["world_size"],
+                 state["settings"].get("num_ps") or 1) if state else None
         with collective(g, "resume: scattering the checkpoint's RNG states"):
-            checkpoint.set_rng_state(g.comm.scatter(rngs, root=0) if g.size > 1 else rngs[0])
-            self.checkpoint, epoch, step, self.global_step = \
+            self.checkpoint, epoch, step, self.global_step, cursor, saved_size, servers = \
                 g.comm.bcast(where, root=0) if g.size > 1 else where
+            rngs = checkpoint.rng_states_for(state["rng"], g.size) if state else None
+            rng = g.comm.scatter(rngs, root=0) if g.size > 1 else rngs[0]
+        if rng is not None:  # None: a rank the checkpoint had not; its seeded stream stays
+            checkpoint.set_rng_state(rng)
         self.resumed_from = self.checkpoint
         self.strategy.resume_at(self.global_step)
         which = f"{self.checkpoint} (sha256 {digest[:12]})" if digest else self.checkpoint
         self.report.line(f"resuming from {which}: epoch {epoch + 1}, step {step}"
                          if epoch < self.settings.epochs else
                          f"{which} is the end of the run: nothing left to train")
-        return epoch, step
+        if saved_size != g.size or (self.settings.strategy == "ps" and
+                                    servers != (self.settings.num_ps or 1)):
+            self.report.line(setup.resized_line(saved_size, g.size, self.settings,
+                                                self.lr_ranks, cursor, len(self.train_data),
+                                                servers))
+        return epoch, cursor
 
     def start_clocks(self) -> float:
         """Returns the run's start time, taken on every rank together (set-up, such as the
@@ -238,46 +198,55 @@ class _Run:
 
     # ---- one epoch ----------------------------------------------------------------------
 
-    def train_epoch(self, epoch: int, first: int) -> None:
-        """Epoch ``epoch`` from batch ``first``: its steps, the held-out score when due, the
-        epoch's event from every rank's figures, the end-of-epoch checkpoint."""
+    def train_epoch(self, epoch: int, cursor: int) -> None:
+        """Epoch ``epoch`` from sample position ``cursor`` (Note [Sample cursor]): its steps,
+        the held-out score when due, the epoch's event from every rank's figures, the
+        end-of-epoch checkpoint."""
+        first = self.steps - self.strategy.steps_left(self.sampler, epoch, cursor,
+                                                      self.settings.batch_size, self.steps)
         self.report.start_epoch(epoch, self.settings.epochs, self.steps, first)
-        figures = self._train_steps(epoch, first)
+        figures = self._train_steps(epoch, first, cursor)
         self.accuracy = self._evaluate_if_due(epoch)
         self.event = self._epoch_event(epoch, first, figures)
         self.report.end_epoch(self.event)
         self._report_straggler(epoch)
         if self.settings.checkpoint_dir:
-            self._save((epoch + 1, 0))
+            self._save((epoch + 1, 0, 0))
         if self.stop_signum and epoch + 1 < self.settings.epochs:
-            raise StoppedOnSignal(self.stop_signum, self.checkpoint)
+            self._stop()
 
-    def _train_steps(self, epoch: int, first: int) -> _EpochFigures:
-        """A server's serving, a worker's (every mirrored or central rank's) steps, then the
-        strategy's epoch end; returns this rank's figures."""
+    def _train_steps(self, epoch: int, first: int, cursor: int) -> _EpochFigures:
+        """A server's serving, a worker's (every mirrored or central rank's) steps, batches
+        ``first`` on from sample position ``cursor``, then the strategy's epoch end; returns
+        this rank's figures."""
         figures = _EpochFigures(lr=self.settings.lr)
         t_epoch = time.perf_counter()
+        step0 = self.global_step
         figures.compute_s += self.strategy.serve_epoch(epoch, self.steps)
         for b, (x, y) in self.strategy.epoch_batches(self.train_data, self.sampler, epoch,
-                                                     first, self.settings.batch_size):
-            self._step(epoch, b, x, y, figures)
+                                                     first, self.settings.batch_size, cursor):
+            self._step(epoch, b, x, y, figures, cursor + self.sampler.cursor_after(
+                0, b + 1 - first, self.settings.batch_size))
         t_end = time.perf_counter()
         self.strategy.end_epoch()
         figures.wait_s += time.perf_counter() - t_end
-        self.global_step = (epoch + 1) * self.steps  # the same on every rank (ps workers differ)
+        # the same on every rank (ps workers took different numbers of steps)
+        self.global_step = step0 + self.steps - first
         figures.time_s = time.perf_counter() - t_epoch
         return figures
 
-    def _step(self, epoch: int, b: int, x, y, figures: _EpochFigures) -> None:
+    def _step(self, epoch: int, b: int, x, y, figures: _EpochFigures, cursor: int) -> None:
         """Batch ``b``: learning rate, forward, the strategy's step, the figures, a
-        checkpoint when one is due inside the epoch."""
+        checkpoint when one is due inside the epoch (``cursor``: the epoch's sample cursor
+        after this step)."""
         s, strategy = self.settings, self.strategy
         figures.lr = scaled_lr(s, self.lr_ranks, epoch + b / self.steps)
         strategy.set_lr(figures.lr)
         t0 = time.perf_counter()
         waited = strategy.stats["wait_s"]
         strategy.zero_grad()
-        with timeline.span("forward"):
+        x, y = devices.to_device((x, y), self.device)
+        with timeline.span("forward"), devices.autocast(self.device, s.amp):
             loss = self.loss_fn(strategy.forward(x), y)
         strategy.step(loss)
         dt = time.perf_counter() - t0
@@ -295,14 +264,14 @@ class _Run:
             self.stop_signum = self._agree_on_signal()
         due = s.checkpoint_every and self.global_step % s.checkpoint_every == 0
         if s.checkpoint_dir and b + 1 < self.steps and (due or self.stop_signum):
-            self._save((epoch, b + 1))
+            self._save((epoch, b + 1, cursor))
             if self.stop_signum:
-                raise StoppedOnSignal(self.stop_signum, self.checkpoint)
+                self._stop()
 
     def _agree_on_signal(self) -> int:
         """The signal some rank has recorded (the highest number; 0: none), the same on every
         rank (Note [Checkpoint on signal]). Every rank calls it, after each step."""
-        self._agreement[0] = _recording.signum if _recording is not None else 0
+        self._agreement[0] = recorded_signal()
         if self.g.size > 1:
             collectives.allreduce_(self._agreement, "max")
         return int(self._agreement[0])
@@ -359,16 +328,18 @@ class _Run:
 
     @timeline.traced("checkpoint")
     def _save(self, position: tuple) -> None:
-        """Checkpoint at ``position`` = (epoch, batches done in it): every rank sends its RNG
-        state, rank 0 writes (and keeps its path in ``checkpoint``; others keep None)."""
+        """Checkpoint at ``position`` = (epoch, batches done in it, its sample cursor): every
+        rank sends its RNG state, rank 0 writes (and keeps its path in ``checkpoint``; others
+        keep None)."""
         s, g = self.settings, self.g
         with collective(g, "checkpoint: gathering every rank's RNG state"):
             if g.size > 1:
-                _arrive(g.comm)
+                arrive(g.comm)
             rng = g.comm.gather(checkpoint.rng_state(), root=0) if g.size > 1 \
                 else [checkpoint.rng_state()]
         optimizer = self.strategy.optimizer_state()  # collective for ps (servers hold it)
         hook = self.strategy.comm_state()  # collective
+        scaler = self.strategy.scaler.state_dict() if self.strategy.scaler else None
         if g.rank != 0:
             self.checkpoint = None
             return
@@ -377,12 +348,35 @@ class _Run:
                  "global_step": self.global_step, "world_size": g.size,
                  "train_samples": len(self.train_data),
                  "data_order": {"seed": s.seed, "epoch": position[0],
-                                "position": position[1]},
+                                "position": position[1], "cursor": position[2]},
                  "rng": rng, "settings": dataclasses.asdict(s),
-                 **({"comm_hook": hook} if hook is not None else {})}
+                 **({"comm_hook": hook} if hook is not None else {}),
+                 **({"amp_scaler": scaler} if scaler is not None else {})}
         assert set(checkpoint.KEYS) <= set(state) | {"format"}, "resume reads checkpoint.KEYS"
-        self.checkpoint = checkpoint.save(s.checkpoint_dir, state, self.global_step,
-                                          s.keep_checkpoints)
+        t0 = time.perf_counter()
+        if self.writer is not None:  # Note [Asynchronous checkpoints]
+            self.checkpoint = self.writer.submit(state, self.global_step)
+        else:
+            self.checkpoint = checkpoint.save(s.checkpoint_dir, state, self.global_step,
+                                              s.keep_checkpoints)
+        self.checkpoint_wait_s += time.perf_counter() - t0
+
+    def _stop(self) -> None:
+        """Ends training on every rank after the checkpoint of Note [Checkpoint on signal]:
+        rank 0 once it is on disk (the write in flight included), the others after meeting
+        it there, so no rank ends the job while rank 0 still writes."""
+        self._written()
+        if self.g.size > 1:
+            arrive(self.g.comm)
+        raise StoppedOnSignal(self.stop_signum, self.checkpoint)
+
+    def _written(self) -> None:
+        """Returns once the last checkpoint is on disk (rank 0 with --async-checkpoint: the
+        write in flight); raises what writing it raised."""
+        if self.writer is not None:
+            t0 = time.perf_counter()
+            self.writer.wait()
+            self.checkpoint_wait_s += time.perf_counter() - t0
 
     # ---- after the last epoch -----------------------------------------------------------
 
@@ -395,7 +389,9 @@ class _Run:
             self.accuracy = evaluate(self.model, self.test_data, g)
         extra = self.strategy.report(total_s)
         self.strategy.free()
+        self._written()
         summary = {"event": "summary", "strategy": s.strategy, "ranks": g.size,
+                   "device": self.device.type, "amp": s.amp,
                    "model": names[0], "dataset": names[1], "epochs": s.epochs,
                    "global_step": self.global_step, "final_accuracy": self.accuracy,
                    "final_train_loss": self.event.get("train_loss"), "total_s": total_s,
@@ -404,6 +400,9 @@ class _Run:
                    if self.time_total > 0 else 0.0,
                    "parameters_sha256": parameters_sha256(self.model),
                    "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+                   "checkpoint_wait_s": self.checkpoint_wait_s,
+                   "checkpoint_write_s": self.writer.write_s if self.writer is not None
+                   else self.checkpoint_wait_s,
                    "resumed_from": self.resumed_from, **extra}
         self.report.summary(summary)
         return summary

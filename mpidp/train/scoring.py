@@ -18,7 +18,7 @@ def parameters_sha256(module: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in module.state_dict().items():
         h.update(name.encode())
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -27,12 +27,13 @@ def evaluate(module: torch.nn.Module, test, g) -> float:
     """Held-out accuracy: every rank scores its share, the counts are summed. Every rank
     calls it."""
     sampler = ShardSampler(len(test), g.rank, g.size, shuffle=False, pad=False)
+    device = next(module.parameters()).device
     counts = np.zeros(2, np.int64)
     was_training = module.training
     module.eval()
     with torch.no_grad():
         for x, y in batches(test, sampler.indices(0), EVAL_BATCH):
-            counts += (int((module(x).argmax(1) == y).sum()), len(y))
+            counts += (int((module(x.to(device)).argmax(1).cpu() == y).sum()), len(y))
     module.train(was_training)
     if g.size > 1:
         collectives.allreduce_(counts, "sum")

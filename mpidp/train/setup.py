@@ -12,12 +12,31 @@ from .. import files
 from ..errors import OutputError
 from ..watchdog import collective
 from . import checkpoint
+from .ps_state import reshard_optimizer_states
 from .settings import TrainSettings
 
 # settings a resumed run must share with the run that wrote the checkpoint: they decide the
 # data order, the step count and the shapes of model and optimizer state
 RESUME_MUST_MATCH = ("strategy", "batch_size", "seed", "dataset", "synthetic_samples", "model",
-                     "optimizer", "num_ps")
+                     "optimizer")
+
+# Note [Resuming on another number of ranks]
+# A checkpoint written by N ranks resumes on M. What moves, and how:
+# - the data: the interrupted epoch continues from the checkpoint's sample cursor, the rest
+#   of its permutation shared out over the M ranks (Note [Sample cursor] in mpidp/data.py), so
+#   every sample of that epoch is taken once; later epochs are sharded over M as usual. The
+#   global step counts the steps taken, whatever the number of ranks took them.
+# - the learning rate follows --lr-scaling for M ranks (M workers under ps: it counts 1).
+# - the model and the optimizer state are one copy under mirrored and central (ZeRO's is kept
+#   unsharded): they load as they are. Under ps the servers' states move to another number
+#   of workers as they are, and to another number of servers (--num-ps) re-cut by the new
+#   shard map (ps_strategy.reshard_optimizer_states).
+# - each rank's generator state: rank r < min(N, M) takes rank r's, a new rank keeps the
+#   stream seeded for it; PowerSGD's per-rank errors start afresh (compress.py says so).
+# What cannot move: localsgd's and diloco's per-rank parameters between meetings (M ranks
+# cannot take up N diverged models, and averaging them would be a meeting the run never
+# had). Such a checkpoint is refused on another number of ranks in one line; the
+# checkpoints written at epoch ends (meetings) move.
 
 
 class SetupError(ValueError):
@@ -76,6 +95,9 @@ def check_outputs(settings: TrainSettings) -> None:
                 from None
     if settings.checkpoint_dir:
         d = Path(settings.checkpoint_dir)
+        if settings.resume and not d.is_dir():  # a typo must not leave an empty directory
+            raise ValueError(f"--resume: --checkpoint-dir {d} does not exist, so there is "
+                             "nothing to continue")
         try:
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
@@ -112,10 +134,24 @@ def find_resume_point(settings: TrainSettings, world_size: int, model, train_sam
     for d in (saved, mine):  # the default number of servers is 1 (and None off ps)
         if d.get("strategy") == "ps":
             d["num_ps"] = d.get("num_ps") or 1
-    for key in RESUME_MUST_MATCH + ("world_size", "train_samples"):
+    for key in RESUME_MUST_MATCH + ("train_samples",):
         if saved.get(key) != mine[key]:
             raise ValueError(f"--resume: {path} was written with {key}={saved.get(key)!r}, this "
                              f"run has {key}={mine[key]!r}; resume with the same value")
+    if saved["world_size"] != world_size and (state.get("comm_hook") or {}).get("since"):
+        raise ValueError(f"--resume: {path} holds {saved['world_size']} ranks' own "
+                         f"{saved['strategy']} models between meetings, which cannot move to "
+                         f"{world_size} ranks; resume on {saved['world_size']} ranks, or from a "
+                         "checkpoint written at an epoch's end")
+    servers, saved_servers = mine.get("num_ps"), saved.get("num_ps")
+    if mine["strategy"] == "ps" and servers != saved_servers:  # fails here, on every rank
+        total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        try:
+            reshard_optimizer_states(state["optimizer"], servers, total)
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise ValueError(f"--resume: the servers' optimizer state in {path} cannot be "
+                             f"re-cut from {saved_servers} to {servers} servers: {exc}") \
+                from None
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     saved_shapes = {k: tuple(v.shape) for k, v in state["model"].items()}
     if shapes != saved_shapes:
@@ -134,3 +170,25 @@ def default_threads(local_size: int) -> int:
         return allowed
     return max(1, allowed // max(local_size, 1))
 
+
+def resized_line(saved_size: int, size: int, settings: TrainSettings, lr_ranks: int,
+                 cursor: int, train_samples: int, saved_servers: int = 1) -> str:
+    """The log line of a resume on ``size`` ranks from a checkpoint of ``saved_size`` (Note
+    [Resuming on another number of ranks]); under ps, of ``saved_servers`` servers."""
+    if settings.strategy == "ps":  # epoch ends only: no cursor
+        servers = settings.num_ps or 1
+        data = f"the epochs now shared by {size - servers} workers, {servers} server(s)"
+        if servers != saved_servers:
+            data += f" (the servers' optimizer state re-cut from {saved_servers})"
+    elif cursor:
+        data = (f"the rest of the epoch ({train_samples - cursor} of {train_samples} samples, "
+                f"from position {cursor}) shared out over {size}")
+    else:
+        data = f"epochs sharded over {size}"
+    lr = "" if settings.strategy in ("ps", "diloco") else \
+        f"; --lr-scaling {settings.lr_scaling} now counts {lr_ranks} ranks"
+    new = f"rank {saved_size} starts its generator" if size == saved_size + 1 else \
+        f"ranks {saved_size}-{size - 1} start their generators"
+    rng = f"; {new} from --seed" if size > saved_size else ""
+    return (f"the checkpoint was written by {saved_size} ranks, this run has {size}: {data}"
+            f"{lr}{rng}")

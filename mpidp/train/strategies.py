@@ -14,7 +14,7 @@ from ..state_broadcast import broadcast_optimizer_state, broadcast_state_dict
 from ..mirrored import DistributedDataParallel
 from ..powersgd import PowerSGDState
 from ..zero import ZeroRedundancyOptimizer, reduce_scatter_hook
-from . import compress
+from . import compress, devices
 from .local_strategies import DiLoCo, LocalSGD
 from .ps_strategy import ParameterServerStrategy
 from .strategy_base import Strategy
@@ -46,8 +46,16 @@ class Mirrored(Strategy):
         if self.compression != "none":
             self.hook_state, hook = compress.make_hook(self.compression, settings)
             self.forward.register_comm_hook(self.hook_state, hook)
+        self.scaler = devices.scaler_for(params[0].device, settings.amp) if params else None
 
     def step(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:  # every rank has the same averaged gradients, so takes
+            with timeline.span("backward"):  # the same skip-or-step decision
+                self.scaler.scale(loss).backward()
+            with timeline.span("optimizer step"):
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            return
         with timeline.span("backward"):
             loss.backward()
         with timeline.span("optimizer step"):

@@ -21,6 +21,7 @@ class Strategy:
     optimizer: Optional[torch.optim.Optimizer]
     is_server = False  # a parameter-server rank: serves instead of training (ps_strategy)
     lr_ranks: Optional[int] = None  # the ranks --lr-scaling counts (None: every rank)
+    scaler: Optional[torch.amp.GradScaler] = None  # --amp fp16 (Note [Training device])
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -30,11 +31,17 @@ class Strategy:
         """Steps of one epoch (as checkpoint positions count them)."""
         return -(-len(sampler) // batch_size)
 
+    def steps_left(self, sampler: Any, epoch: int, cursor: int, batch_size: int,
+                   steps: int) -> int:
+        """Steps left of an epoch of ``steps`` once its first ``cursor`` samples are taken
+        (Note [Sample cursor] in mpidp/data.py)."""
+        return -(-len(sampler.indices(epoch, cursor)) // batch_size) if cursor else steps
+
     def epoch_batches(self, train_data: Any, sampler: Any, epoch: int, first: int,
-                      batch_size: int):
-        """(batch number, (x, y)) of this rank's batches in ``epoch`` from batch ``first``:
-        its shard of the epoch's permutation."""
-        return enumerate(batches(train_data, sampler.indices(epoch), batch_size, first),
+                      batch_size: int, cursor: int):
+        """(batch number, (x, y)) of this rank's batches in ``epoch``, numbered from
+        ``first``: its shard of the epoch's permutation from sample position ``cursor`` on."""
+        return enumerate(batches(train_data, sampler.indices(epoch, cursor), batch_size),
                          start=first)
 
     def serve_epoch(self, epoch: int, steps: int) -> float:

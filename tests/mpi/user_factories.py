@@ -87,6 +87,25 @@ def dying_digits():
     return DyingDataset(train), test
 
 
+def slowly_written_digits():
+    """dying_digits, and on rank 0 the checkpoint of global step SLOW_WRITE_AT (if set) stays
+    half written for 60 s (its bytes written, before the rename): a fault then comes while it
+    is being written (the async kill test)."""
+    at = os.environ.get("SLOW_WRITE_AT")
+    if at is not None:
+        from mpidp.train import checkpoint
+        write = checkpoint._write_archive
+
+        def slow(f, state):
+            digest = write(f, state)
+            if state.get("global_step") == int(at):
+                f.flush()
+                time.sleep(60)
+            return digest
+        checkpoint._write_archive = slow
+    return dying_digits()
+
+
 def slow_digits():
     """The digits, each training item taking SLOW_S seconds (default 1 ms, ~32 ms a step): a
     run long enough to be signalled mid-run, with the digits' numbers."""
@@ -99,6 +118,31 @@ def faulty_digits():
     train, test = data.digits()
     at = int(os.environ.get("FAULT_AT", "-1")) if _fault_here() else -1
     return FaultyDataset(train, os.environ.get("FAULT"), at), test
+
+
+class RecordingDataset(Dataset):
+    """Appends each index it is asked for to SAMPLE_LOG_DIR/<pid>.txt, one per line (the
+    first is the item read once at start-up for the input shape)."""
+
+    num_classes = 10  # so nothing reads every label to count them
+
+    def __init__(self, base):
+        self.base = base
+        self.log = open(os.path.join(os.environ["SAMPLE_LOG_DIR"], f"{os.getpid()}.txt"), "a")
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        self.log.write(f"{int(i)}\n")
+        self.log.flush()
+        return self.base[i]
+
+
+def recorded_digits():
+    """46 digits, each sample index a rank trains on recorded (RecordingDataset)."""
+    train, test = data.digits()
+    return RecordingDataset(torch.utils.data.Subset(train, range(46))), test
 
 
 class SyncMean(torch.nn.Module):

@@ -1,0 +1,46 @@
+"""``python -m mpidp.report``: pictures of a run from its JSON log (tier 1: a log written here,
+no MPI)."""
+import json
+
+from mpidp import report
+
+
+def _log(path, epochs=3, ranks=2, finished=True):
+    lines = []
+    for e in range(1, epochs + 1):
+        lines.append({"event": "epoch", "epoch": e, "epochs": epochs, "train_loss": 1.0 / e,
+                      "test_accuracy": None if e == 1 else 0.5 + 0.1 * e,
+                      "samples_per_s": 1000.0 * e, "time_s": 0.5,
+                      "ranks": [{"rank": r, "compute_s": 0.2 * (r + 1), "wait_s": 0.1,
+                                 "samples": 100, "time_s": 0.5} for r in range(ranks)]})
+        if e == 1:
+            lines.append({"event": "straggler", "rank": ranks - 1, "epoch": 1, "host": "h",
+                          "slowdown": 2.0})
+    if finished:
+        lines.append({"event": "summary", "strategy": "mirrored", "ranks": ranks,
+                      "model": "mlp", "dataset": "digits", "epochs": epochs,
+                      "final_accuracy": 0.8, "samples_per_s": 2000.0})
+    path.write_text("".join(json.dumps(l) + "\n" for l in lines))
+    return path
+
+
+def test_a_run_is_drawn_and_bad_logs_get_one_line(tmp_path, capsys):
+    log = _log(tmp_path / "run.jsonl")
+    assert report.main([str(log)]) == 0
+    png = tmp_path / "run.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20000
+    assert capsys.readouterr().out == (f"mpidp.report: wrote {png}: loss and accuracy per "
+                                       "epoch, samples/s, each rank's compute and wait\n")
+    ranks, compute, wait, samples = report.per_rank(report.read_run(log)["epochs"])
+    assert ranks == [0, 1] and samples == [300, 300] and wait == [0.1 * 3] * 2
+    assert compute == [0.2 * 3, 0.4 * 3]
+    unfinished = _log(tmp_path / "cut.jsonl", finished=False)
+    assert report.main([str(unfinished), "--out", str(tmp_path / "cut.png")]) == 0
+    assert "did not finish" in report.title_of(report.read_run(unfinished), unfinished)
+    (tmp_path / "bad.jsonl").write_text('{"event": "epoch"\n')
+    for bad, said in ((tmp_path / "bad.jsonl", "bad.jsonl:1: not a line of python -m "
+                       "mpidp.train --log-json"), (tmp_path / "none.jsonl", "cannot read")):
+        capsys.readouterr()
+        assert report.main([str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("mpidp.report: error: ") and said in err and err.count("\n") == 1
