@@ -11,11 +11,11 @@ MPIEXEC=${MPIEXEC:-$(dirname "$PY")/mpiexec}
 OUT=bench/out/ps.jsonl
 mkdir -p bench/out
 : > "$OUT"
-THROUGHPUT=(--dataset synthetic --synthetic-samples 16384 --batch-size 64 --epochs 1
+THROUGHPUT=(--dataset synthetic --synthetic-samples 16384 --batch-size 64 --epochs 1 --lr 0.05
             --eval-every 0 --no-progress)
 run() {  # tag, ranks, flags...
   local tag=$1 n=$2; shift 2
-  "$MPIEXEC" -n "$n" "$PY" -m mpidp.train "$@" | tail -1 | \
+  "$MPIEXEC" -n "$n" "$PY" -m mpidp.train "$@" | grep "^{" | tail -1 | \
     sed "s/}\$/, \"tag\": \"$tag\"}/" >> "$OUT"
 }
 for rep in $(seq "${REPEATS:-3}"); do

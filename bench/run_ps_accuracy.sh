@@ -14,11 +14,11 @@ MPIEXEC=$(dirname "$PY")/mpiexec
 OUT=bench/out/ps_accuracy.jsonl
 mkdir -p bench/out
 : > "$OUT"
-JOB=(--dataset synthetic --synthetic-samples 16384 --batch-size 64 --epochs 1 --eval-every 0
+JOB=(--dataset synthetic --synthetic-samples 16384 --batch-size 64 --epochs 1 --eval-every 0 --lr 0.05
      --no-progress)
 run() {  # tag, ranks, flags...
   local tag=$1 n=$2; shift 2
-  "$MPIEXEC" -n "$n" "$PY" -m mpidp.train "${JOB[@]}" "$@" | tail -1 |
+  "$MPIEXEC" -n "$n" "$PY" -m mpidp.train "${JOB[@]}" "$@" | grep "^{" | tail -1 |
     sed "s/}\$/, \"tag\": \"$tag\"}/" >> "$OUT"
 }
 for rep in $(seq "${REPEATS:-3}"); do

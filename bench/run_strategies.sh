@@ -13,7 +13,7 @@ mkdir -p bench/out
 : > "$OUT"
 for rep in $(seq "${REPEATS:-5}"); do
   start=$EPOCHREALTIME
-  line=$("$MPIEXEC" -n 2 "$PY" -m mpidp.train --no-progress | tail -1)
+  line=$("$MPIEXEC" -n 2 "$PY" -m mpidp.train --no-progress | grep "^{" | tail -1)
   wall=$(awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.2f", b - a }')
   echo "${line%\}}, \"wall_s\": $wall, \"job\": \"default\"}" >> "$OUT"
   for model in mlp cnn; do
@@ -21,7 +21,7 @@ for rep in $(seq "${REPEATS:-5}"); do
       for strategy in mirrored central; do
         "$MPIEXEC" -n "$n" "$PY" -m mpidp.train --no-progress --dataset synthetic \
           --synthetic-samples 32768 --batch-size 64 --epochs 1 --eval-every 0 --model "$model" \
-          --strategy "$strategy" | tail -1 | sed 's/}$/, "job": "throughput"}/' >> "$OUT"
+          --strategy "$strategy" | grep "^{" | tail -1 | sed 's/}$/, "job": "throughput"}/' >> "$OUT"
       done
     done
   done

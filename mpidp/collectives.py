@@ -106,7 +106,7 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto"):
     """Reduces ``x`` over every rank and returns the result as a new array or tensor of the
     same type, shape and dtype; ``x`` is unchanged. ``op``: sum, avg, min, max (min and max
     propagate NaN). ``algorithm``: auto, shm, doubling, hier, mpi, ring for host arrays;
-    auto, ring, nccl, staged for device arrays (see README). Every rank must call it."""
+    auto, ring, nccl, staged for device arrays (docs/api.md). Every rank must call it."""
     if algorithm == "auto" and type(x) is np.ndarray:
         g = runtime.group()
         if g.resources.fast_allreduce is not None and x.nbytes <= g.resources.fast_max_bytes:

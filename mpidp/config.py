@@ -14,7 +14,7 @@ AUDIT_ACTIONS = ("raise", "warn")
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Settings read once from the environment (see README, "Configuration")."""
+    """Settings read once from the environment (docs/configuration.md)."""
 
     algorithm: str = "auto"            # MPIDP_ALGORITHM: default for algorithm="auto"
     ring_piece_bytes: int = 1 << 20    # MPIDP_RING_PIECE_BYTES: pipelining unit of the ring

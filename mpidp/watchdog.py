@@ -389,5 +389,5 @@ def report(me: int, lane: int, states: dict, size: int, timeout_s: float, grace_
             f"rank {r} (on {hosts[node_of[r]]})" if node_of else f"rank {r}"
         lines.append(f"  {who}: {_state_text(s, grace_s)}")
     lines.append("  a rank's Python stack: py-spy dump --pid PID; a longer legitimate wait: "
-                 "raise MPIDP_TIMEOUT_S (README, Troubleshooting)")
+                 "raise MPIDP_TIMEOUT_S (docs/troubleshooting.md)")
     return "\n".join(lines) + "\n"

@@ -12,7 +12,7 @@ _STARTED = time.time()
 @pytest.fixture(scope="session", autouse=True)
 def _remove_what_aborted_test_jobs_left():
     """The fault tests end MPI jobs with MPI_Abort or SIGKILL on purpose, and MPICH then leaves
-    its shared-memory file behind (README, Troubleshooting): at the end of the session, remove
+    its shared-memory file behind (docs/troubleshooting.md): at the end of the session, remove
     those this session's jobs left — files created since it started that no process holds."""
     yield
     from mpidp.doctor.leftovers import dead_files

@@ -58,6 +58,20 @@ def test_default_run_trains_digits_to_95_percent():
     print(f"default run: {100 * s['final_accuracy']:.2f}% in {elapsed:.1f} s")
 
 
+def test_the_synthetic_default_converges(tmp_path):
+    """settings.DEFAULT_LR: the synthetic set with every default (2 ranks, 20 epochs) trains
+    down and stays down (with the digits' lr it diverged: 46% -> 11% held out by epoch 30)."""
+    log = tmp_path / "log.jsonl"
+    s = summary_of(train(2, "--dataset", "synthetic", "--no-progress", "--log-json", log))
+    losses = [e["train_loss"] for e in map(json.loads, log.read_text().splitlines())
+              if e["event"] == "epoch"]
+    assert len(losses) == 20 and losses[-1] < 0.01 and max(losses[5:]) < losses[0] / 10, losses
+    assert s["final_accuracy"] > 0.6, s
+    from mpidp import report  # the real run's log drawn (python -m mpidp.report)
+    assert report.main([str(log)]) == 0
+    assert (tmp_path / "log.png").read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_json_log_has_every_rank_and_a_summary(n, tmp_path):
     log = tmp_path / "log.jsonl"
@@ -420,6 +434,55 @@ def test_bad_input_is_one_line_and_exit_code_2(n, flags, message, tmp_path):
     assert len(errors) == 1, proc.stderr  # one line, from rank 0 only
     assert errors[0].startswith("mpidp.train: error: ") and message in errors[0], errors[0]
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_a_terminal_gets_whole_lines_in_order(tmp_path):
+    """Note [One stream]: under a pseudo-terminal (as a person runs it) every line rank 0
+    shows arrives whole and in order — the start line, the banner, progress lines within the
+    3 s epoch, the epoch line, the summary and the last line a person reads — with no
+    carriage-return redraws."""
+    import pty
+    primary, secondary = pty.openpty()
+    env = dict(os.environ, PYTHONPATH=str(BODIES), SLOW_S="0.004")
+    proc = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, "-m", "mpidp.train",
+                             "--dataset", "user_factories:slow_digits", "--epochs", "1",
+                             "--log-json", str(tmp_path / "run.jsonl"), *ON_CPU],
+                            stdin=secondary, stdout=secondary, stderr=secondary, env=env,
+                            cwd=Path(__file__).parent.parent, start_new_session=True)
+    os.close(secondary)
+    chunks = []
+    try:
+        while True:
+            try:
+                chunk = os.read(primary, 1 << 16)
+            except OSError:  # the terminal closed: every process of the job has ended
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        proc.wait(timeout=120)
+    finally:
+        os.close(primary)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = b"".join(chunks).decode()
+    assert proc.returncode == 0 and "\r" not in text.replace("\r\n", "\n"), text
+    lines = text.replace("\r\n", "\n").splitlines()
+    patterns = [r"mpidp\.train: starting \(loading PyTorch, then MPI\)",
+                r"mpidp\.train: mirrored on 2 rank\(s\), 1 node\(s\); .* parameters\)",
+                r"training on cpu \(.*\)",
+                r"  step \d+/23 of epoch 1/1 \(\d+%\)  loss \d\.\d{4}  [\d,]+ samples/s",
+                r"epoch   1/1  train loss \d\.\d{4}  held-out acc +\d+\.\d\d%  [\d,]+ "
+                r"samples/s  comm +\d+\.\d%  \d+\.\d\d s",
+                r"\{\"amp\": .*\}",
+                r"mpidp\.train: done: \d+\.\d\d% held-out accuracy after 1 epochs on 2 "
+                r"rank\(s\); .* samples/s; JSON log .*run\.jsonl"]
+    kinds = []
+    for line in lines:
+        kind = [i for i, p in enumerate(patterns) if re.fullmatch(p, line)]
+        assert len(kind) == 1, f"a line not whole or not ours: {line!r}\n{text}"
+        kinds.append(kind[0])
+    assert kinds == sorted(kinds) and set(kinds) == set(range(len(patterns))), kinds
 
 
 def test_help_is_printed_once_under_mpiexec():

@@ -238,6 +238,14 @@ def table(rows: list, ceiling: dict, nranks: int) -> str:
     return "\n".join(lines)
 
 
+def size_label(nbytes: float) -> str:
+    """8 B, 4 KiB, 64 MiB: a power-of-two size as a person reads it."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"
+
+
 def plot(rows: list, ceiling: dict, nranks: int, path: str) -> None:
     """busbw (in place) against size, one line per algorithm, the ceiling drawn."""
     import matplotlib
@@ -255,7 +263,10 @@ def plot(rows: list, ceiling: dict, nranks: int, path: str) -> None:
                label=f"{'link' if 'link_GBps' in ceiling else 'memory'} bound ({bound:.1f} GB/s)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("message size (bytes)")
+    from matplotlib.ticker import FuncFormatter, LogLocator
+    ax.xaxis.set_major_locator(LogLocator(base=4))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: size_label(x)))
+    ax.set_xlabel("message size")
     ax.set_ylabel("busbw, in place (GB/s)")
     ax.set_title(f"all-reduce, {nranks} ranks, {rows[0]['type'] if rows else ''}")
     ax.grid(True, which="both", alpha=0.3)

@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     except Exception as exc:
         print(format_report(_title(1), [("MPI", [Finding(
             FAIL, f"mpi4py cannot start MPI: {type(exc).__name__}: {exc}",
-            "pip install mpich mpi4py (or point mpi4py at the site MPI: see README)")])]))
+            "pip install mpich mpi4py (or point mpi4py at the site MPI: see docs/troubleshooting.md)")])]))
         return 1
     ctx = probes.Context(world)
     printing = ctx.rank == 0 and probes.prints_report(ctx.size)

@@ -140,7 +140,7 @@ def verdict_mpidp(values: list) -> list:
     bad.pop(None, None)
     for err, rs in bad.items():
         out.append(Finding(FAIL, f"{rank_list(rs)}: {err}",
-                           "correct that variable or unset it (README, \"Configuration\")"))
+                           "correct that variable or unset it (docs/configuration.md)"))
     failed = by_value(values, lambda v: v["init"])
     failed.pop(None, None)
     for err, rs in failed.items():

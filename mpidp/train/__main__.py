@@ -3,9 +3,12 @@ seconds: a Ctrl-C or SIGTERM then ends the rank with one line, not a traceback."
 import signal
 import sys
 
-from .interrupts import end_while_starting, raise_interrupted
+from .interrupts import PROG, end_while_starting, launcher_rank, raise_interrupted
 
 signal.signal(signal.SIGTERM, raise_interrupted)
+if launcher_rank() == 0 and not {"-h", "--help"} & set(sys.argv[1:]):
+    sys.stdout.write(f"{PROG}: starting (loading PyTorch, then MPI)\n")  # seconds, cold
+    sys.stdout.flush()
 try:
     from .cli import main
 except KeyboardInterrupt as exc:

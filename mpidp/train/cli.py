@@ -70,7 +70,8 @@ def parser() -> argparse.ArgumentParser:
       help="training samples of --dataset synthetic (1/8 as many held out)")
     a("--epochs", type=int, default=d.epochs, help="passes over the training set")
     a("--batch-size", type=int, default=d.batch_size, help="samples per step on each rank")
-    a("--lr", type=float, default=d.lr, help="learning rate for one rank (see --lr-scaling)")
+    a("--lr", type=float, default=d.lr, help="learning rate for one rank (see --lr-scaling); "
+      "default: 0.05, on --dataset synthetic 0.01")
     a("--lr-scaling", choices=LR_SCALINGS, default=d.lr_scaling,
       help="learning rate on N ranks: --lr times 1, N or sqrt(N)")
     a("--warmup-epochs", type=float, default=d.warmup_epochs,
@@ -153,7 +154,7 @@ def parser() -> argparse.ArgumentParser:
       help="testing aid: rank RANK computes FACTOR times more slowly (it sleeps after each "
       "step), with every strategy (default: none)")
     a("--progress", action=argparse.BooleanOptionalAction, default=d.progress,
-      help="progress bar on rank 0")
+      help="within a long epoch, a progress line from rank 0 every 10 s (the first after 2 s)")
     a("--verbose", action="store_true", default=d.verbose, help="log from every rank")
     return p
 

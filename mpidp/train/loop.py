@@ -404,7 +404,7 @@ class _Run:
                    "checkpoint_write_s": self.writer.write_s if self.writer is not None
                    else self.checkpoint_wait_s,
                    "resumed_from": self.resumed_from, **extra}
-        self.report.summary(summary)
+        self.report.summary(summary, s.log_json)
         return summary
 
 

@@ -1,16 +1,28 @@
-"""What the user sees of a training run, from rank 0 only (every rank with ``verbose``): a
-progress bar with loss and samples/s, one line per epoch, JSON lines (per epoch, with every
-rank's compute and wait time, and a final summary) to ``--log-json`` (appended to a file of
-ours, never through a link: Note [Writing a file] in mpidp/files.py)."""
+"""What the user sees of a training run, from rank 0 only (every rank with ``verbose``): whole
+lines on one stream (Note [One stream]) — progress within a long epoch, one line per epoch, a
+last line a person reads — and JSON lines (per epoch, with every rank's compute and wait
+time, and a final summary) to ``--log-json`` (appended to a file of ours, never through a
+link: Note [Writing a file] in mpidp/files.py) and the summary on stdout."""
 from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Optional
 
-from tqdm import tqdm
-
 from ..files import AppendedFile
+
+# Note [One stream]
+# mpiexec forwards each rank's stdout and its stderr separately, so their order is lost on
+# the way: a progress bar redrawn with carriage returns on stderr tore the epoch lines on
+# stdout in a terminal (a line glued to a stale bar, or indented by its width) and left bar
+# fragments in a redirected log. So everything rank 0 shows of a run is whole lines on stdout,
+# each in one write (``emit``): progress within a long epoch is a line of its own (step,
+# percent, loss, samples/s) after the first 2 s of the epoch and then every 10 s, the same in
+# a terminal, a pipe and a file; a short epoch (the digits job's 0.1 s) shows only its epoch
+# line. Warnings and errors go to stderr, whole lines too. Other ranks speak only with
+# --verbose, each line prefixed with its rank.
+PROGRESS_FIRST_S, PROGRESS_EVERY_S = 2.0, 10.0
 
 
 def emit(text: str, stream=None) -> None:
@@ -31,13 +43,13 @@ class Report:
         self.progress = progress and rank == 0
         self.prefix = f"[rank {rank}] " if verbose and size > 1 else ""
         self._json = AppendedFile(log_json, "JSON log") if log_json and rank == 0 else None
-        self._bar: Optional[tqdm] = None
+        self._epoch = (0, 0, 0)  # (epoch, epochs, steps) of the epoch under way
+        self._done, self._next_progress = 0, float("inf")
 
     def line(self, text: str) -> None:
-        """A log line (through the bar, so it does not tear it)."""
+        """A log line, whole, on stdout (Note [One stream])."""
         if self.speaks:
-            tqdm.write(self.prefix + text + "\n", file=sys.stdout, end="")  # one write: see emit
-            sys.stdout.flush()
+            emit(self.prefix + text)
 
     def record(self, event: dict) -> None:
         """One JSON line in the --log-json file (rank 0); OutputError if it cannot be
@@ -46,21 +58,22 @@ class Report:
             self._json.write_line(json.dumps(event, sort_keys=True))
 
     def start_epoch(self, epoch: int, epochs: int, steps: int, done: int) -> None:
-        if self.progress:
-            self._bar = tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{epochs}",
-                             unit="step", leave=False, dynamic_ncols=True, mininterval=0.5,
-                             file=sys.stderr)
+        self._epoch, self._done = (epoch, epochs, steps), done
+        self._next_progress = time.monotonic() + PROGRESS_FIRST_S if self.progress \
+            else float("inf")
 
     def step(self, loss: float, samples_per_s: float) -> None:
-        if self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:,.0f}",
-                                  refresh=False)
-            self._bar.update(1)
+        self._done += 1
+        now = time.monotonic()
+        if now >= self._next_progress:  # Note [One stream]
+            epoch, epochs, steps = self._epoch
+            self.line(f"  step {self._done}/{steps} of epoch {epoch + 1}/{epochs} "
+                      f"({100 * self._done / max(steps, 1):.0f}%)  loss {loss:.4f}  "
+                      f"{samples_per_s:,.0f} samples/s")
+            self._next_progress = now + PROGRESS_EVERY_S
 
     def end_epoch(self, event: dict) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        self._next_progress = float("inf")
         acc = event.get("test_accuracy")
         acc_text = f"  held-out acc {100 * acc:6.2f}%" if acc is not None else ""
         self.line(f"epoch {event['epoch']:>3}/{event['epochs']}  train loss "
@@ -68,15 +81,29 @@ class Report:
                   f"  comm {100 * event['wait_fraction']:4.1f}%  {event['time_s']:.2f} s")
         self.record(event)
 
-    def summary(self, event: dict) -> None:
-        """The final summary: one JSON line on stdout (rank 0) and in the log."""
+    def summary(self, event: dict, log_json: Optional[str] = None) -> None:
+        """The final summary: one JSON line on stdout (rank 0) and in the log, then the line
+        a person reads."""
         if self.rank == 0:
             emit(json.dumps(event, sort_keys=True))
+            emit(ending(event, log_json))
         self.record(event)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
         if self._json is not None:
             self._json.close()
             self._json = None
+
+
+def ending(summary: dict, log_json: Optional[str] = None) -> str:
+    """The run's last line: what it reached, how fast, where its outputs went."""
+    acc = summary.get("final_accuracy")
+    reached = f"{100 * acc:.2f}% held-out accuracy" if acc is not None else \
+        f"train loss {summary.get('final_train_loss') or 0:.4f}"
+    where = [f"checkpoint {summary['checkpoint']}"] if summary.get("checkpoint") else []
+    if log_json:
+        where.append(f"JSON log {log_json}")
+    return (f"mpidp.train: done: {reached} after {summary['epochs']} epochs on "
+            f"{summary['ranks']} rank(s); {summary['total_s']:.1f} s of training, "
+            f"{summary['samples_per_s']:,.0f} samples/s" +
+            (f"; {', '.join(where)}" if where else ""))

@@ -17,6 +17,8 @@ class SlowDataset(Dataset):
     """A plain map-style dataset (not a TensorDataset) that takes ``delay_s`` per item, as a
     slow data loader would: it keeps a run going long enough to be killed mid-epoch."""
 
+    num_classes = 10  # so that nothing reads every (slow) label to count the classes
+
     def __init__(self, base, delay_s):
         self.base, self.delay_s = base, delay_s
 
@@ -59,8 +61,6 @@ def inject(kind):
 class FaultyDataset(SlowDataset):
     """Injects fault ``kind`` (``inject``) when this rank fetches its ``at``-th item: a fault
     at a known step, anywhere in an epoch (the first item is read once at start-up)."""
-
-    num_classes = 10  # so that nothing reads every label to count the classes
 
     def __init__(self, base, kind=None, at=-1):
         super().__init__(base, 0.0)
