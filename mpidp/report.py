@@ -5,7 +5,6 @@ communication, so a straggler or a communication bottleneck shows at a glance. N
 matplotlib (``pip install 'mpidp[bench]'``)."""
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from . import files
-from .helpformat import DefaultsHelpFormatter
+from .helpformat import DefaultsHelpFormatter, Parser
 
 PROG = "mpidp.report"
 
@@ -121,13 +120,15 @@ def title_of(run: dict, path: Path) -> str:
         return f"{path.name} (the run did not finish)"
     accuracy = f", {100 * s['final_accuracy']:.2f}% held out" \
         if s.get("final_accuracy") is not None else ""
-    return (f"{s['strategy']} on {s['ranks']} rank(s): {s['model']} on {s['dataset']}, "
+    ranks = f"{s['workers']} worker(s) + {s['servers']} server(s)" if "servers" in s else \
+        f"{s['ranks']} rank(s)"
+    return (f"{s['strategy']} on {ranks}: {s['model']} on {s['dataset']}, "
             f"{s['epochs']} epochs{accuracy}, {s['samples_per_s']:,.0f} samples/s")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0],
-                                formatter_class=DefaultsHelpFormatter)
+    p = Parser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0],
+               formatter_class=DefaultsHelpFormatter)
     p.add_argument("log", type=Path, help="the JSON log of a run (--log-json)")
     p.add_argument("--out", type=Path, help="the picture to write (default: the log's name "
                    "with .png)")

@@ -392,9 +392,11 @@ BAD = [
     (2, ("--strategy", "ps", "--num-ps", 2), "--num-ps 2 needs at least 3 ranks"),
     (3, ("--strategy", "ps", "--staleness", -1), "--staleness must be an integer >= 0"),
     (2, ("--num-ps", 1), "--num-ps only apply to --strategy ps, not mirrored"),
-    pytest.param(2, ("--device", "cuda"), "--device cuda: rank 0 sees no GPU (2 of 2 ranks see "
-                 "none)", marks=pytest.mark.skipif(torch.cuda.is_available(),
-                                                   reason="this host has a GPU")),
+    pytest.param(2, ("--device", "cuda", "--checkpoint-dir", "{tmp}/new"), "--device cuda: rank "
+                 "0 sees no GPU (2 of 2 ranks see none)", marks=pytest.mark.skipif(
+                     torch.cuda.is_available(), reason="this host has a GPU")),
+    (2, ("--resume", "--checkpoint-dir", "{tmp}/new"), "--checkpoint-dir {tmp}/new does not "
+     "exist, so there is nothing to continue"),
     (2, ("--strategy", "central", "--staleness", 2, "--staleness-lr"),
      "--staleness, --staleness-lr only apply to --strategy ps"),
     (3, ("--strategy", "ps", "--checkpoint-dir", "{tmp}/c", "--checkpoint-every", 3),
@@ -432,8 +434,10 @@ def test_bad_input_is_one_line_and_exit_code_2(n, flags, message, tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     errors = [l for l in proc.stderr.splitlines() if l.strip()]
     assert len(errors) == 1, proc.stderr  # one line, from rank 0 only
-    assert errors[0].startswith("mpidp.train: error: ") and message in errors[0], errors[0]
+    assert errors[0].startswith("mpidp.train: error: ") and \
+        message.replace("{tmp}", str(tmp_path)) in errors[0], errors[0]
     assert "Traceback" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "new").exists()  # nothing created by a command that fails
 
 
 def test_a_terminal_gets_whole_lines_in_order(tmp_path):
@@ -475,7 +479,7 @@ def test_a_terminal_gets_whole_lines_in_order(tmp_path):
                 r"epoch   1/1  train loss \d\.\d{4}  held-out acc +\d+\.\d\d%  [\d,]+ "
                 r"samples/s  comm +\d+\.\d%  \d+\.\d\d s",
                 r"\{\"amp\": .*\}",
-                r"mpidp\.train: done: \d+\.\d\d% held-out accuracy after 1 epochs on 2 "
+                r"mpidp\.train: done: \d+\.\d\d% held-out accuracy after 1 epoch on 2 "
                 r"rank\(s\); .* samples/s; JSON log .*run\.jsonl"]
     kinds = []
     for line in lines:

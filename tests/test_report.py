@@ -44,3 +44,23 @@ def test_a_run_is_drawn_and_bad_logs_get_one_line(tmp_path, capsys):
         assert report.main([str(bad)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("mpidp.report: error: ") and said in err and err.count("\n") == 1
+
+
+def test_the_last_line_a_person_reads():
+    from mpidp.train.report import ending
+    run = {"final_accuracy": 0.9833, "epochs": 20, "ranks": 2, "total_s": 0.51,
+           "samples_per_s": 57234.4, "checkpoint": "c/ckpt-000000460.pt"}
+    assert ending(run, "log.jsonl") == (
+        "mpidp.train: done: 98.33% held-out accuracy after 20 epochs on 2 rank(s); 0.5 s of "
+        "training, 57,234 samples/s; checkpoint c/ckpt-000000460.pt, JSON log log.jsonl")
+    ps = dict(run, final_accuracy=None, final_train_loss=0.25, epochs=1, checkpoint=None,
+              workers=2, servers=1)
+    assert ending(ps) == ("mpidp.train: done: train loss 0.2500 after 1 epoch on 2 worker(s) "
+                          "+ 1 server(s); 0.5 s of training, 57,234 samples/s")
+    assert "nothing left to train" in ending(dict(ps, final_train_loss=None))
+
+
+def test_size_labels_read_as_a_person_reads_them():
+    from mpidp.bench.allreduce import size_label
+    assert [size_label(x) for x in (8, 4096, 1 << 20, 64 << 20, 1 << 30)] == \
+        ["8 B", "4 KiB", "1 MiB", "64 MiB", "1 GiB"]

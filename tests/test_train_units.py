@@ -608,6 +608,13 @@ def test_the_device_auto_picks_and_what_cuda_insists_on():
         decide("cuda", "central", two)
 
 
+def test_the_default_lr_is_the_data_sets():
+    assert TrainSettings(dataset="synthetic").check().lr == 0.01
+    assert TrainSettings().check().lr == 0.05
+    assert TrainSettings(dataset="pkg.mod:factory").check().lr == 0.05
+    assert TrainSettings(dataset="synthetic", lr=0.2).check().lr == 0.2
+
+
 @pytest.mark.parametrize("kw,match", [
     ({"amp": "fp32"}, "--amp 'fp32': expected one of off, bf16, fp16"),
     ({"device": "gpu"}, "--device 'gpu': expected one of auto, cpu, cuda"),

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..helpformat import DefaultsHelpFormatter
+from ..helpformat import DefaultsHelpFormatter, Parser
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mpidp.bench",
+    p = Parser(prog="python -m mpidp.bench",
                                 description="mpidp benchmarks; launch with mpiexec -n N "
                                             "(model: no mpiexec)",
                                 formatter_class=DefaultsHelpFormatter)

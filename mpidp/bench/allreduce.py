@@ -259,8 +259,12 @@ def plot(rows: list, ceiling: dict, nranks: int, path: str) -> None:
             ax.plot(*zip(*pts), marker="o", label=algo)
     factor = 2 * (nranks - 1) / nranks if nranks > 1 else 1
     bound = ceiling.get("bound_algbw_GBps", ceiling["copy_GBps"]) * factor
-    ax.axhline(bound, color="k", linestyle="--",
-               label=f"{'link' if 'link_GBps' in ceiling else 'memory'} bound ({bound:.1f} GB/s)")
+    # across nodes the line is the link as one large message measured it (a reference: the
+    # pipelined all-reduce keeps both directions busier and can pass it); within a node, the
+    # memory copy every all-reduce must make (a bound)
+    label = f"link, one {size_label(ceiling['link_bytes'])} message ({bound:.1f} GB/s)" \
+        if "link_GBps" in ceiling else f"memory bound ({bound:.1f} GB/s)"
+    ax.axhline(bound, color="k", linestyle="--", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     from matplotlib.ticker import FuncFormatter, LogLocator

@@ -18,6 +18,7 @@ import sys
 import threading
 
 from .. import launcher
+from ..helpformat import Parser
 from ..abort import abort_job
 from . import leftovers, probes, verdicts
 from .findings import (FAIL, Finding, Raised, Skipped, exit_code, format_findings,
@@ -75,7 +76,7 @@ def _title(size: int) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m mpidp.doctor",
         description="Checks MPI, the launcher, shared memory, one-sided communication, every "
                     "all-reduce algorithm, CuPy/NCCL and Slurm; run it as your job would run "

@@ -20,7 +20,7 @@ from .. import algorithms, data, models
 from .. import runtime
 from ..abort import FORWARD_S, abort_job
 from ..errors import LaunchError, OutputError
-from ..helpformat import DefaultsHelpFormatter
+from ..helpformat import DefaultsHelpFormatter, Parser
 from . import checkpoint
 from .interrupts import PROG, end_while_starting, launcher_rank, raise_interrupted, signal_of
 from .loop import Trainer
@@ -40,13 +40,9 @@ def fail(message: str, rank: Optional[int] = None) -> None:
     sys.exit(USAGE_ERROR)
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(Parser):
     def error(self, message: str):  # argparse's own errors: one line, rank 0, exit 2
         fail(message)
-
-    def _print_message(self, message: str, file=None) -> None:
-        if launcher_rank() == 0:  # --help (and --version) once under mpiexec, not per rank
-            super()._print_message(message, file)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -48,6 +48,11 @@ class Trainer:
         setup.agree(g, lambda: (s.check(), check_world(s, g.size)))
         setup.same_everywhere(g, setup.fingerprint(s, train_data, test_data))
         sampler = setup.agree(g, lambda: ShardSampler(len(train_data), g.rank, g.size, s.seed))
+        mine = torch_gpu(g.local_rank)
+        with collective(g, "set-up: every rank's GPU"):
+            gpus = g.comm.allgather(mine) if g.size > 1 else [mine]
+        kind, why = setup.agree(g, lambda: devices.decide(s.device, s.strategy, gpus))
+        # last of the checks, as it creates the checkpoint directory
         setup.agree(g, lambda: setup.check_outputs(s) if g.rank == 0 else None, name_rank=False)
         resumed = None
         if s.resume:
@@ -55,10 +60,6 @@ class Trainer:
                 s, g.size, model, len(train_data), _warn) if g.rank == 0 else None,
                 name_rank=False)
         torch.set_num_threads(s.threads_per_rank or setup.default_threads(g.local_size))
-        mine = torch_gpu(g.local_rank)
-        with collective(g, "set-up: every rank's GPU"):
-            gpus = g.comm.allgather(mine) if g.size > 1 else [mine]
-        kind, why = setup.agree(g, lambda: devices.decide(s.device, s.strategy, gpus))
         device = torch.device(kind)  # mpidp.init bound this rank's GPU (Note [Training device])
         names = names or (type(model).__name__, type(train_data).__name__)
         report = Report(g.rank, g.size, s.progress, s.verbose, s.log_json)

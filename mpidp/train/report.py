@@ -97,13 +97,16 @@ class Report:
 
 def ending(summary: dict, log_json: Optional[str] = None) -> str:
     """The run's last line: what it reached, how fast, where its outputs went."""
-    acc = summary.get("final_accuracy")
+    acc, loss = summary.get("final_accuracy"), summary.get("final_train_loss")
     reached = f"{100 * acc:.2f}% held-out accuracy" if acc is not None else \
-        f"train loss {summary.get('final_train_loss') or 0:.4f}"
+        f"train loss {loss:.4f}" if loss is not None else "nothing left to train"
     where = [f"checkpoint {summary['checkpoint']}"] if summary.get("checkpoint") else []
     if log_json:
         where.append(f"JSON log {log_json}")
-    return (f"mpidp.train: done: {reached} after {summary['epochs']} epochs on "
-            f"{summary['ranks']} rank(s); {summary['total_s']:.1f} s of training, "
+    epochs = f"{summary['epochs']} epoch" + ("s" if summary["epochs"] != 1 else "")
+    ranks = f"{summary['workers']} worker(s) + {summary['servers']} server(s)" \
+        if "servers" in summary else f"{summary['ranks']} rank(s)"
+    return (f"mpidp.train: done: {reached} after {epochs} on {ranks}; "
+            f"{summary['total_s']:.1f} s of training, "
             f"{summary['samples_per_s']:,.0f} samples/s" +
             (f"; {', '.join(where)}" if where else ""))
