@@ -1,14 +1,15 @@
 """Overwriting every rank's tensors with one rank's: parameters and buffers in fused byte
 buckets (any dtype), and an optimizer's whole state — ``broadcast_parameters``,
 ``broadcast_optimizer_state`` (Horovod's names) and ``broadcast_tensors_``, which
-DistributedDataParallel, CentralStorage and the parameter server use at start-up.
+DistributedDataParallel, CentralStorage and the parameter server use at start-up — and the
+other way, every rank's own tensors gathered on one as raw bytes (``gather_bytes``).
 
 Every function here is collective: every rank calls it with tensors of the same shapes and
 dtypes, in the same order."""
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -54,6 +55,21 @@ def broadcast_tensors_(tensors: Sequence[Any], root: int = 0,
             original[...] = sys.modules["cupy"].asarray(c)
         else:
             writable_view(original).copy_(c)
+
+
+def gather_bytes(tensors: Sequence[Any], what: str, root: int = 0) -> Optional[np.ndarray]:
+    """Every rank's ``tensors`` (any dtype, host or device), as raw bytes back to back: a
+    (ranks, bytes) uint8 array on ``root``, None elsewhere. They travel as buffers through
+    MPI_Gather, never pickled: checkpoints keep each rank's own state this way (PowerSGD's
+    errors, local SGD's models between meetings). Every rank passes as many bytes; ``what``
+    names the collective for the watchdog."""
+    g = runtime.group()
+    parts = [_byte_view(_contiguous(t)[0]) for t in tensors]
+    mine = np.concatenate(parts) if parts else np.empty(0, np.uint8)
+    every = np.empty((g.size, mine.size), np.uint8) if g.rank == root else None
+    with collective(g, what):
+        g.comm.Gather(mine, every, root=root)
+    return every
 
 
 def _contiguous(t: Any) -> tuple:

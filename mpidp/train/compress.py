@@ -14,6 +14,7 @@ from .. import collectives, host_kernels, runtime
 from ..compression import bf16_compress_hook, fp16_compress_hook
 from ..dtypes import BF16, F32, flat_host_array
 from ..powersgd import PowerSGDState, powerSGD_hook
+from ..state_broadcast import gather_bytes
 from ..watchdog import collective
 
 POWERSGD_RANK = 1          # torch's default matrix_approximation_rank
@@ -94,19 +95,16 @@ def gather_state(state: PowerSGDState, params: list) -> Optional[dict]:
     """The checkpoint's PowerSGD entry (rank 0; None elsewhere). Collective."""
     g = runtime.group()
     saved = state.state_dict(params)
-    errors = {}
-    for k, e in sorted(saved["errors"].items()):
-        mine = e.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()  # any dtype
-        every = np.empty((g.size, mine.size), np.uint8) if g.rank == 0 else None
-        if g.size > 1:
-            with collective(g, "checkpoint: gathering PowerSGD's errors"):
-                g.comm.Gather(mine, every, root=0)  # buffers, not pickled
-        else:
-            every[0] = mine
-        if g.rank == 0:
-            errors[k] = torch.from_numpy(every).view(e.dtype).reshape(g.size, *e.shape)
+    mine = sorted(saved["errors"].items())
+    every = gather_bytes([e for _, e in mine], "checkpoint: gathering PowerSGD's errors")
     if g.rank != 0:
         return None
+    errors, offset = {}, 0
+    for k, e in mine:  # each rank's row holds its errors back to back
+        n = e.numel() * e.element_size()
+        errors[k] = torch.from_numpy(every[:, offset:offset + n].copy()).view(e.dtype) \
+            .reshape(g.size, *e.shape)
+        offset += n
     return {"kind": "powersgd", "iter": saved["iter"],
             "q": {k: q.detach().cpu() for k, q in saved["q"].items()}, "errors": errors}
 

@@ -13,7 +13,7 @@ from .. import collectives, runtime, timeline
 from ..errors import MpidpError
 from ..fusion import grouped_allreduce_
 from ..mirrored import DistributedDataParallel
-from ..state_broadcast import broadcast_state_dict, broadcast_tensors_
+from ..state_broadcast import broadcast_state_dict, broadcast_tensors_, gather_bytes
 from ..watchdog import collective
 from .strategy_base import Strategy
 
@@ -137,13 +137,9 @@ class _Meeting(Strategy):
         None at a meeting (the model and optimizer rank 0 saves are everyone's)."""
         if self.since == 0:
             return None
-        g = runtime.group()
-        mine = torch.cat([t.reshape(-1).view(torch.uint8) for t in self._own()]).cpu().numpy()
-        every = np.empty((g.size, mine.size), np.uint8) if g.rank == 0 else None
-        with collective(g, f"checkpoint: gathering every rank's {self.name} state"):
-            g.comm.Gather(mine, every, root=0)  # buffers, not pickled
+        every = gather_bytes(self._own(), f"checkpoint: gathering every rank's {self.name} state")
         return {"kind": self.name, "since": self.since,
-                "ranks": torch.from_numpy(every)} if g.rank == 0 else None
+                "ranks": torch.from_numpy(every)} if every is not None else None
 
     def load_comm_state(self, state: Optional[dict]) -> None:
         g = runtime.group()

@@ -226,8 +226,8 @@ class _Run:
         figures.compute_s += self.strategy.serve_epoch(epoch, self.steps)
         for b, (x, y) in self.strategy.epoch_batches(self.train_data, self.sampler, epoch,
                                                      first, self.settings.batch_size, cursor):
-            self._step(epoch, b, x, y, figures, cursor + self.sampler.cursor_after(
-                0, b + 1 - first, self.settings.batch_size))
+            self._step(epoch, b, x, y, figures, self.sampler.cursor_after(
+                cursor, b + 1 - first, self.settings.batch_size))
         t_end = time.perf_counter()
         self.strategy.end_epoch()
         figures.wait_s += time.perf_counter() - t_end
