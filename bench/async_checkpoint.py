@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 def big_mlp():
-    from mpidp import models
+    from mpidp.workloads import models
     return models.mlp(64, hidden=(2048, 2048), classes=10)
 
 

@@ -1,4 +1,4 @@
-"""The replica audit's cost (Note [Replica audit] in mpidp/audit.py): step time of the training
+"""The replica audit's cost (Note [Replica audit] in mpidp/ddp/audit.py): step time of the training
 benchmark's MLP (784-2048-2048-10, 23 MB of parameters, batch 64 per rank, SGD) under mpidp's
 DistributedDataParallel with audit_every 0 (off), 1 and 100, medians of 5 repetitions of 20
 steps, modes interleaved; and one checksum pass over the parameters.
@@ -10,8 +10,8 @@ import time
 import torch
 
 import mpidp
-from mpidp import models
-from mpidp.audit import checksums
+from mpidp.workloads import models
+from mpidp.ddp.audit import checksums
 
 EVERY = (0, 1, 100)
 

@@ -1,4 +1,4 @@
-"""What the timeline costs per call site, off and on (Note [Timeline cost] in mpidp/timeline.py):
+"""What the timeline costs per call site, off and on (Note [Timeline cost] in mpidp/runtime/timeline.py):
 ``python bench/timeline_overhead.py`` (one process, no MPI). Prints ns per call, the median of
 ``--repeats`` runs of ``--calls`` calls each, minus an empty loop's time."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 import statistics
 import time
 
-from mpidp import timeline
+from mpidp.runtime import timeline
 
 
 def per_call_ns(body, calls: int, repeats: int) -> float:

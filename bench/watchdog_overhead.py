@@ -1,4 +1,4 @@
-"""What the watchdog costs (Note [Watchdog] in mpidp/watchdog.py), in two parts:
+"""What the watchdog costs (Note [Watchdog] in mpidp/runtime/watchdog.py), in two parts:
 
 1. the board, on every collective's path: ``publish`` plus ``done``, ns per collective, in
    one process without MPI, with MPIDP_DEBUG off and on (on: the call site is looked up);
@@ -21,7 +21,7 @@ from pathlib import Path
 
 def board_ns(debug: bool, calls: int, repeats: int) -> float:
     """ns per collective spent on the board (an empty loop subtracted)."""
-    from mpidp.watchdog import Board
+    from mpidp.runtime.watchdog import Board
     b = Board(debug)
     hdr = (1, 3, 4, 2, 650, 12345, 0, 0)
 
@@ -43,7 +43,7 @@ def rank_main(a) -> None:
     import numpy as np
     import mpidp
     from mpidp import config
-    from mpidp.watchdog import Watchdog
+    from mpidp.runtime.watchdog import Watchdog
     g = mpidp.init()
     blocks = {True: {s: [] for s in a.sizes}, False: {s: [] for s in a.sizes}}
     xs = {s: np.ones(max(1, s // 4), np.float32) for s in a.sizes}

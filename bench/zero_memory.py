@@ -11,8 +11,8 @@ import time
 import torch
 
 import mpidp
-from mpidp import models
-from mpidp.zero import ZeroRedundancyOptimizer, reduce_scatter_hook
+from mpidp.workloads import models
+from mpidp.ddp.zero import ZeroRedundancyOptimizer, reduce_scatter_hook
 
 torch.set_num_threads(1)
 g = mpidp.init()

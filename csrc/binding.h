@@ -6,7 +6,7 @@
 #include "fusion.h"
 
 /* Header word 1 carries the shared-memory call's data and peer mode above the algorithm code
- * (mpidp.handshake.MODE_SHIFT): ranks that would move data differently disagree there. */
+ * (mpidp.engine.header.MODE_SHIFT): ranks that would move data differently disagree there. */
 #define SHM_MODE_SHIFT 4
 
 int mp_get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what);

@@ -1,7 +1,7 @@
 /* mpidp._ext.CheckedContext: the in-place all-reduce of an array across nodes, one rank per
  * node, as one call: recursive doubling over MPI with the collective's check in the same
- * messages (Note [Checked in the message] in mpidp/doubling.py; up to `inline_bytes` the same
- * records, tags and schedule as mpidp/doubling.py, so a rank on the Python path, one refusing
+ * messages (Note [Checked in the message] in mpidp/engine/doubling.py; up to `inline_bytes` the same
+ * records, tags and schedule as mpidp/engine/doubling.py, so a rank on the Python path, one refusing
  * its input, say, pairs with ranks on this one), and above that the record alone, then the
  * data in pipelined chunks (Note [Chunks after the record]). */
 #include "small.h"
@@ -13,7 +13,7 @@
 /* Note [MPI from C]
  * The extension is built without MPI's headers (it needs none to install), so it calls the
  * three MPI functions it uses through pointers that Python found in the MPI library mpi4py
- * loaded (mpidp/checked.py: c_functions), with that library's handles for the communicator
+ * loaded (mpidp/engine/exchange.py: c_functions), with that library's handles for the communicator
  * and MPI_BYTE. It is only made where those handles are C ints (MPICH's ABI: mpi4py's
  * MPI._sizeof says so); elsewhere the Python path runs. The GIL is released around the
  * exchange, as mpi4py releases it around a blocking call, so the watchdog thread can answer
@@ -36,11 +36,11 @@ typedef int (*wait_fn)(int *, void *);
  * send of it has completed, while the next chunks are on the wire. No copy in or out of a
  * record, and the reduction overlaps the transfer, where one whole-message swap could do
  * neither (it lost to MPI_Allreduce at 64-128 KiB, bench/RESULTS.md). Made only for a power
- * of two of ranks (no fold; mpidp.resources enables it for two: with more rounds a later
+ * of two of ranks (no fold; mpidp.runtime.resources enables it for two: with more rounds a later
  * round's disagreement would leave the caller's array partly reduced, where the Python path
  * reduces a copy). A rank whose array allreduce_array declines takes the general path, which
- * for an agreeing header runs this same exchange (mpidp.checked.exchange calls `exchange`),
- * and mpidp.collectives copies a strided array rather than let it be declined: a record
+ * for an agreeing header runs this same exchange (mpidp.engine.exchange.exchange calls `exchange`),
+ * and mpidp.comm.collectives copies a strided array rather than let it be declined: a record
  * whose data follows never meets a rank that would not take it. */
 enum { REC_OK = 0, REC_DISAGREE = 1, CHECK_TAG = 0x6D63, DATA_TAG = 0x6D64, HEADER_WORDS = 8,
        COMPARED = 7, MAX_ROUNDS = 31, DOUBLING = 8 /* the algorithm's code, mpidp.algorithms */ };
@@ -286,7 +286,7 @@ static PyObject *checked_allreduce_array(CheckedContext *self, PyObject *const *
     return words ? Py_BuildValue("(ON)", Py_False, words) : NULL;
 }
 
-/* exchange(header, x, dtype, op): mpidp.checked.exchange's data exchange (the header already
+/* exchange(header, x, dtype, op): mpidp.engine.exchange.exchange's data exchange (the header already
  * published by the caller): `x` (a writable C-contiguous buffer of at most max_bytes) reduced
  * in place; every rank's free word as a tuple, or None where the ranks disagree. */
 static PyObject *checked_exchange(CheckedContext *self, PyObject *const *args, Py_ssize_t nargs) {

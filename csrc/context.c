@@ -180,7 +180,7 @@ PyObject *mp_ctx_enter(ShmContext *self, shm_call *c, int64_t *header) {
 }
 
 /* A call refused for its arguments after its header was read still takes its turn: it joins
- * the handshake with an error header (mpidp.handshake.error_header), so every other rank
+ * the handshake with an error header (mpidp.engine.header.error_header), so every other rank
  * raises a MismatchError instead of waiting for it; then the error set here is raised. */
 static PyObject *refuse(ShmContext *self, int64_t kind) {
     PyObject *type, *value, *tb;

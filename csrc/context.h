@@ -13,7 +13,7 @@ typedef struct {
     Py_ssize_t inline_bytes, chunk_bytes, capacity;
     double timeout_s;
     char *segments[SHM_MAX_RANKS];
-    PyObject *board; /* the watchdog's board (mpidp.watchdog.Board) the fast path posts on */
+    PyObject *board; /* the watchdog's board (mpidp.runtime.watchdog.Board) the fast path posts on */
     int closed;      /* set by close(): every wait ends, no call enters (any thread reads it) */
     int interrupted; /* a call of this context was interrupted: its rank is out of step */
 } ShmContext;

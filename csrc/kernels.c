@@ -7,8 +7,8 @@
  * slice holds it. Each returns one of its operands unchanged: a (dst) when a is NaN, else b
  * when b is NaN, else the smaller (larger) one, a on a tie. float16 and bfloat16 compare
  * their widened values but store the chosen operand's own 16 bits (exact: no rounding, and a
- * NaN's payload kept as numpy keeps it). The same rule is mpidp/host_kernels_numpy.py's and
- * mpidp/kernels/elementwise.cuh's. Integers keep the plain compare. */
+ * NaN's payload kept as numpy keeps it). The same rule is mpidp/engine/host_ops_numpy.py's and
+ * mpidp/engine/gpu/kernels/elementwise.cuh's. Integers keep the plain compare. */
 #include "kernels.h"
 #include <string.h>
 

@@ -6,7 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Codes shared with mpidp/dtypes.py (DTYPE_CODES, OP_CODES). */
+/* Codes shared with mpidp/engine/dtypes.py (DTYPE_CODES, OP_CODES). */
 enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2, DT_F64 = 3, DT_I32 = 4, DT_I64 = 5, DT_COUNT = 6 };
 enum { OP_SUM = 0, OP_MIN = 1, OP_MAX = 2, OP_COUNT = 3 };
 

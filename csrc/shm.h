@@ -61,7 +61,7 @@ int shm_cma_probe(pid_t pid, uint64_t addr, size_t nbytes);
 /* Declares `pid` (and its descendants) as allowed to attach to this process under Yama
  * ptrace_scope 1 (0: nobody). Returns 0 or an errno. Note [Cross-memory attach] in shm.py. */
 int shm_set_ptracer(long pid);
-/* Elements of rank `rank`'s slice of `count` split over `nranks` (as mpidp.ring.partition). */
+/* Elements of rank `rank`'s slice of `count` split over `nranks` (as mpidp.engine.ring.partition). */
 void shm_partition(size_t count, int nranks, int rank, size_t *lo, size_t *hi);
 
 #endif

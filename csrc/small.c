@@ -7,7 +7,7 @@
 /* Note [Small all-reduce in one call]
  * An in-place all-reduce of a small numpy array on one node, the call whose cost is all
  * overhead, is one C call: the array's buffer (writable, C-contiguous: its format gives the
- * dtype), the header built here as mpidp.handshake.header builds it (the shape's hash is
+ * dtype), the header built here as mpidp.engine.header.header builds it (the shape's hash is
  * Python's hash of the shape tuple, so it equals what any other path of another rank
  * publishes), posted on the watchdog's board as every collective is, and the protocol's
  * inline call that carries header and data together. Whatever it cannot take (another

@@ -15,7 +15,7 @@ int mp_op_of(PyObject *op, int *code, int *average);
  * held, no exception set): another dtype or op, read-only, strided, too large, avg of ints. */
 int mp_small_take(PyObject *x, PyObject *op, Py_ssize_t max_bytes, Py_buffer *v, int *dtype,
                   int *opc, int *average, Py_hash_t *shape_hash);
-/* hash() of the buffer's shape tuple, as mpidp.handshake.header takes it; -1 on error. */
+/* hash() of the buffer's shape tuple, as mpidp.engine.header.header takes it; -1 on error. */
 Py_hash_t mp_shape_hash(const Py_buffer *v);
 /* board.seq += 1; board.what = header; returns the new seq, or -1 with an exception set. */
 long long mp_post(PyObject *board, const int64_t *header);

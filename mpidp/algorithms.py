@@ -32,14 +32,14 @@ class Facts(NamedTuple):
 class Algorithm(NamedTuple):
     name: str
     where: str                # HOST or DEVICE: the arrays it takes
-    code: int                 # its number in the collective header (mpidp.handshake)
+    code: int                 # its number in the collective header (mpidp.engine.header)
     auto: Optional[Callable[[Facts, int], bool]]  # (facts, nbytes): auto takes it; None: never
 
 
 # Note [Auto choice]: on one node shm wins at every size from 8 B up (bench/RESULTS.md,
 # "auto"). Across nodes (bench/RESULTS.md, "Across nodes": two emulated nodes over TCP, one
 # rank each), below MPIDP_DOUBLING_MAX_BYTES (64 KiB) recursive doubling with the check in the
-# same messages (Note [Checked in the message] in mpidp/doubling.py): 21 us at 8 B and 34-38
+# same messages (Note [Checked in the message] in mpidp/engine/doubling.py): 21 us at 8 B and 34-38
 # us at 32 KiB, against 37 us and 52 us for the check followed by MPI_Allreduce; from 64 KiB
 # MPI_Allreduce after the check moves half the bytes of doubling per rank on more nodes.
 # Two nodes of one rank each, with the C call on every rank (Facts.checked_chunks): doubling

@@ -24,7 +24,7 @@ class Config:
     hier_min_bytes: int = 64 << 10     # MPIDP_HIER_MIN_BYTES: from it, auto uses hier across nodes
     doubling_max_bytes: int = 64 << 10  # MPIDP_DOUBLING_MAX_BYTES: below it, auto uses doubling
     emulate_node_size: int = 0         # MPIDP_EMULATE_NODE_SIZE: k > 0 treats k ranks as a node
-    timeout_s: float = 180.0           # MPIDP_TIMEOUT_S: Note [Watchdog] in mpidp/watchdog.py
+    timeout_s: float = 180.0           # MPIDP_TIMEOUT_S: Note [Watchdog] in mpidp/runtime/watchdog.py
     debug: bool = False                # MPIDP_DEBUG: fingerprint every collective (handshake.py)
     abort_on_exception: bool = True    # MPIDP_ABORT_ON_EXCEPTION: abort the job on any rank's error
     require_extension: bool = False    # MPIDP_REQUIRE_EXTENSION (default: on when CI is set)

@@ -28,7 +28,7 @@ class BackendUnavailableError(ImportError):
 
 class LaunchError(MpidpError):
     """The job was not started as the launcher says: N independent singletons instead of one
-    world of N ranks (see Note [Independent singletons] in mpidp/launcher.py)."""
+    world of N ranks (see Note [Independent singletons] in mpidp/runtime/launcher.py)."""
 
 
 class OutputError(OSError):

@@ -1,6 +1,6 @@
-// Host entry points to mpidp/kernels/elementwise.cuh for tests/test_gpu_kernels.py: the GPU
+// Host entry points to mpidp/engine/gpu/kernels/elementwise.cuh for tests/test_gpu_kernels.py: the GPU
 // kernels' element math, compiled for the host (nvcc, or a plain C++ compiler), callable from
-// ctypes. Codes as mpidp/dtypes.py.
+// ctypes. Codes as mpidp/engine/dtypes.py.
 #include "elementwise.cuh"
 
 using namespace mpidp;

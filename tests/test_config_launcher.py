@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from mpidp import config, launcher
+from mpidp import config
+from mpidp.runtime import launcher
 
 
 def test_defaults_and_overrides():

@@ -13,8 +13,19 @@ from pathlib import Path
 import pytest
 
 from mpidp.doctor import leftovers, verdicts
-from mpidp.doctor.findings import (FAIL, INFO, OK, SKIP, WARN, Finding, Raised, Skipped,
-                                   exit_code, format_report, judge, rank_list)
+from mpidp.doctor.findings import (
+    FAIL,
+    INFO,
+    OK,
+    SKIP,
+    WARN,
+    Finding,
+    Raised,
+    Skipped,
+    exit_code,
+    format_report,
+    judge,
+    rank_list)
 from mpirun import body, run
 
 SECTIONS = ("MPI", "Ranks", "mpidp", "Shared memory", "Leftover files", "One-sided (RMA)",

@@ -1,4 +1,4 @@
-"""Tier 1: recursive doubling with the check in the messages (mpidp/doubling.py), for 1-9
+"""Tier 1: recursive doubling with the check in the messages (mpidp/engine/doubling.py), for 1-9
 virtual ranks over the loopback transport: the schedule pairs every rank once per round and
 folds the ranks beyond a power of two; every rank ends with the exact reduction, bitwise the
 same everywhere, and every rank's free word; one disagreeing or refusing rank makes every
@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from mpidp import doubling, host_kernels
-from mpidp.dtypes import F16, F32, I64, OP_MAX, OP_MIN, OP_SUM
-from mpidp.transports import LoopbackNetwork
+from mpidp.engine import doubling, host_ops
+from mpidp.engine.dtypes import F16, F32, I64, OP_MAX, OP_MIN, OP_SUM
+from mpidp.engine.transports import LoopbackNetwork
 
 HDR = (1, 8, 0, 3, 5, 77, 0, 0)
 
@@ -35,7 +35,7 @@ def exchange(records, dtype=F32, op=OP_SUM):
     out = [None] * len(records)
 
     def rank_main(r):
-        out[r] = doubling.run(net.transport(r), records[r], host_kernels, dtype, op)
+        out[r] = doubling.run(net.transport(r), records[r], host_ops, dtype, op)
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(len(records))]
     for t in threads:
@@ -95,4 +95,4 @@ def test_a_header_only_exchange_gathers_the_free_words():
 def test_a_truncated_record_is_an_error():
     rec = doubling.Record(HDR, 0, 2, None)
     with pytest.raises(ValueError, match="a record of 8 bytes"):
-        rec.merge(np.zeros(8, np.uint8), True, host_kernels, F32, OP_SUM)
+        rec.merge(np.zeros(8, np.uint8), True, host_ops, F32, OP_SUM)

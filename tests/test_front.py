@@ -4,10 +4,11 @@ one process."""
 import numpy as np
 import pytest
 
-from mpidp import algorithms, config, handshake, planner, shm
+from mpidp import algorithms, config
+from mpidp.engine import header, planner, shm
 from mpidp.algorithms import DEVICE, HOST, Facts, choose
-from mpidp.dtypes import F32
-from mpidp.host_kernels import extension
+from mpidp.engine.dtypes import F32
+from mpidp.engine.host_ops import extension
 
 ONE_NODE = Facts(size=4, single_node=True, shm=True, hier_min_bytes=64 << 10, default="auto",
                  inline_bytes=4096, max_segments=256)
@@ -19,7 +20,7 @@ def test_one_table_names_every_algorithm_once_per_kind_of_array():
     assert algorithms.NAMES[DEVICE] == ("auto", "ring", "staged", "nccl")
     assert config.ALGORITHMS == algorithms.NAMES[HOST]
     codes = [a.code for a in algorithms.TABLE]
-    assert len(set(codes)) == len(codes) and max(codes) < 1 << handshake.MODE_SHIFT
+    assert len(set(codes)) == len(codes) and max(codes) < 1 << header.MODE_SHIFT
 
 
 @pytest.mark.parametrize("facts,nbytes,want", [
@@ -95,15 +96,15 @@ def test_yama_scope_reads_the_file(tmp_path):
 
 
 def test_header_words_name_the_shared_memory_modes():
-    hdr = handshake.header(handshake.ALLREDUCE, 3, handshake.op_word(0, True), F32, 10, (10,))
-    inline_cma = (hdr[0], hdr[1] | 1 << handshake.MODE_SHIFT) + hdr[2:]
-    sliced_window = (hdr[0], hdr[1] | (2 | 1 << 2) << handshake.MODE_SHIFT) + hdr[2:]
-    assert handshake.describe(hdr) == "allreduce float32[10] op=avg algorithm=shm"
-    assert handshake.describe(inline_cma) == "allreduce float32[10] op=avg algorithm=shm"
-    assert handshake.describe(inline_cma, modes=True).endswith("(shared memory: inline, cma)")
-    text = str(handshake.mismatch_error("allreduce", [inline_cma, sliced_window], 0))
+    hdr = header.header(header.ALLREDUCE, 3, header.op_word(0, True), F32, 10, (10,))
+    inline_cma = (hdr[0], hdr[1] | 1 << header.MODE_SHIFT) + hdr[2:]
+    sliced_window = (hdr[0], hdr[1] | (2 | 1 << 2) << header.MODE_SHIFT) + hdr[2:]
+    assert header.describe(hdr) == "allreduce float32[10] op=avg algorithm=shm"
+    assert header.describe(inline_cma) == "allreduce float32[10] op=avg algorithm=shm"
+    assert header.describe(inline_cma, modes=True).endswith("(shared memory: inline, cma)")
+    text = str(header.mismatch_error("allreduce", [inline_cma, sliced_window], 0))
     assert "sliced, window" in text and "different MPIDP_SHM_* settings" in text
-    assert extension().SHM_MODE_SHIFT == handshake.MODE_SHIFT
+    assert extension().SHM_MODE_SHIFT == header.MODE_SHIFT
 
 
 def test_settings_that_must_agree_are_named_with_their_variables():
@@ -121,20 +122,20 @@ def _context(inline_bytes=4096, peers=shm.PEERS_CMA):
 
 
 def test_the_context_puts_its_data_and_peer_mode_in_the_header():
-    hdr = handshake.header(handshake.ALLREDUCE, 3, 0, F32, 4, (4,))
+    hdr = header.header(header.ALLREDUCE, 3, 0, F32, 4, (4,))
     for peers in (shm.PEERS_CMA, shm.PEERS_WINDOW):
         ctrl, c = _context(peers=peers)
         status, free = c.exchange(hdr)
         assert status == shm.SHM_OK
         # slot 0: two counters on their own 128-byte lines, then record[call & 1] of 4224 bytes
         word = int(ctrl[256 + (128 + 4096):].view(np.int64)[1])  # call 1's header word 1
-        assert word >> handshake.MODE_SHIFT == peers << 2, (peers, word)  # data mode 0
+        assert word >> header.MODE_SHIFT == peers << 2, (peers, word)  # data mode 0
 
 
 def test_the_context_counts_only_calls_that_entered_the_protocol():
     ctrl, c = _context()
     x = np.arange(8, dtype=np.float32)
-    hdr = handshake.header(handshake.ALLREDUCE, 3, 0, F32, 8, (8,))
+    hdr = header.header(header.ALLREDUCE, 3, 0, F32, 8, (8,))
     assert c.allreduce(hdr, x, x, F32, 0, 1) is None and c.seq == 1
     with pytest.raises(TypeError):
         c.allreduce("not a header", x, x, F32, 0, 1)  # not even a header: no turn taken
@@ -152,6 +153,6 @@ def test_the_context_reduces_inline_and_sliced(inline_bytes, count):
     ctrl, c = _context(inline_bytes)
     x = np.arange(count, dtype=np.float64)
     out = np.empty_like(x)
-    hdr = handshake.header(handshake.ALLREDUCE, 3, 4, 3, count, (count,))
+    hdr = header.header(header.ALLREDUCE, 3, 4, 3, count, (count,))
     assert c.allreduce(hdr, x, out, 3, 0, 1) is None
     assert np.array_equal(out, x)

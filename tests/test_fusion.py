@@ -4,13 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from mpidp import config, host_kernels, host_kernels_numpy as twin
-from mpidp.dtypes import BF16, F16, F32, F64, I32, I64, NUMPY_STORAGE
-from mpidp.buckets import Bucket
-from mpidp.fusion import assign_buckets, plan
+from mpidp import config
+from mpidp.engine import host_ops, host_ops_numpy as twin
+from mpidp.engine.dtypes import BF16, F16, F32, F64, I32, I64, NUMPY_STORAGE
+from mpidp.comm.buckets import Bucket
+from mpidp.comm.fusion import assign_buckets, plan
 
 ext = pytest.importorskip("mpidp._ext") if not config.get().require_extension else \
-    host_kernels.extension()
+    host_ops.extension()
 IMPLS = [ext, twin]
 FLOATS = [F16, BF16, F32, F64]
 

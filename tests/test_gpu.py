@@ -10,8 +10,8 @@ import threading
 import numpy as np
 import pytest
 
-from mpidp import host_kernels
-from mpidp.dtypes import BF16, F16, F32, F64, FLOATING, I32, I64, NUMPY_STORAGE
+from mpidp.engine import host_ops
+from mpidp.engine.dtypes import BF16, F16, F32, F64, FLOATING, I32, I64, NUMPY_STORAGE
 from mpirun import assert_ok, body, run
 
 
@@ -45,7 +45,7 @@ def cp():
 
 @pytest.fixture(scope="module")
 def ops(cp):
-    from mpidp.gpu.kernels import DeviceOps
+    from mpidp.engine.gpu.ops import DeviceOps
     return DeviceOps(cp.cuda.get_current_stream())
 
 
@@ -75,7 +75,7 @@ def test_device_reduce_equals_host(cp, ops, dtype, op, offset):
         a, b = values(dtype, count + offset, count), values(dtype, count + offset, count + 1)
         for divisor in ((1, 3, 4) if dtype in FLOATING and op == 0 else (1,)):
             want = a[offset:].copy()
-            host_kernels.reduce_into(want, b[offset:], dtype, op, divisor)
+            host_ops.reduce_into(want, b[offset:], dtype, op, divisor)
             d = cp.asarray(a)
             ops.reduce_into(d[offset:], cp.asarray(b)[offset:], dtype, op, divisor)
             got = d.get()[offset:]
@@ -91,7 +91,7 @@ def test_device_reduce_equals_host(cp, ops, dtype, op, offset):
 def test_device_divide_equals_host(cp, ops, dtype):
     a = values(dtype, 10_001, 5)
     want = a.copy()
-    host_kernels.divide(want, dtype, 7)
+    host_ops.divide(want, dtype, 7)
     d = cp.asarray(a)
     ops.divide(d, dtype, 7)
     finite = np.isfinite(want.view(np.float16)) if dtype == F16 else \
@@ -110,7 +110,7 @@ def test_multi_tensor_pack_and_unpack(cp, ops, dtype):
     ops.unpack(bucket, outs, dtype, 1)
     assert all(np.array_equal(o.get(), t.get()) for o, t in zip(outs, tensors))
     want = bucket.get()
-    host_kernels.divide(want, dtype, 3)
+    host_ops.divide(want, dtype, 3)
     ops.unpack(bucket, outs, dtype, 3)
     got = np.concatenate([o.get() for o in outs])
     keep = want == want if dtype in (F32, F64) else np.ones(len(want), bool)
@@ -131,27 +131,27 @@ def test_fused_cast_equals_host(cp, ops, wire, divisor):
     bucket = cp.empty(sum(sizes), np.uint16)
     ops.cast(bucket, [cp.asarray(h) for h in host], wire, divisor, unpack=False)
     want = np.empty(sum(sizes), np.uint16)
-    host_kernels.cast_segments(want, host, wire, F32, divisor, False)
+    host_ops.cast_segments(want, host, wire, F32, divisor, False)
     assert np.array_equal(bucket.get(), want)
     outs = [cp.empty(s, np.float32) for s in sizes]
     ops.cast(bucket, outs, wire, divisor, unpack=True)
     back = [np.empty(s, np.float32) for s in sizes]
-    host_kernels.cast_segments(want, back, wire, F32, divisor, True)
+    host_ops.cast_segments(want, back, wire, F32, divisor, True)
     got = np.concatenate([o.get() for o in outs])
     assert np.array_equal(got.view(np.uint32), np.concatenate(back).view(np.uint32))
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ring_on_device_buffers_equals_host_ring(cp, n):
-    """mpidp.ring unchanged over device buffers and our kernels (virtual ranks, loopback)."""
-    from mpidp.gpu.kernels import DeviceOps
-    from mpidp.ring import ring_allreduce
-    from mpidp.transports import LoopbackNetwork
+    """mpidp.engine.ring unchanged over device buffers and our kernels (virtual ranks, loopback)."""
+    from mpidp.engine.gpu.ops import DeviceOps
+    from mpidp.engine.ring import ring_allreduce
+    from mpidp.engine.transports import LoopbackNetwork
     for dtype in (F32, F16, BF16):
         host = [small_ints(dtype, 10_007, r) for r in range(n)]
         results = {}
         for where, ops_of, make in (
-                ("host", lambda: host_kernels, lambda a: a.copy()),
+                ("host", lambda: host_ops, lambda a: a.copy()),
                 ("device", lambda: DeviceOps(cp.cuda.get_current_stream()), cp.asarray)):
             bufs = [make(a) for a in host]
             net, errors = LoopbackNetwork(n), []

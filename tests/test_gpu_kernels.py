@@ -1,4 +1,4 @@
-"""Tier 1, no GPU needed: every CUDA source in mpidp/kernels compiles with nvcc for sm_80 and
+"""Tier 1, no GPU needed: every CUDA source in mpidp/engine/gpu/kernels compiles with nvcc for sm_80 and
 sm_90 with warnings as errors, and the kernels' element math (elementwise.cuh, compiled for
 the host) equals the C extension's bit for bit. Without nvcc the compile tests skip, except
 in CI (CI set), where a missing nvcc is a failure."""
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from mpidp import _ext
-from mpidp.dtypes import BF16, F16, F32, F64, FLOATING, I32, I64, NUMPY_STORAGE
+from mpidp.engine.dtypes import BF16, F16, F32, F64, FLOATING, I32, I64, NUMPY_STORAGE
 
-KERNELS = Path(__file__).parent.parent / "mpidp" / "kernels"
+KERNELS = Path(__file__).parent.parent / "mpidp" / "engine" / "gpu" / "kernels"
 HARNESS = Path(__file__).parent / "host_harness.cu"
 SOURCES = sorted(KERNELS.glob("*.cu"))
 ARCHS = ("sm_75", "sm_80", "sm_90")  # sm_75: the bfloat16 conversion's pre-sm_80 path
@@ -51,7 +51,7 @@ def test_kernel_compiles_without_warnings(source, arch, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
     symbols = (tmp_path / f"{source.stem}.cubin").read_bytes()  # the ELF's string table
-    for name in ENTRY_POINTS[source.name]:  # what mpidp.gpu.kernels asks CuPy for
+    for name in ENTRY_POINTS[source.name]:  # what mpidp.engine.gpu.ops asks CuPy for
         assert name.encode() + b"\0" in symbols, name
 
 
@@ -249,15 +249,15 @@ def test_cast_equals_the_c_extension(harness, wire, divisor):
 # ---- the GPU path's host-side pieces ---------------------------------------------------------
 
 def test_kernel_names_asked_for_are_compiled():
-    from mpidp.gpu.kernels import DTYPE_SUFFIX, OP_SUFFIX
+    from mpidp.engine.gpu.ops import DTYPE_SUFFIX, OP_SUFFIX
     for d in DTYPE_SUFFIX.values():
         for o in OP_SUFFIX:
             assert f"mpidp_reduce_{d}_{o}" in ENTRY_POINTS["reduce.cu"]
 
 
 def test_is_device_array_needs_neither_cupy_nor_cuda():
-    from mpidp.dtypes import as_host_array
-    from mpidp.gpu import is_device_array
+    from mpidp.engine.dtypes import as_host_array
+    from mpidp.engine.gpu import is_device_array
     assert not is_device_array(np.ones(3))
     assert not is_device_array(torch.ones(3))
     assert not is_device_array(as_host_array(np.ones(3)))
@@ -268,7 +268,7 @@ def test_is_device_array_needs_neither_cupy_nor_cuda():
 
 
 def test_each_rank_binds_to_local_rank_modulo_devices():
-    from mpidp.gpu.device import device_for
+    from mpidp.engine.gpu.device import device_for
     assert [device_for(r, 4) for r in range(6)] == [0, 1, 2, 3, 0, 1]
     with pytest.raises(ValueError, match="no GPU"):
         device_for(0, 0)
@@ -277,7 +277,7 @@ def test_each_rank_binds_to_local_rank_modulo_devices():
 def test_missing_cupy_says_what_to_install(monkeypatch):
     import sys
     from mpidp.errors import BackendUnavailableError
-    from mpidp.gpu import device
+    from mpidp.engine.gpu import device
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
     with pytest.raises(BackendUnavailableError, match=r"pip install 'mpidp\[gpu\]'"):
         device.cupy()

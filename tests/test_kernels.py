@@ -3,18 +3,29 @@ import numpy as np
 import pytest
 import torch
 
-from mpidp import config, host_kernels, host_kernels_numpy as twin
-from mpidp.dtypes import BF16, F16, F32, F64, I32, I64, NUMPY_STORAGE, OP_MAX, OP_MIN, OP_SUM
+from mpidp import config
+from mpidp.engine import host_ops, host_ops_numpy as twin
+from mpidp.engine.dtypes import (
+    BF16,
+    F16,
+    F32,
+    F64,
+    I32,
+    I64,
+    NUMPY_STORAGE,
+    OP_MAX,
+    OP_MIN,
+    OP_SUM)
 
 ext = pytest.importorskip("mpidp._ext") if not config.get().require_extension else \
-    host_kernels.extension()
+    host_ops.extension()
 
 ALL = [F16, BF16, F32, F64, I32, I64]
 OPS = [OP_SUM, OP_MIN, OP_MAX]
 
 
 def test_extension_is_the_host_implementation():
-    assert host_kernels.IMPLEMENTATION == "c"
+    assert host_ops.IMPLEMENTATION == "c"
 
 
 def finite_bits(dtype, n, rng):

@@ -4,7 +4,7 @@
   waiting alone in an all-reduce sends itself SIGINT and must raise KeyboardInterrupt within a
   second (tests/mpi/body_signals.py), for the inline call and the sliced one.
 - Shutdown ends and joins DDP's communication thread before it frees the windows that thread
-  waits in (Note [Stopping the users first] in mpidp/resources.py).
+  waits in (Note [Stopping the users first] in mpidp/runtime/resources.py).
 - ``python -m mpidp.train`` on 2 ranks, signalled through mpiexec at a seeded random moment of
   training (Note [Interrupted run] in mpidp/train/cli.py): the job ends within END_S with exit
   code 128 + the signal's number, no segfault, no traceback, one line naming the newest good

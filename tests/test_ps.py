@@ -3,7 +3,7 @@ with 1 or 2 servers (tests/mpi/body_ps.py)."""
 import numpy as np
 import pytest
 
-from mpidp.ps import Layout, shard_map
+from mpidp.modes.ps import Layout, shard_map
 from mpirun import assert_ok, body
 
 

@@ -47,7 +47,7 @@ def test_a_run_is_drawn_and_bad_logs_get_one_line(tmp_path, capsys):
 
 
 def test_the_last_line_a_person_reads():
-    from mpidp.train.report import ending
+    from mpidp.train.metrics import ending
     run = {"final_accuracy": 0.9833, "epochs": 20, "ranks": 2, "total_s": 0.51,
            "samples_per_s": 57234.4, "checkpoint": "c/ckpt-000000460.pt"}
     assert ending(run, "log.jsonl") == (

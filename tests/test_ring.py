@@ -6,10 +6,25 @@ import numpy as np
 import pytest
 import torch
 
-from mpidp import host_kernels, host_kernels_numpy
-from mpidp.dtypes import BF16, F16, F32, F64, I32, I64, NUMPY_STORAGE, OP_MAX, OP_MIN, OP_SUM
-from mpidp.ring import partition, pieces, reduce_scatter_phase, ring_allreduce, ring_schedule
-from mpidp.transports import LoopbackNetwork
+from mpidp.engine import host_ops, host_ops_numpy
+from mpidp.engine.dtypes import (
+    BF16,
+    F16,
+    F32,
+    F64,
+    I32,
+    I64,
+    NUMPY_STORAGE,
+    OP_MAX,
+    OP_MIN,
+    OP_SUM)
+from mpidp.engine.ring import (
+    partition,
+    pieces,
+    reduce_scatter_phase,
+    ring_allreduce,
+    ring_schedule)
+from mpidp.engine.transports import LoopbackNetwork
 
 
 @pytest.mark.parametrize("count", [0, 1, 2, 5, 8, 17, 1000])
@@ -59,7 +74,7 @@ def test_pieces():
     assert pieces((0, 0), 3) == ()
 
 
-def run_virtual_ring(bufs, dtype, op, divisor=1, piece_count=5, ops=host_kernels):
+def run_virtual_ring(bufs, dtype, op, divisor=1, piece_count=5, ops=host_ops):
     net = LoopbackNetwork(len(bufs))
     errors = []
 
@@ -93,7 +108,7 @@ def as_float(a, dtype):
     return a.astype(np.float64)
 
 
-@pytest.mark.parametrize("ops", [host_kernels, host_kernels_numpy], ids=["c", "numpy"])
+@pytest.mark.parametrize("ops", [host_ops, host_ops_numpy], ids=["c", "numpy"])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("dtype", [F16, BF16, F32, F64, I32, I64])
 def test_virtual_ring_is_exact(ops, n, dtype):
@@ -122,7 +137,7 @@ def test_virtual_ring_average_and_reduce_scatter(n):
     net, chunks = LoopbackNetwork(n), partition(50, n)
     bufs = [x.copy() for x in inputs]
     threads = [threading.Thread(target=reduce_scatter_phase, args=(
-        bufs[r], (np.empty(4), np.empty(4)), net.transport(r), host_kernels, F64, OP_SUM,
+        bufs[r], (np.empty(4), np.empty(4)), net.transport(r), host_ops, F64, OP_SUM,
         chunks, 4)) for r in range(n)]
     for t in threads:
         t.start()

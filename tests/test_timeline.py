@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mpidp import config, timeline
+from mpidp import config
+from mpidp.runtime import timeline
 from mpirun import run
 
 

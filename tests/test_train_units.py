@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from file_faults import flip_bytes_in_a_tensor, small_tmpfs
-from mpidp import data, models
+from mpidp.workloads import data, models
 from mpidp.errors import OutputError
 from mpidp.train import checkpoint
 from mpidp.train.cli import parser
@@ -300,7 +300,7 @@ def test_a_symlink_at_a_checkpoint_name_is_not_loaded(tmp_path):
 
 
 def test_the_json_log_is_never_written_through_a_link(tmp_path):
-    from mpidp.train.report import Report
+    from mpidp.train.metrics import Report
     victim, log = tmp_path / "victim", tmp_path / "log.jsonl"
     victim.write_text("untouched\n")
     log.symlink_to(victim)
@@ -542,7 +542,7 @@ def test_straggler_detection_is_per_sample_and_needs_a_clear_margin():
 def _server_states(make, total, servers, pushes):
     """Each server's optimizer state after ``pushes[k]`` steps of its shard of a flat vector of
     ``total`` (the gradient: the flat index + 1), as ps.shard_map cuts it."""
-    from mpidp.ring import partition
+    from mpidp.engine.ring import partition
     states, grad = [], torch.arange(1.0, total + 1)
     for (lo, n), k in zip(partition(total, servers), pushes):
         p = torch.nn.Parameter(torch.zeros(n))

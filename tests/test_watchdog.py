@@ -4,9 +4,10 @@ import inspect
 
 import pytest
 
-from mpidp import config, handshake
-from mpidp.handshake import ALLGATHER, ALLREDUCE, BROADCAST
-from mpidp.watchdog import COLLECTIVE, ONE_SIDED, Board, Sampler, describe, report
+from mpidp import config
+from mpidp.engine import header
+from mpidp.engine.header import ALLGATHER, ALLREDUCE, BROADCAST
+from mpidp.runtime.watchdog import COLLECTIVE, ONE_SIDED, Board, Sampler, describe, report
 
 
 def test_settings():
@@ -23,25 +24,25 @@ def test_settings():
 
 def test_headers_in_words():
     f32 = 2
-    assert handshake.describe(handshake.header(ALLREDUCE, 3, 1, f32, 10, (10,))) == \
+    assert header.describe(header.header(ALLREDUCE, 3, 1, f32, 10, (10,))) == \
         "allreduce float32[10] op=min algorithm=shm"
-    assert handshake.describe(handshake.header(ALLREDUCE, 1, 4, f32, 10, (10,))) == \
+    assert header.describe(header.header(ALLREDUCE, 1, 4, f32, 10, (10,))) == \
         "allreduce float32[10] op=avg algorithm=mpi"
-    assert handshake.describe(handshake.header(BROADCAST, 0, 2, f32, 4, (4,))) == \
+    assert header.describe(header.header(BROADCAST, 0, 2, f32, 4, (4,))) == \
         "broadcast float32[4] root=2"
-    assert handshake.describe(handshake.header(ALLGATHER, 0, 0, f32, 3, (3,))) == \
+    assert header.describe(header.header(ALLGATHER, 0, 0, f32, 3, (3,))) == \
         "allgather float32[3]"
-    assert handshake.describe(handshake.other_header("checkpoint: gather")) == \
+    assert header.describe(header.other_header("checkpoint: gather")) == \
         "checkpoint: gather"
-    sited = handshake.with_site(handshake.header(ALLREDUCE, 3, 0, f32, 4, (4,)), "train.py:12")
-    assert handshake.describe(sited) == "allreduce float32[4] op=sum algorithm=shm at train.py:12"
+    sited = header.with_site(header.header(ALLREDUCE, 3, 0, f32, 4, (4,)), "train.py:12")
+    assert header.describe(sited) == "allreduce float32[4] op=sum algorithm=shm at train.py:12"
     unknown = (sited[0], (sited[1] & 0xFF) | 0xABCDEF << 8) + sited[2:]
-    assert handshake.describe(unknown).endswith("at call site 0xabcdef")
+    assert header.describe(unknown).endswith("at call site 0xabcdef")
 
 
 def test_board_publishes_and_debug_names_the_call_site():
     b = Board()
-    hdr = handshake.header(ALLREDUCE, 3, 0, 2, 4, (4,))
+    hdr = header.header(ALLREDUCE, 3, 0, 2, 4, (4,))
     assert b.publish(hdr) == hdr and (b.seq, b.done, b.what) == (1, 0, hdr)
     b.done = b.seq
     debug = Board(debug=True)
@@ -60,7 +61,7 @@ def test_sampler_never_fires_early_and_restarts_on_change():
     b = Board()
     s = Sampler(b, timeout_s=10, now=0.0)
     assert s.sample(5.0) is None
-    b.publish(handshake.header(ALLREDUCE, 3, 0, 2, 4, (4,)))
+    b.publish(header.header(ALLREDUCE, 3, 0, 2, 4, (4,)))
     assert s.sample(6.0) is None           # first seen at 6: under way for at most 1 s more
     assert s.sample(15.9) is None
     assert s.sample(16.0) == COLLECTIVE    # seen under way for the whole timeout
@@ -139,7 +140,7 @@ def test_report_names_a_node_none_of_whose_ranks_answer():
 
 def test_replica_audit_message_and_settings():
     import numpy as np
-    from mpidp.audit import divergence
+    from mpidp.ddp.audit import divergence
     table = np.array([[1, 2, 3], [1, 2, 3], [1, 9, 4]])
     assert divergence(table[:2], ["a", "b", "c"], 4) is None
     assert divergence(table, ["a", "b", "c"], 4) == (

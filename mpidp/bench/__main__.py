@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..helpformat import DefaultsHelpFormatter, Parser
+from ..runtime.helpformat import DefaultsHelpFormatter, Parser
 
 
 def parser() -> argparse.ArgumentParser:

@@ -10,8 +10,16 @@ import numpy as np
 
 from .. import files
 from ..algorithms import DEVICE, HOST, NAMES
-from .harness import (Gloo, device_ceiling, link_ceiling, memory_ceiling, parse_size, rotation,
-                      stats, sweep, time_per_call)
+from .harness import (
+    Gloo,
+    device_ceiling,
+    link_ceiling,
+    memory_ceiling,
+    parse_size,
+    rotation,
+    stats,
+    sweep,
+    time_per_call)
 
 ALGORITHMS = tuple(dict.fromkeys(  # mpidp's own (one table) and gloo, the baseline we measure
     NAMES[HOST] + ("gloo",) + NAMES[DEVICE]))
@@ -61,7 +69,7 @@ def _as_numpy(x):
 def _to_device(x):
     """The host buffer ``x`` on this rank's GPU (CuPy; bfloat16 as a torch CUDA tensor)."""
     if isinstance(x, np.ndarray):
-        from mpidp.gpu.device import cupy
+        from mpidp.engine.gpu.device import cupy
         return cupy().asarray(x)
     return x.cuda()
 
@@ -69,8 +77,8 @@ def _to_device(x):
 def _mpi_spec(x):
     """What a user of mpi4py passes for ``x``: the array itself, or for 16-bit floats (no
     portable MPI type) a uint16 view, reduced by mpidp's kernel as an MPI user op."""
-    from mpidp.host_backend import mpi_buffer
-    from mpidp.dtypes import F16, BF16, as_host_array
+    from mpidp.engine.host_executor import mpi_buffer
+    from mpidp.engine.dtypes import F16, BF16, as_host_array
     a = as_host_array(x)
     return mpi_buffer(a.flat, a.dtype) if a.dtype in (F16, BF16) else a.flat
 
@@ -84,8 +92,8 @@ def _runner(algo: str, comm, op: str, dtype: str, gloo):
                 lambda b, bm: mpidp.allreduce_(b, op=op, algorithm=algo))
     if algo == "mpi":
         from mpi4py import MPI
-        from mpidp.host_backend import mpi_op
-        from mpidp.dtypes import DTYPE_NAMES, OP_CODES
+        from mpidp.engine.host_executor import mpi_op
+        from mpidp.engine.dtypes import DTYPE_NAMES, OP_CODES
         code = DTYPE_NAMES.index(dtype)
         mop = mpi_op(code, OP_CODES[op][0])
         n = comm.Get_size()
@@ -186,7 +194,7 @@ def _algorithms(args) -> list:
 
 
 def _device_sync():
-    from mpidp.gpu.device import cupy
+    from mpidp.engine.gpu.device import cupy
     return cupy().cuda.Device().synchronize
 
 
@@ -284,7 +292,7 @@ def main(args) -> int:
     import mpidp
     g = mpidp.init()
     if args.device == "gpu":
-        from mpidp.gpu.device import bind
+        from mpidp.engine.gpu.device import bind
         bind(g.local_rank)  # CuPy was not imported at init: bind now, before any buffer
     comm = g.comm
     rank, n = comm.Get_rank(), comm.Get_size()

@@ -69,7 +69,7 @@ def _pof2(p: int) -> int:
 # ---- the algorithms on p ranks of one link ------------------------------------------------
 
 def ring(nbytes, ranks, segments: int = 1) -> Terms:
-    """The ring (mpidp/ring.py, NCCL's ring): p-1 reduce-scatter steps then p-1 all-gather
+    """The ring (mpidp/engine/ring.py, NCCL's ring): p-1 reduce-scatter steps then p-1 all-gather
     steps, each moving a chunk of n/p bytes: 2(p-1)/p n bytes, (p-1)/p n reduced. With
     ``segments`` pipelining pieces per reduce-scatter step: (p-1)(segments+1) messages. The
     reduction is charged in full: the pieces could hide it behind the next transfer, but

@@ -40,8 +40,8 @@ def _tensor_set(text: str) -> tuple:
 
 def pack_unpack(comm, args) -> list:
     """Rows: pack, unpack, unpack with the average's divide, against memcpy of the bytes."""
-    from mpidp import host_kernels
-    from mpidp.dtypes import F32
+    from mpidp.engine import host_ops
+    from mpidp.engine.dtypes import F32
     rows = []
     for item in args.tensors.split(","):
         count, size = _tensor_set(item)
@@ -52,9 +52,9 @@ def pack_unpack(comm, args) -> list:
         src = np.ones_like(bucket)
         memcpy = _median_s(comm, lambda i: ctypes.memmove(bucket.ctypes.data, src.ctypes.data,
                                                           total), args)
-        pack = _median_s(comm, lambda i: host_kernels.pack(bucket, tensors), args)
-        unpack = _median_s(comm, lambda i: host_kernels.unpack(bucket, tensors, F32, 1), args)
-        avg = _median_s(comm, lambda i: host_kernels.unpack(bucket, tensors, F32, 2), args)
+        pack = _median_s(comm, lambda i: host_ops.pack(bucket, tensors), args)
+        unpack = _median_s(comm, lambda i: host_ops.unpack(bucket, tensors, F32, 1), args)
+        avg = _median_s(comm, lambda i: host_ops.unpack(bucket, tensors, F32, 2), args)
         gbps = {k: total / v / 1e9 for k, v in
                 (("memcpy", memcpy), ("pack", pack), ("unpack", unpack), ("unpack_avg", avg))}
         rows.append({"tensors": count, "tensor_bytes": size, "bytes": total, "GBps": gbps,
@@ -85,7 +85,7 @@ def main(args) -> int:
     allreduce = fused_vs_separate(comm, args)
     if comm.Get_rank() == 0:
         print(f"# mpidp fusion benchmark: {comm.Get_size()} ranks, float32, host kernels "
-              f"{__import__('mpidp.host_kernels').host_kernels.IMPLEMENTATION}, median of "
+              f"{host_ops.IMPLEMENTATION}, median of "
               f"{args.repeats} x {args.iters} calls (every rank copying at once)")
         print(f"{'tensors':>14} {'memcpy':>8} {'pack':>8} {'unpack':>8} {'unpack/n':>8} "
               f"{'pack+unpack/n vs memcpy':>24}   (GB/s)")

@@ -70,7 +70,7 @@ def stats(values: Sequence[float]) -> dict:
 
 def device_ceiling(comm, nbytes: int = 256 << 20, iters: int = 5) -> dict:
     """memory_ceiling's figures for each rank's GPU (CuPy copy and add, every rank at once)."""
-    from mpidp.gpu.device import cupy
+    from mpidp.engine.gpu.device import cupy
     cp = cupy()
     n = nbytes // 4
     a, b, c = cp.ones(n, cp.float32), cp.ones(n, cp.float32), cp.empty(n, cp.float32)

@@ -1,4 +1,4 @@
-"""``python -m mpidp.bench kernels``: bandwidth of mpidp's GPU kernels (mpidp/kernels/*.cu)
+"""``python -m mpidp.bench kernels``: bandwidth of mpidp's GPU kernels (mpidp/engine/gpu/kernels/*.cu)
 against a device-to-device copy of the same buffer, timed with CUDA events (one GPU, one
 process). A reduction moves 3 bytes (read two, write one) per byte of buffer and a copy 2:
 both are reported as bytes moved per second, and "of copy" is the ratio."""
@@ -9,7 +9,7 @@ import argparse
 import numpy as np
 
 from .. import files
-from ..dtypes import BF16, DTYPE_NAMES, FLOATING, OP_SUM, OPS, OP_CODES
+from ..engine.dtypes import BF16, DTYPE_NAMES, FLOATING, OP_SUM, OPS, OP_CODES
 from .harness import parse_size
 
 KERNELS = ("reduce", "reduce+avg", "divide", "pack", "unpack+avg")
@@ -36,8 +36,8 @@ def _time_ms(cp, fn, iters: int) -> float:
 
 
 def measure(args) -> list:
-    from ..gpu.device import bind, cupy
-    from ..gpu.kernels import DeviceOps
+    from ..engine.gpu.device import bind, cupy
+    from ..engine.gpu.ops import DeviceOps
     cp = cupy()
     bind(0)
     stream = cp.cuda.get_current_stream()
@@ -82,7 +82,7 @@ def table(rows: list) -> str:
 
 
 def main(args) -> int:
-    from ..gpu.device import cupy
+    from ..engine.gpu.device import cupy
     cp = cupy()
     rows = measure(args)
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)

@@ -41,8 +41,8 @@ HOOK_MODES = ("mpidp-fp16", "mpidp-bf16")  # and mpidp-powersgd-R: rank R
 def _hook(mode: str) -> tuple:
     """(state, hook) of a compression mode: mpidp's own hooks, PowerSGD from the first step
     (the steady state is what is timed)."""
-    from ..compression import bf16_compress_hook, fp16_compress_hook
-    from ..powersgd import PowerSGDState, powerSGD_hook
+    from ..ddp.compression import bf16_compress_hook, fp16_compress_hook
+    from ..ddp.powersgd import PowerSGDState, powerSGD_hook
     if mode == "mpidp-fp16":
         return None, fp16_compress_hook
     if mode == "mpidp-bf16":
@@ -80,7 +80,7 @@ class _Run:
     def __init__(self, name: str, mode: str, bucket_mb: float, args, rank: int, gloo):
         import torch
         import mpidp
-        from mpidp import models
+        from mpidp.workloads import models
         shape, self.batch, kwargs = MODELS[name]
         torch.manual_seed(0)
         module = _transformer() if name == "transformer" else models.BUILTIN[name](**kwargs)

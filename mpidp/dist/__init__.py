@@ -67,7 +67,8 @@ def _create(opts, backend_options):
 
 
 def _launched_by_mpi() -> bool:
-    from .. import launcher, runtime  # deferred for cost, as above
+    from ..runtime import launcher  # deferred for cost, as above
+    from .. import runtime
     return runtime.is_initialized() or launcher.launcher_view() is not None
 
 
@@ -83,7 +84,7 @@ def _env_or_mpi(original):
 def _with_launcher_rank(url: str) -> str:
     """``url`` with the MPI launcher's rank and world size where neither it nor RANK and
     WORLD_SIZE give them: under mpiexec or srun, MASTER_ADDR and MASTER_PORT suffice."""
-    from .. import launcher  # deferred for cost, as above
+    from ..runtime import launcher  # deferred for cost, as above
     parts = urlparse(url)
     query = parse_qs(parts.query)
     view = launcher.launcher_view()
@@ -139,7 +140,7 @@ def _destroy_torch_groups() -> None:
 def process_group_for_join():
     """torch.distributed's default group, which torch's Join all-reduces on, started on the
     mpidp backend (over mpidp's group) where torch.distributed is not initialised yet
-    (Note [Uneven inputs] in mpidp/ddp_join.py). Every rank calls it."""
+    (Note [Uneven inputs] in mpidp/ddp/join.py). Every rank calls it."""
     import torch.distributed as dist  # deferred for cost, as above
     if not dist.is_initialized():
         register()

@@ -12,11 +12,11 @@ divided with truncation, as NCCL does — or of a complex one) gathers every
 rank's tensor and reduces the stack in rank order on each rank with torch: the same bits on
 every rank, exact for integers, at the cost of n copies of the tensor in memory — these are
 small, rare tensors (flags, counters, masks) in data-parallel training. Every operation first
-exchanges a header (mpidp.handshake.other_header: the operation's name with its reduction,
+exchanges a header (mpidp.engine.header.other_header: the operation's name with its reduction,
 root, dtype and element count), so ranks that call different operations, or the same one with
 different sizes, raise a MismatchError on every rank instead of moving wrong bytes or hanging;
 a rank whose own input is bad joins that exchange with an error code (as
-mpidp.collectives.refuse does)."""
+mpidp.comm.collectives.refuse does)."""
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +25,8 @@ import functools
 import numpy as np
 import torch
 
-from .. import collectives, handshake
+from ..comm import collectives
+from ..engine import header
 from ..errors import MismatchError
 
 RED = torch.distributed.ReduceOp.RedOpType
@@ -38,10 +39,10 @@ _BITWISE = frozenset((RED.BAND, RED.BOR, RED.BXOR))
 OPERATIONS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
               "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter",
               "all_to_all", "all_to_all_single", "barrier")
-for _name in OPERATIONS:  # every rank can name what another rank called (handshake.describe)
-    handshake.other_header(_name)
+for _name in OPERATIONS:  # every rank can name what another rank called (header.describe)
+    header.other_header(_name)
     for _op in _NAMES.values():
-        handshake.other_header(f"{_name} {_op}")
+        header.other_header(f"{_name} {_op}")
 
 
 def reduce_name(op) -> str:
@@ -63,7 +64,7 @@ def _reduction(op) -> tuple:
 
 def _dtype_word(t: torch.Tensor) -> int:
     name = str(t.dtype).removeprefix("torch.")
-    return handshake.OTHER_DTYPES.index(name) + 1 if name in handshake.OTHER_DTYPES else 0
+    return header.OTHER_DTYPES.index(name) + 1 if name in header.OTHER_DTYPES else 0
 
 
 @contextlib.contextmanager
@@ -81,11 +82,11 @@ def checked(g, name: str, t=None, count: int = 0, root=None, validate=None):
             op = 0 if root is None else int(root) + 1
         except Exception as exc:
             if g.size > 1:
-                err = handshake.ERR_TYPE if isinstance(exc, TypeError) else handshake.ERR_VALUE
-                g.resources.exchange(b.publish(handshake.other_header(name, error=err)), name,
+                err = header.ERR_TYPE if isinstance(exc, TypeError) else header.ERR_VALUE
+                g.resources.exchange(b.publish(header.other_header(name, error=err)), name,
                                      exc)
             raise
-        hdr = b.publish(handshake.other_header(
+        hdr = b.publish(header.other_header(
             name, op, 0 if t is None else _dtype_word(t), count))
         if g.size > 1:
             g.resources.exchange(hdr, name)
@@ -231,7 +232,7 @@ def reduce_scatter_tensor(g, out: torch.Tensor, x: torch.Tensor, op) -> None:
         try:
             validate()
         except Exception as exc:
-            collectives.refuse(g, handshake.REDUCE_SCATTER, exc)
+            collectives.refuse(g, header.REDUCE_SCATTER, exc)
             raise
         block = collectives.reduce_scatter(x.detach().reshape(g.size, -1), _MPIDP_OPS[kind])
         with torch.no_grad():

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import collectives
+from ..comm import collectives
 from ..errors import CommunicationError
 from . import ops
 

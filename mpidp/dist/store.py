@@ -12,7 +12,7 @@ so a client that gave up waiting (its timeout) never takes a later answer for an
 ``get`` and ``wait`` for keys not yet set are answered when a ``set``, ``add`` or
 ``compare_set`` makes them. Rank 0's thread polls with sleeps that grow to SERVER_IDLE_S while
 nothing comes (MPICH's blocking MPI_Probe would spin a core for the whole job); it ends at
-mpidp's shutdown (Note [Stopping the users first] in mpidp/resources.py)."""
+mpidp's shutdown (Note [Stopping the users first] in mpidp/runtime/resources.py)."""
 from __future__ import annotations
 
 import itertools

@@ -86,7 +86,7 @@ def _complete(f: torch.futures.Future, fn: Callable[[], None], result) -> None:
 class CommThread:
     """One group's thread (Note [One communication thread per group]); stopped by mpidp's
     shutdown, which then runs ``after_stop`` (Note [Stopping the users first] in
-    mpidp/resources.py)."""
+    mpidp/runtime/resources.py)."""
 
     def __init__(self, g, name: str, after_stop: Callable[[], None]):
         self.g = g

@@ -17,12 +17,20 @@ import importlib.metadata
 import sys
 import threading
 
-from .. import launcher
-from ..helpformat import Parser
-from ..abort import abort_job
+from ..runtime import launcher
+from ..runtime.helpformat import Parser
+from ..runtime.abort import abort_job
 from . import leftovers, probes, verdicts
-from .findings import (FAIL, Finding, Raised, Skipped, exit_code, format_findings,
-                       format_report, judge, summary_line)
+from .findings import (
+    FAIL,
+    Finding,
+    Raised,
+    Skipped,
+    exit_code,
+    format_findings,
+    format_report,
+    judge,
+    summary_line)
 
 CHECKS = (
     ("MPI", probes.mpi, verdicts.verdict_mpi),

@@ -13,8 +13,8 @@ import warnings
 
 import numpy as np
 
-from .. import launcher
-from ..gpu.device import torch_gpu
+from ..runtime import launcher
+from ..engine.gpu.device import torch_gpu
 from . import leftovers, verdicts
 
 ALLREDUCE_COUNTS = (5, 1 << 16)  # float32: 20 B (inline in shm) and 256 KiB (sliced)
@@ -137,9 +137,9 @@ def setup(ctx) -> dict:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            from .. import host_kernels
-        out["kernels"] = "c" if host_kernels.IMPLEMENTATION == "c" else \
-            f"numpy: {host_kernels._import_error}"
+            from ..engine import host_ops
+        out["kernels"] = "c" if host_ops.IMPLEMENTATION == "c" else \
+            f"numpy: {host_ops._import_error}"
     except Exception as exc:
         out["kernels"] = f"numpy: {exc}"
     try:
@@ -219,7 +219,7 @@ def one_sided(ctx) -> dict:
     """Every rank adds rank+1 to every rank's counter (Fetch_and_op) and vector
     (Accumulate) in an ``MPI.Win.Allocate`` window, as the parameter server does."""
     g = ctx.need_group()
-    from ..windows import Window, layout
+    from ..modes.windows import Window, layout
     counter, vector, nbytes = layout((1, np.int64), (4, np.float64))
     win = Window(g.comm, nbytes)
     try:
@@ -241,7 +241,8 @@ def allreduce(ctx) -> list:
     """A small all-reduce with every algorithm that can run on this group, at two sizes,
     checked exactly: (algorithm, status, detail, [(bytes, seconds)]) per algorithm."""
     g = ctx.need_group()
-    from .. import algorithms, collectives
+    from .. import algorithms
+    from ..comm import collectives
     from .findings import FAIL, OK, SKIP
     n = g.size
     rows = []

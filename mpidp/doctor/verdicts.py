@@ -5,8 +5,8 @@ from __future__ import annotations
 import shlex
 from typing import Mapping, Optional
 
-from ..gpu.device import training_device
-from ..launcher import singleton_launch
+from ..engine.gpu.device import training_device
+from ..runtime.launcher import singleton_launch
 from .findings import FAIL, INFO, OK, SKIP, WARN, Finding, by_value, rank_list
 from .leftovers import globs
 
@@ -53,7 +53,7 @@ def verdict_mpi(values: list) -> list:
 
 def singleton_diagnosis(env: Mapping[str, str], mpi_size: int) -> Optional[Finding]:
     """A FAIL when a launcher started several processes but MPI sees a world of one in this
-    one (mpidp.launcher.singleton_launch); None otherwise."""
+    one (mpidp.runtime.launcher.singleton_launch); None otherwise."""
     found = singleton_launch(mpi_size, env)
     return None if found is None else Finding(FAIL, found[0], found[1])
 
@@ -374,7 +374,7 @@ def verdict_slurm(values: list) -> list:
                               "N python -m ...")]
     out.append(Finding(OK, f"srun step {job}.{e0.get('SLURM_STEP_ID', '?')}: {size} tasks "
                            "= MPI ranks, SLURM_PROCID = rank on every rank"))
-    if e0.get("MPIR_CVAR_CH4_NETMOD"):  # Note [PMI-1 lines under srun] in mpidp/launcher.py
+    if e0.get("MPIR_CVAR_CH4_NETMOD"):  # Note [PMI-1 lines under srun] in mpidp/runtime/launcher.py
         out.append(Finding(INFO, f"MPICH netmod {e0['MPIR_CVAR_CH4_NETMOD']} "
                                  "(MPIR_CVAR_CH4_NETMOD)"))
     return out

@@ -267,7 +267,7 @@ def set_rng_state(state: dict) -> None:
 
 def cursor_of(state: dict, batch_size: int) -> int:
     """The sample cursor of a training checkpoint's epoch (Note [Sample cursor] in
-    mpidp/data.py); a checkpoint from before cursors were recorded has its ranks' full batches."""
+    mpidp/workloads/data.py); a checkpoint from before cursors were recorded has its ranks' full batches."""
     cursor = state["data_order"].get("cursor")
     if cursor is None:
         cursor = int(state["world_size"]) * int(state["step_in_epoch"]) * batch_size

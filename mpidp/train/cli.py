@@ -16,16 +16,17 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import algorithms, data, models
+from .. import algorithms
+from ..workloads import data, models
 from .. import runtime
-from ..abort import FORWARD_S, abort_job
+from ..runtime.abort import FORWARD_S, abort_job
 from ..errors import LaunchError, OutputError
-from ..helpformat import DefaultsHelpFormatter, Parser
+from ..runtime.helpformat import DefaultsHelpFormatter, Parser
 from . import checkpoint
 from .interrupts import PROG, end_while_starting, launcher_rank, raise_interrupted, signal_of
 from .loop import Trainer
 from .on_signal import StoppedOnSignal, recording_signals
-from .report import emit
+from .metrics import emit
 from .devices import AMPS, DEVICES
 from .settings import COMPRESSIONS, LR_SCALINGS, OPTIMIZERS, STRATEGIES, TrainSettings
 from .setup import SetupError, agree
@@ -185,7 +186,7 @@ def build(settings: TrainSettings) -> tuple:
 # checkpoint and the command that resumes from it) and aborts the job with exit code 128 +
 # the signal's number, as shells report a process a signal ended (130 for SIGINT, 143 for
 # SIGTERM); the other ranks give it time to do so (Note [Forwarding before abort] in
-# mpidp/abort.py) before they abort the job themselves with the same line, naming their rank:
+# mpidp/runtime/abort.py) before they abort the job themselves with the same line, naming their rank:
 # the signal reached that rank alone (`kill` of one process), or rank 0 is stuck in a wait
 # that no signal ends (an MPI call). With --checkpoint-on-signal, SIGTERM and SIGUSR1 are only
 # recorded, and the run ends this way after every rank has checkpointed at one step (Note

@@ -1,5 +1,5 @@
 """``--compression`` of the mirrored strategy: the hook it registers on DistributedDataParallel
-(mpidp.compression, mpidp.powersgd), the choice of ``auto`` from a measured all-reduce
+(mpidp.ddp.compression, mpidp.ddp.powersgd), the choice of ``auto`` from a measured all-reduce
 (Note [Compression auto]), and PowerSGD's state in checkpoints (every rank's error, the
 shared Q's: Note [Compression state in checkpoints])."""
 from __future__ import annotations
@@ -10,12 +10,14 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .. import collectives, host_kernels, runtime
-from ..compression import bf16_compress_hook, fp16_compress_hook
-from ..dtypes import BF16, F32, flat_host_array
-from ..powersgd import PowerSGDState, powerSGD_hook
-from ..state_broadcast import gather_bytes
-from ..watchdog import collective
+from ..comm import collectives
+from ..engine import host_ops
+from .. import runtime
+from ..ddp.compression import bf16_compress_hook, fp16_compress_hook
+from ..engine.dtypes import BF16, F32, flat_host_array
+from ..ddp.powersgd import PowerSGDState, powerSGD_hook
+from ..comm.state_broadcast import gather_bytes
+from ..runtime.watchdog import collective
 
 POWERSGD_RANK = 1          # torch's default matrix_approximation_rank
 POWERSGD_START_STEP = 10   # plain averaging first: the gradients' early steps are the largest
@@ -61,9 +63,9 @@ def choose(parameters: list, algorithm: str = "auto") -> tuple:
         collectives.allreduce_(grads, "sum", algorithm)
 
     def bf16():
-        host_kernels.cast_segments(wire, [grads], BF16, F32, 1, False)
+        host_ops.cast_segments(wire, [grads], BF16, F32, 1, False)
         collectives.allreduce_(flat_host_array(wire, BF16), "sum", algorithm)
-        host_kernels.cast_segments(wire, [grads], BF16, F32, g.size, True)
+        host_ops.cast_segments(wire, [grads], BF16, F32, g.size, True)
     times = np.array([_median_s(float32), _median_s(bf16)])
     collectives.allreduce_(times, "max")
     choice = "bf16" if times[1] <= AUTO_GAIN * times[0] else "none"

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..gpu.device import training_device
+from ..engine.gpu.device import training_device
 
 # Note [Training device]
 # --device auto trains on CUDA when every rank sees a GPU and no two ranks are bound to the
@@ -35,7 +35,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def decide(setting: str, strategy: str, gpus: list) -> tuple:
     """('cpu' or 'cuda', why) for ``--device setting`` under ``strategy`` on ranks whose
-    ``gpus[r]`` is mpidp.gpu.device.torch_gpu's (count, identity). Pure; ValueError for a
+    ``gpus[r]`` is mpidp.engine.gpu.device.torch_gpu's (count, identity). Pure; ValueError for a
     choice that cannot be had, naming the rank or the strategy."""
     return training_device(setting, [n for n, _ in gpus], [i for _, i in gpus],
                            None if strategy in ON_CUDA else strategy, ON_CUDA)

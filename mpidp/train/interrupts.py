@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from .. import launcher
+from ..runtime import launcher
 
 PROG = "mpidp.train"
 

@@ -9,12 +9,14 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from .. import collectives, runtime, timeline
+from ..comm import collectives
+from .. import runtime
+from ..runtime import timeline
 from ..errors import MpidpError
-from ..fusion import grouped_allreduce_
-from ..mirrored import DistributedDataParallel
-from ..state_broadcast import broadcast_state_dict, broadcast_tensors_, gather_bytes
-from ..watchdog import collective
+from ..comm.fusion import grouped_allreduce_
+from ..ddp.distributed import DistributedDataParallel
+from ..comm.state_broadcast import broadcast_state_dict, broadcast_tensors_, gather_bytes
+from ..runtime.watchdog import collective
 from .strategy_base import Strategy
 
 # Note [Local steps]

@@ -12,13 +12,15 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .. import collectives, runtime, timeline
-from ..data import ShardSampler
-from ..gpu.device import torch_gpu
-from ..watchdog import collective
+from ..comm import collectives
+from .. import runtime
+from ..runtime import timeline
+from ..workloads.data import ShardSampler
+from ..engine.gpu.device import torch_gpu
+from ..runtime.watchdog import collective
 from . import async_checkpoint, checkpoint, devices, setup, stragglers
 from .on_signal import StoppedOnSignal, arrive, recorded_signal, recording_signals
-from .report import Report, emit
+from .metrics import Report, emit
 from .scoring import evaluate, parameters_sha256
 from .settings import TrainSettings, check_world, make_optimizer, scaled_lr, straggler_of
 from .strategies import make_strategy

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ring import partition
+from ..engine.ring import partition
 
 
 def reshard_optimizer_states(states: list, servers: int, total: int) -> list:

@@ -9,12 +9,13 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from .. import runtime, timeline
-from ..data import ShardSampler, batches
-from ..fingerprint import check_same_model
-from ..state_broadcast import broadcast_tensors_
-from ..ps import ParameterServer, Server, Worker
-from ..watchdog import collective
+from .. import runtime
+from ..runtime import timeline
+from ..workloads.data import ShardSampler, batches
+from ..comm.fingerprint import check_same_model
+from ..comm.state_broadcast import broadcast_tensors_
+from ..modes.ps import ParameterServer, Server, Worker
+from ..runtime.watchdog import collective
 from .settings import scaled_lr
 from .ps_state import reshard_optimizer_states
 from .setup import SetupError

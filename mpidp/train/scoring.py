@@ -7,8 +7,9 @@ import hashlib
 import numpy as np
 import torch
 
-from .. import collectives, timeline
-from ..data import ShardSampler, batches
+from ..comm import collectives
+from ..runtime import timeline
+from ..workloads.data import ShardSampler, batches
 
 EVAL_BATCH = 512
 

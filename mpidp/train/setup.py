@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from .. import files
 from ..errors import OutputError
-from ..watchdog import collective
+from ..runtime.watchdog import collective
 from . import checkpoint
 from .ps_state import reshard_optimizer_states
 from .settings import TrainSettings
@@ -23,7 +23,7 @@ RESUME_MUST_MATCH = ("strategy", "batch_size", "seed", "dataset", "synthetic_sam
 # Note [Resuming on another number of ranks]
 # A checkpoint written by N ranks resumes on M. What moves, and how:
 # - the data: the interrupted epoch continues from the checkpoint's sample cursor, the rest
-#   of its permutation shared out over the M ranks (Note [Sample cursor] in mpidp/data.py), so
+#   of its permutation shared out over the M ranks (Note [Sample cursor] in mpidp/workloads/data.py), so
 #   every sample of that epoch is taken once; later epochs are sharded over M as usual. The
 #   global step counts the steps taken, whatever the number of ranks took them.
 # - the learning rate follows --lr-scaling for M ranks (M workers under ps: it counts 1).

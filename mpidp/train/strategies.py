@@ -8,12 +8,14 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from .. import collectives, runtime, timeline
-from ..central import CentralStorage
-from ..state_broadcast import broadcast_optimizer_state, broadcast_state_dict
-from ..mirrored import DistributedDataParallel
-from ..powersgd import PowerSGDState
-from ..zero import ZeroRedundancyOptimizer, reduce_scatter_hook
+from ..comm import collectives
+from .. import runtime
+from ..runtime import timeline
+from ..modes.central import CentralStorage
+from ..comm.state_broadcast import broadcast_optimizer_state, broadcast_state_dict
+from ..ddp.distributed import DistributedDataParallel
+from ..ddp.powersgd import PowerSGDState
+from ..ddp.zero import ZeroRedundancyOptimizer, reduce_scatter_hook
 from . import compress, devices
 from .local_strategies import DiLoCo, LocalSGD
 from .ps_strategy import ParameterServerStrategy
@@ -34,7 +36,7 @@ class Mirrored(Strategy):
         self.optimizer = make_optimizer(params)
         self.stats = self.forward.comm_stats
         self.zero = settings.zero
-        if self.zero:  # Note [ZeRO] in mpidp/zero.py
+        if self.zero:  # Note [ZeRO] in mpidp/ddp/zero.py
             self.optimizer = ZeroRedundancyOptimizer(params, type(self.optimizer),
                                                      **self.optimizer.defaults)
             self.forward.register_comm_hook(self.optimizer, reduce_scatter_hook)

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..data import batches
+from ..workloads.data import batches
 
 
 class Strategy:
@@ -34,7 +34,7 @@ class Strategy:
     def steps_left(self, sampler: Any, epoch: int, cursor: int, batch_size: int,
                    steps: int) -> int:
         """Steps left of an epoch of ``steps`` once its first ``cursor`` samples are taken
-        (Note [Sample cursor] in mpidp/data.py)."""
+        (Note [Sample cursor] in mpidp/workloads/data.py)."""
         return -(-len(sampler.indices(epoch, cursor)) // batch_size) if cursor else steps
 
     def epoch_batches(self, train_data: Any, sampler: Any, epoch: int, first: int,

@@ -11,7 +11,7 @@ from torch import nn
 
 import mpidp
 from bodykit import expect, failures, finish
-from mpidp.audit import ReplicaDivergenceError
+from mpidp.ddp.audit import ReplicaDivergenceError
 
 torch.set_num_threads(1)
 mpidp.init()

@@ -1,6 +1,6 @@
 """Run under mpiexec at any world size, without torch.distributed: mpidp's own compression
-hooks on mpidp's DistributedDataParallel (Note [Compressed buckets] in mpidp/compression.py,
-Note [PowerSGD] in mpidp/powersgd.py).
+hooks on mpidp's DistributedDataParallel (Note [Compressed buckets] in mpidp/ddp/compression.py,
+Note [PowerSGD] in mpidp/ddp/powersgd.py).
 - fp16 and bf16 exact against their definition: every rank's gradient is n*u*(1+eps), u a
   small multiple of 1/4 and eps tiny, so rounding leaves n*u (bf16) or u (fp16, divided
   first) and every sum is exact: the average must be sum(u) bit for bit — not the float32
@@ -15,8 +15,8 @@ from torch import nn
 
 import mpidp
 from bodykit import expect, finish
-from mpidp.compression import bf16_compress_hook, fp16_compress_hook
-from mpidp.powersgd import PowerSGDState, powerSGD_hook
+from mpidp.ddp.compression import bf16_compress_hook, fp16_compress_hook
+from mpidp.ddp.powersgd import PowerSGDState, powerSGD_hook
 
 torch.set_num_threads(1)
 mpidp.init()
@@ -89,7 +89,7 @@ for hook in (fp16_compress_hook, bf16_compress_hook):
 
 for hook, state, says in ((fp16_compress_hook, "group", "takes no state"),
                           (bf16_compress_hook, object(), "takes no state"),
-                          (powerSGD_hook, None, "takes mpidp.powersgd.PowerSGDState")):
+                          (powerSGD_hook, None, "takes mpidp.ddp.powersgd.PowerSGDState")):
     try:  # refused when registered, before any backward
         mpidp.DistributedDataParallel(Probe()).register_comm_hook(state, hook)
         expect(False, f"{hook.__name__} accepted the state {state!r}")

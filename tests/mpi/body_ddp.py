@@ -98,10 +98,10 @@ close(list(model.module.parameters()), list(ref.parameters()), "equivalence, lar
 same_everywhere(list(model.module.parameters()), "equivalence, large buckets")
 
 # ---- zero-copy bucket all-reduce: exact, odd segment sizes, mixed with packing ranks ----------
-from mpidp import collectives  # noqa: E402
-from mpidp.buckets import Bucket  # noqa: E402
-from mpidp.planner import plan_bucket  # noqa: E402
-from mpidp.dtypes import F32, as_host_array  # noqa: E402
+from mpidp.comm import collectives  # noqa: E402
+from mpidp.comm.buckets import Bucket  # noqa: E402
+from mpidp.engine.planner import plan_bucket  # noqa: E402
+from mpidp.engine.dtypes import F32, as_host_array  # noqa: E402
 
 for trial, sizes in enumerate(([5000], [1, 7, 3001, 2], [1024] * 10 + [3], [2] * 300,
                                  [40] * 200 + [1, 3])):  # > 64 pieces: several batches

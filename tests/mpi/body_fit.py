@@ -4,7 +4,7 @@ on every rank."""
 import torch
 
 import mpidp
-from mpidp import data
+from mpidp.workloads import data
 
 g = mpidp.init()
 train, test = data.digits()

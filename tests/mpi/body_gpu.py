@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import mpidp
-from mpidp.gpu.device import nccl_available
+from mpidp.engine.gpu.device import nccl_available
 
 torch.set_num_threads(1)
 g = mpidp.init()
@@ -93,8 +93,8 @@ for (name, p), q in zip(cpu_model.named_parameters(), gpu_model.parameters()):
     expect(torch.allclose(p, q.cpu(), atol=1e-5), f"DDP on GPU differs at {name}")
 
 # the compression hooks on device buckets (fp16 and bf16 fused, PowerSGD) against the host's
-from mpidp.compression import bf16_compress_hook, fp16_compress_hook  # noqa: E402
-from mpidp.powersgd import PowerSGDState, powerSGD_hook  # noqa: E402
+from mpidp.ddp.compression import bf16_compress_hook, fp16_compress_hook  # noqa: E402
+from mpidp.ddp.powersgd import PowerSGDState, powerSGD_hook  # noqa: E402
 for name, make in (("fp16", lambda: (None, fp16_compress_hook)),
                    ("bf16", lambda: (None, bf16_compress_hook)),
                    ("powerSGD", lambda: (PowerSGDState(start_powerSGD_iter=0), powerSGD_hook))):

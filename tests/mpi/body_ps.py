@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import mpidp
-from mpidp.ps import ParameterServer, Server, Worker
+from mpidp.modes.ps import ParameterServer, Server, Worker
 
 g = mpidp.init()
 comm = g.comm

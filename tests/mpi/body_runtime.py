@@ -43,8 +43,8 @@ else:
         failures.append(f"host names {names}, node map's {g.hosts}")
     # one rank per node: a small in-place all-reduce is one C call (csrc/checked.c)
     fast = g.resources.fast_allreduce
-    from mpidp import host_kernels
-    if nodes > 1 and per_node == 1 and host_kernels.EXTENSION is not None:
+    from mpidp.engine import host_ops
+    if nodes > 1 and per_node == 1 and host_ops.EXTENSION is not None:
         import numpy as np
         x = np.arange(5, dtype=np.float32) + r
         want = np.arange(5, dtype=np.float32) * world.Get_size() + sum(range(world.Get_size()))

@@ -1,7 +1,7 @@
 """Run under mpiexec -n 2: a rank waiting in the shared-memory protocol notices a signal
 (Note [Interrupting a wait] in csrc/shm.c), and shutdown stops DDP's communication thread
 before it frees the windows that thread waits in (Note [Stopping the users first] in
-mpidp/resources.py). Rank 1 arrives late, or never: rank 0 waits alone and sends itself
+mpidp/runtime/resources.py). Rank 1 arrives late, or never: rank 0 waits alone and sends itself
 SIGINT after WAIT_S; it must raise KeyboardInterrupt within a second, not wait for rank 1.
 
 BODY_CASE=allreduce: rank 0 waits in an in-place all-reduce of BODY_BYTES (8: inline, the

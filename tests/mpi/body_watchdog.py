@@ -18,7 +18,7 @@ import numpy as np
 import mpidp
 from mpidp import config
 from mpidp.errors import MismatchError
-from mpidp.watchdog import collective
+from mpidp.runtime.watchdog import collective
 
 g = mpidp.init()
 rank, case = g.rank, os.environ["BODY_CASE"]

@@ -1,5 +1,5 @@
 """Run under mpiexec at any world size: mpidp.ZeroRedundancyOptimizer (Note [ZeRO] in
-mpidp/zero.py) against the unsharded optimizer, with SGD-momentum and Adam:
+mpidp/ddp/zero.py) against the unsharded optimizer, with SGD-momentum and Adam:
 - beside mpidp's DDP (gradients all-reduced) the parameters after 5 steps equal the unsharded
   optimizer's bit for bit at any n; attached to it (reduce_scatter_hook: each bucket
   reduce-scattered to its owners) bit for bit at n = 1, 2 — at n >= 3 the reduce-scatter adds
@@ -13,7 +13,7 @@ from torch import nn
 
 import mpidp
 from bodykit import expect, finish
-from mpidp.zero import ZeroRedundancyOptimizer, reduce_scatter_hook
+from mpidp.ddp.zero import ZeroRedundancyOptimizer, reduce_scatter_hook
 
 torch.set_num_threads(1)
 mpidp.init()

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 import mpidp
-from mpidp import data
+from mpidp.workloads import data
 
 
 class SlowDataset(Dataset):
@@ -240,7 +240,7 @@ def ps_faulty_digits():
 
 
 def _arm_ps_fault(kind, at, epoch):
-    from mpidp import ps, windows
+    from mpidp.modes import ps, windows
     state = {"epoch": 0, "pushing": False}
     finish, push, serve = ps.Worker.finish_epoch, ps.Worker.push, ps.Server.serve_epoch
     accumulate = windows.Window.accumulate

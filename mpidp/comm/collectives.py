@@ -1,0 +1,398 @@
+"""The front door of every collective: ``allreduce``, ``allreduce_``, ``broadcast``,
+``broadcast_``, ``reduce_``, ``allgather``, ``reduce_scatter`` on numpy arrays, torch
+tensors (CPU or CUDA) and CuPy arrays.
+
+Every call passes through one frame: the input is viewed and checked here, at the public
+boundary, before the call counts as a collective; a rank whose input is bad — any exception,
+of any type — joins the header exchange with an error code instead (``refuse``), so every
+rank raises and none waits or pairs with the wrong call. A good input's header (one builder:
+mpidp.engine.header) is published on the watchdog's board, the backend — mpidp.engine.host_executor, or
+mpidp.engine.gpu.executor for device arrays — exchanges it and moves the data, and the board is
+cleared whatever happens (Note [Watchdog] in mpidp/runtime/watchdog.py). Device arrays take the
+host path through ``staged`` where the device backend has no algorithm of its own.
+
+Every function here is a synchronisation point: every rank of the group must call it, in the
+same order, all with host arrays or all with device arrays."""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from ..engine import header, host_executor
+from .. import runtime
+from ..runtime import timeline
+from ..engine.gpu import executor as device_backend  # imports no CuPy until a device array arrives
+from ..algorithms import DEVICE, HOST, TABLE, check_name, choose
+from ..engine.dtypes import FLOATING, OP_CODES, OPS, as_host_array, empty_like, write_back
+from ..engine.gpu import is_device_array
+from ..engine.header import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, op_word
+from ..engine.ring import partition
+
+_HOST_CODES = {a.name: a.code for a in TABLE if a.where == HOST}
+_NUMPY_TORCH = frozenset(("torch.float16", "torch.float32", "torch.float64", "torch.int32",
+                          "torch.int64"))
+
+
+def _op_codes(op: Any, dtype: int) -> tuple:
+    codes = OP_CODES.get(op) if isinstance(op, str) else None
+    if codes is None:
+        raise ValueError(f"unknown op {op!r}; accepted: {', '.join(OPS)}")
+    if codes[1] and dtype not in FLOATING:
+        raise ValueError("op 'avg' needs a floating dtype (float16, bfloat16, float32, "
+                         "float64); use 'sum' for integers and divide as you need")
+    return codes
+
+
+def check_root(root: Any, size: int) -> None:
+    """ValueError unless ``root`` is a rank of a group of ``size``."""
+    if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < size:
+        raise ValueError(f"root {root!r} is not a rank of this group (0..{size - 1})")
+
+
+def check_algorithm(algorithm: Any, on_device: bool) -> str:
+    """``algorithm`` if it names an all-reduce algorithm for host (or device) arrays, else
+    ValueError listing the accepted names."""
+    return check_name(algorithm, DEVICE if on_device else HOST)
+
+
+def facts(g, on_device: bool):
+    """What the algorithm choices read for group ``g`` (mpidp.algorithms.Facts), with the
+    device's facts for device arrays."""
+    return device_backend.facts(g) if on_device else g.resources.facts
+
+
+def check_writable(a) -> None:
+    """ValueError for an in-place call on an array the result cannot be written into."""
+    original = a.original
+    if isinstance(original, np.ndarray) and not original.flags.writeable:
+        raise ValueError("x is read-only (numpy flag writeable=False); an in-place collective "
+                         "writes its result into x: pass a writable array or use the "
+                         "out-of-place call")
+
+
+def _wrote(a) -> None:
+    """The result is in host array ``a``'s flat view: copied back into a non-contiguous
+    original, and counted (``bump_version``)."""
+    write_back(a)
+    bump_version(a)
+
+
+def bump_version(a) -> None:
+    """An in-place call on a torch tensor (host or device) counts as torch's in-place ops
+    count: autograd then refuses a tensor it saved for backward instead of computing wrong
+    gradients."""
+    if a.is_torch:
+        _increment_version(a.original)
+
+
+def _increment_version(t) -> None:
+    sys.modules["torch"].autograd.graph.increment_version(t)
+
+
+def refuse(g, kind: int, exc: BaseException) -> None:
+    """This rank's input to collective ``kind`` is bad (``exc``): joins the collective's
+    header exchange with an error code, which raises on every rank (``exc`` here, a
+    MismatchError elsewhere), so no rank waits for it. Alone, returns (the caller raises)."""
+    if g.size > 1:
+        b = g.board
+        try:
+            g.resources.exchange(b.publish(header.error_header(kind, exc)),
+                                 header.KIND_NAMES[kind], exc)
+        finally:
+            b.done = b.seq
+
+
+def allreduce(x: Any, op: str = "sum", algorithm: str = "auto"):
+    """Reduces ``x`` over every rank and returns the result as a new array or tensor of the
+    same type, shape and dtype; ``x`` is unchanged. ``op``: sum, avg, min, max (min and max
+    propagate NaN). ``algorithm``: auto, shm, doubling, hier, mpi, ring for host arrays;
+    auto, ring, nccl, staged for device arrays (docs/api.md). Every rank must call it."""
+    if algorithm == "auto" and type(x) is np.ndarray:
+        g = runtime.group()
+        if g.resources.fast_allreduce is not None and x.nbytes <= g.resources.fast_max_bytes:
+            y = np.array(x, order="C")  # a copy: the one call reduces it in place
+            if _one_call(g, y, op):
+                return y
+    return _allreduce(x, op, algorithm, False)
+
+
+def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
+    """In-place ``allreduce``: ``x`` holds the result afterwards, and is returned."""
+    if algorithm == "auto":
+        g = runtime.group()
+        fast = g.resources.fast_allreduce  # one C call: csrc/small.c, csrc/checked.c
+        view = None if fast is None else x if type(x) is np.ndarray else _numpy_view(x)
+        if view is not None and _one_call(g, view, op):
+            if view is not x:
+                _increment_version(x)
+            return x
+    return _allreduce(x, op, algorithm, True)
+
+
+def _one_call(g, view: np.ndarray, op: str) -> bool:
+    """The in-place all-reduce of ``view`` as one C call (csrc/small.c on one node,
+    csrc/checked.c across nodes): True when done, False when it declined (nothing done);
+    raises on every rank when the ranks' inputs disagree. A strided array goes through a
+    contiguous copy, not the general path: only what every rank's header shows (dtype, op,
+    size) may send a rank there (Note [Chunks after the record] in csrc/checked.c)."""
+    done = g.resources.fast_allreduce(view, op)
+    if done is view:
+        return True
+    if done is not NotImplemented:  # the ranks disagreed: raise on every rank
+        g.resources.fast_disagreed(done)
+    if view.flags.c_contiguous or not view.flags.writeable or \
+            view.nbytes > g.resources.fast_max_bytes:
+        return False
+    tmp = np.ascontiguousarray(view)
+    if not _one_call(g, tmp, op):
+        return False
+    view[...] = tmp
+    return True
+
+
+def _numpy_view(x: Any):
+    """A CPU torch tensor of a dtype numpy has, as the numpy array sharing its memory (for the
+    one-call path; None for anything else, which the general path takes)."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(x) is not torch.Tensor or not x.is_cpu or x.is_sparse or \
+            str(x.dtype) not in _NUMPY_TORCH:
+        return None
+    return (x.detach() if x.requires_grad else x).numpy()
+
+
+@timeline.traced("allreduce")
+def _allreduce(x, op, algorithm, inplace):
+    g = runtime.group()
+    if is_device_array(x):
+        return _device_allreduce(g, x, op, algorithm, inplace)
+    b = g.board
+    try:
+        try:
+            a = as_host_array(x)
+            opc, avg = _op_codes(op, a.dtype)
+            name = choose(HOST, algorithm, g.resources.facts, a.flat.nbytes).name
+            if inplace:
+                check_writable(a)
+            src = a.flat
+            out, dst = (a.original, src) if inplace else empty_like(a)
+        except Exception as exc:
+            refuse(g, ALLREDUCE, exc)
+            raise
+        if g.size == 1:
+            if dst is not src:
+                dst[...] = src
+        else:
+            hdr = b.publish((ALLREDUCE, _HOST_CODES[name], op_word(opc, avg), a.dtype,
+                             len(src), hash(a.shape), 0, 0))
+            host_executor.allreduce(g, name, hdr, src, dst, a.dtype, opc, g.size if avg else 1)
+        if inplace:
+            _wrote(a)
+        return out
+    finally:
+        b.done = b.seq
+
+
+def allreduce_segments_(flats: list, dtype: int, op: str) -> None:
+    """mpidp-internal: all-reduces the contiguous, writable flat buffers ``flats`` (dtype code
+    ``dtype``) in place as one concatenated buffer without packing them, with the shared-memory
+    algorithm — where mpidp.engine.planner.plan_bucket said so (Note [Zero-copy buckets] in
+    mpidp/comm/buckets.py). Its header is the one a packed buffer of the same count sends."""
+    g = runtime.group()
+    opc, avg = OP_CODES[op]
+    count = sum(len(f) for f in flats)
+    b = g.board
+    hdr = b.publish(header.header(ALLREDUCE, _HOST_CODES["shm"], op_word(opc, avg), dtype,
+                                     count, (count,)))
+    try:
+        with timeline.span("allreduce"):
+            host_executor.allreduce_segments(g, hdr, flats, dtype, opc, g.size if avg else 1)
+    finally:
+        b.done = b.seq
+
+
+def _device_allreduce(g, x, op, algorithm, inplace):
+    b = g.board
+    dev = device_backend
+    try:
+        a = dev.view(x)
+        opc, avg = _op_codes(op, a.dtype)
+        row = choose(DEVICE, check_name(algorithm, DEVICE), dev.facts(g), a.flat.nbytes)
+        prepared = None if row.name == "staged" else dev.prepare(a, inplace)
+    except Exception as exc:  # ImportError too: CuPy or NCCL missing on this rank
+        refuse(g, ALLREDUCE, exc)
+        raise
+    if prepared is None:  # staged: the host all-reduce posts itself on the board
+        return _staged(g, x, inplace, ALLREDUCE, lambda h: allreduce_(h, op))
+    try:
+        hdr = b.publish(header.header(ALLREDUCE, row.code, op_word(opc, avg), a.dtype,
+                                         len(a.flat), a.shape))
+        dev.allreduce(g, row.name, hdr, a, prepared, opc, avg)
+        if inplace:
+            bump_version(a)
+        return prepared[0]
+    finally:
+        b.done = b.seq
+
+
+def _staged(g, x, inplace: bool, kind: int, host_call):
+    """Runs ``host_call`` on a host copy of device array ``x`` and returns its result on x's
+    device (in place into ``x`` with ``inplace``): the path without NCCL, and the one of the
+    collectives the device backend does not have. ``kind``: the collective, for a refusal."""
+    try:
+        a = device_backend.view(x)
+        host = device_backend.to_host(a)
+    except Exception as exc:
+        refuse(g, kind, exc)
+        raise
+    out = device_backend.from_host(host_call(host), a, inplace)
+    if inplace:
+        bump_version(a)
+    return out
+
+
+# ---- the other collectives -------------------------------------------------------------------
+
+def broadcast(x: Any, root: int = 0):
+    """Returns a new array or tensor holding root's ``x`` on every rank; ``x`` is unchanged.
+    Every rank passes an ``x`` of the same shape and dtype."""
+    return _broadcast(x, root, False)
+
+
+def broadcast_(x: Any, root: int = 0):
+    """In-place ``broadcast``: every rank's ``x`` holds root's values afterwards."""
+    return _broadcast(x, root, True)
+
+
+@timeline.traced("broadcast")
+def _broadcast(x, root, inplace):
+    g = runtime.group()
+    if is_device_array(x):
+        return _staged(g, x, inplace, BROADCAST, lambda h: broadcast_(h, root))
+    b = g.board
+    try:
+        try:
+            a = as_host_array(x)
+            check_root(root, g.size)
+            if inplace:
+                check_writable(a)
+            out, flat = (a.original, a.flat) if inplace else empty_like(a)
+        except Exception as exc:
+            refuse(g, BROADCAST, exc)
+            raise
+        if not inplace:
+            flat[...] = a.flat
+        if g.size > 1:
+            hdr = b.publish(header.header(BROADCAST, 0, int(root), a.dtype, len(a.flat),
+                                             a.shape))
+            host_executor.broadcast(g, hdr, flat, int(root))
+        if inplace:
+            _wrote(a)
+        return out
+    finally:
+        b.done = b.seq
+
+
+@timeline.traced("reduce")
+def reduce_(x: Any, root: int = 0, op: str = "sum"):
+    """Reduces ``x`` over every rank into root's ``x`` (MPI_Reduce, in place at root); the
+    other ranks' ``x`` is unchanged. ``op``: sum, avg, min, max. Every rank must call it."""
+    g = runtime.group()
+    if is_device_array(x):
+        return _staged(g, x, True, REDUCE, lambda h: reduce_(h, root, op))
+    b = g.board
+    try:
+        try:
+            a = as_host_array(x)
+            check_root(root, g.size)
+            opc, avg = _op_codes(op, a.dtype)
+            if g.rank == root:
+                check_writable(a)
+        except Exception as exc:
+            refuse(g, REDUCE, exc)
+            raise
+        root = int(root)
+        if g.size > 1:
+            hdr = b.publish(header.header(REDUCE, _HOST_CODES["mpi"], op_word(opc, avg),
+                                             a.dtype, len(a.flat), a.shape, free=root))
+            host_executor.reduce(g, hdr, a.flat, a.dtype, opc, g.size if avg else 1, root)
+        if g.rank == root:
+            _wrote(a)
+        return a.original
+    finally:
+        b.done = b.seq
+
+
+@timeline.traced("allgather")
+def allgather(x: Any):
+    """Concatenates every rank's ``x`` along dimension 0, in rank order, into a new array or
+    tensor. The first dimension may differ between ranks; the others and the dtype may not."""
+    g = runtime.group()
+    if is_device_array(x):
+        return _staged(g, x, False, ALLGATHER, allgather)
+    b = g.board
+    try:
+        try:
+            a = as_host_array(x)
+            if len(a.shape) == 0:
+                raise ValueError("allgather needs at least one dimension (it concatenates "
+                                 "along 0)")
+        except Exception as exc:
+            refuse(g, ALLGATHER, exc)
+            raise
+        row = int(np.prod(a.shape[1:], dtype=np.int64))
+        rows = [a.shape[0]]
+        if g.size > 1:
+            hdr = b.publish(header.header(ALLGATHER, 0, 0, a.dtype, row, a.shape[1:],
+                                             free=a.shape[0]))
+            rows = host_executor.allgather_rows(g, hdr)
+        out, flat = empty_like(a, (sum(rows),) + tuple(a.shape[1:]))
+        if g.size == 1:
+            flat[...] = a.flat
+        else:
+            host_executor.allgather(g, a.flat, flat, rows, row)
+        return out
+    finally:
+        b.done = b.seq
+
+
+@timeline.traced("reduce_scatter")
+def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto"):
+    """Reduces ``x`` over every rank and returns this rank's block along dimension 0, the
+    blocks split as ``numpy.array_split`` splits. ``algorithm``: auto or ring (our ring's
+    reduce-scatter phase) or mpi (MPI_Reduce_scatter). ``x`` is unchanged."""
+    g = runtime.group()
+    if is_device_array(x):
+        return _staged(g, x, False, REDUCE_SCATTER,
+                       lambda h: reduce_scatter(h, op, algorithm))
+    b = g.board
+    try:
+        try:
+            a = as_host_array(x)
+            if len(a.shape) == 0:
+                raise ValueError("reduce_scatter needs at least one dimension (it splits "
+                                 "along 0)")
+            opc, avg = _op_codes(op, a.dtype)
+            if algorithm not in ("auto", "ring", "mpi"):
+                raise ValueError(f"unknown reduce_scatter algorithm {algorithm!r}; accepted: "
+                                 "auto, ring, mpi")
+            row = int(np.prod(a.shape[1:], dtype=np.int64))
+            out, flat = empty_like(a, (partition(a.shape[0], g.size)[g.rank][1],) + a.shape[1:])
+        except Exception as exc:
+            refuse(g, REDUCE_SCATTER, exc)
+            raise
+        name = "ring" if algorithm == "auto" else algorithm
+        chunks = partition(len(a.flat), g.size, unit=max(row, 1)) if row else \
+            tuple((0, 0) for _ in range(g.size))
+        if g.size == 1:
+            flat[...] = a.flat
+            return out
+        hdr = b.publish(header.header(REDUCE_SCATTER, _HOST_CODES[name], op_word(opc, avg),
+                                         a.dtype, len(a.flat), a.shape))
+        host_executor.reduce_scatter(g, name, hdr, a.flat, flat, a.dtype, opc,
+                                    g.size if avg else 1, chunks)
+        return out
+    finally:
+        b.done = b.seq
+

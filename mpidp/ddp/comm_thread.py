@@ -1,0 +1,98 @@
+"""The communication thread of a DistributedDataParallel (mpidp.ddp.distributed): the buckets'
+all-reduces in launch order, and other collectives put in that order (a SyncBatchNorm
+layer's during backward)."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from ..errors import MpidpError
+
+# Note [Communication thread]
+# One thread per DistributedDataParallel reduces the buckets one after another — on one node
+# a zero-copy all-reduce of the gradients where they lie (Note [Zero-copy buckets] in
+# fusion.py), elsewhere pack -> all-reduce (sum) -> unpack with the division by the number of
+# ranks fused into the unpack — while autograd goes on computing gradients in the main
+# thread; the C calls release the GIL. Only that thread calls MPI while backward runs, and the
+# main thread waits for it before it calls MPI again, so MPI_THREAD_SERIALIZED suffices
+# (checked at construction; mpidp.init asks for MULTIPLE).
+
+
+
+def reduce_bucket(bucket, sources: Sequence[Any], destinations: Optional[Sequence[Any]],
+                  algorithm: str) -> None:
+    """Averages ``bucket`` over the ranks: ``sources`` packed (None: zeros) and the results
+    unpacked into ``destinations``, or with ``destinations`` None (gradients are bucket
+    views: Note [Gradients as bucket views] in mpidp/ddp/distributed.py) in place in the bucket.
+    Collective."""
+    if destinations is None:
+        bucket.pack(sources, skip_own_slots=True)
+        bucket.allreduce_("avg", algorithm)
+    else:
+        bucket.reduce_(sources, destinations, "avg", algorithm)
+
+
+def communicate(tasks: queue.SimpleQueue, results: queue.SimpleQueue, board) -> None:
+    """The communication thread's loop: one task per bucket — (bucket, sources,
+    destinations, ``reduce(bucket, sources, destinations)``, its position) — one result
+    (None, or the exception) per task. The watchdog's ``board`` says which bucket is being reduced."""
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        if callable(task):  # a SyncBatchNorm layer's all-reduce, in its place in the order
+            task()
+            continue
+        bucket, sources, destinations, reduce, position = task
+        board.context = ("DDP gradient bucket {} of {}", *position)
+        t0, error = time.perf_counter(), None
+        try:
+            reduce(bucket, sources, destinations)
+        except BaseException as exc:  # reported by the main thread at the end of backward
+            error = exc
+        board.context = None
+        results.put((error, time.perf_counter() - t0))
+
+
+def stop(tasks: queue.SimpleQueue, thread: threading.Thread, timeout_s: float) -> bool:
+    """Ends the communication thread after the task it is in (shutdown closed the context
+    its waits are in first: Note [Stopping the users first] in mpidp/runtime/resources.py) and joins
+    it; True once it has ended. Buckets still queued are dropped: nobody waits for them."""
+    while not tasks.empty():
+        try:
+            tasks.get_nowait()
+        except queue.Empty:
+            break
+    tasks.put(None)
+    thread.join(timeout_s)
+    return not thread.is_alive()
+
+
+def call_in_order(tasks: queue.SimpleQueue, fn: Callable[[], None]) -> None:
+    """Runs ``fn`` on the communication thread after the tasks queued before it, waits for
+    it, and raises what it raised."""
+    done, failed = threading.Event(), []
+
+    def run():
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller below
+            failed.append(exc)
+        finally:
+            done.set()
+    tasks.put(run)
+    done.wait()
+    if failed:
+        raise failed[0]
+
+
+def check_thread_level() -> None:
+    """Note [Communication thread]: SERIALIZED or better."""
+    from mpi4py import MPI
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_SERIALIZED:
+        raise MpidpError(f"DistributedDataParallel needs MPI_THREAD_SERIALIZED or better; "
+                         f"MPI was initialised with level {level} (let mpidp.init() start MPI,"
+                         " or call MPI.Init_thread(MPI.THREAD_MULTIPLE) yourself)")

@@ -1,0 +1,130 @@
+"""The check every collective starts with, wherever its ranks are, and across nodes the small
+all-reduce that travels in the same messages (Note [Checked in the message] in
+mpidp/engine/doubling.py): on one node through the shared-memory control block; across nodes the
+node first (shared memory), then its leaders by recursive doubling over MPI point-to-point,
+then the outcome to the node's other ranks. A disagreement found anywhere reaches every rank,
+which then exchange their headers once more (MPI_Allgather) to say who called what, and
+raise."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+
+from . import doubling, header, host_ops
+from ..errors import CommunicationError
+from .transports import MPITransport
+
+
+def exchange(res, hdr: tuple, operation: str, local_error: Optional[BaseException] = None,
+             data: Optional[np.ndarray] = None, dtype: int = 0, op: int = 0) -> np.ndarray:
+    """Checks ``hdr`` against every rank's (``res``: the group's Resources); returns every
+    rank's free word, or raises on every rank (``local_error`` on this one, if given). With
+    ``data`` (a flat host array, several nodes) also reduces it in place over every rank, the
+    same bits everywhere, in the same messages. Collective."""
+    topo, ctx = res.topo, res.shm()
+    if topo.single_node and ctx is not None:  # the check in shared memory, data over MPI
+        ok, info = ctx.exchange(hdr, operation)
+        header.check(operation, ok, info, topo.rank, local_error)
+        if data is not None:
+            doubling.run(_transport(res, topo.comm),
+                         doubling.Record(hdr, topo.rank, topo.size, data), host_ops,
+                         dtype, op)
+        return np.asarray(info, np.int64)
+    if data is not None and res.checked is not None and data.nbytes <= res.checked.max_bytes:
+        # one C call (Note [Chunks after the record] in csrc/checked.c); an array it does
+        # not take travels in the same records on the Python path
+        free = res.checked.exchange(hdr, data, dtype, op)
+        if free is None:
+            disagreed(topo, hdr, operation, local_error)
+        return np.asarray(free, np.int64)
+    if ctx is None or res.facts.one_per_node:  # every rank in the doubling (a group-wide
+        # fact: with nodes of unequal sizes a node of one rank still goes through its node)
+        record = doubling.Record(hdr, topo.rank, topo.size, data)
+        record = doubling.run(_transport(res, topo.comm), record, host_ops, dtype, op)
+    else:
+        record = _across_nodes(res, topo, ctx, hdr, operation, data, dtype, op)
+    if record.status != doubling.OK:
+        disagreed(topo, hdr, operation, local_error)
+    return record.free
+
+
+def disagreed(topo, hdr: tuple, operation: str, local_error: Optional[BaseException]) -> None:
+    """After an exchange found a disagreement (every rank did): the headers once more, in one
+    MPI_Allgather, to raise on every rank what each called (``local_error`` on this rank).
+    Does not return."""
+    header.exchange_mpi(topo.comm, hdr, operation, local_error)
+    raise CommunicationError(topo.rank, operation, "the ranks' headers agreed on a second "
+                             "exchange after disagreeing on the first")
+
+
+def _across_nodes(res, topo, ctx, hdr, operation, data, dtype, op) -> doubling.Record:
+    """The node in shared memory, its leader in the doubling, the outcome back to the node.
+    The node's sum goes into a copy: a disagreement found across nodes leaves ``data`` as the
+    caller passed it."""
+    node_sum = None if data is None else np.empty_like(data)
+    if data is None:
+        ok, info = ctx.exchange(hdr, operation)
+    else:
+        ok, info = ctx.allreduce(hdr, data, node_sum, dtype, op, 1)
+    record = doubling.Record(hdr, topo.rank, topo.size, node_sum)
+    record.out = data  # the result reaches the caller's array only where every rank agreed
+    if not ok:
+        record.status = doubling.DISAGREE
+    elif info is not None:
+        record.free[list(topo.node_ranks)] = info
+    if topo.leader_comm is not None:
+        record = doubling.run(_transport(res, topo.leader_comm), record, host_ops, dtype,
+                              op)
+    words = np.concatenate(([record.status], record.free)).astype(np.int64)
+    carry = ok and data is not None and data.nbytes > 0
+    out = np.empty(words.nbytes + (data.nbytes if carry else 0), np.uint8)
+    if topo.local_rank == 0:
+        out[:words.nbytes] = words.view(np.uint8)
+        if carry:
+            out[words.nbytes:] = data.view(np.uint8).reshape(-1)
+    topo.node_comm.Bcast(out, root=0)
+    got = out[:words.nbytes].view(np.int64)
+    record.status, record.free = int(got[0]), got[1:].copy()
+    if carry and record.status == doubling.OK:
+        data.view(np.uint8).reshape(-1)[...] = out[words.nbytes:]
+    return record
+
+
+CHUNK_BYTES, WINDOW = 32 << 10, 8  # Note [Chunks after the record] in csrc/checked.c
+
+
+def c_context(comm, inline_bytes: int, max_bytes: int, board):
+    """The all-reduce across nodes in one C call (csrc/checked.c, one rank per node) of
+    arrays up to ``max_bytes`` (their data in the records up to ``inline_bytes``), or None
+    where it cannot be made: no C extension, MPI handles that are not C ints, MPI errors that
+    abort rather than return, or the MPI library not found (Note [MPI from C] in
+    csrc/checked.c). Not collective."""
+    import ctypes
+    from mpi4py import MPI  # deferred for cost: import mpidp starts no MPI
+    ext = host_ops.EXTENSION
+    if ext is None or not hasattr(ext, "CheckedContext") or \
+            any(MPI._sizeof(t) != 4 for t in (MPI.Comm, MPI.Datatype, MPI.Request)) or \
+            comm.Get_errhandler() != MPI.ERRORS_RETURN:
+        return None
+    with open("/proc/self/maps") as maps:
+        libs = sorted({line.split()[-1] for line in maps if "/libmpi" in line.split()[-1]})
+    try:
+        lib = ctypes.CDLL(libs[0], mode=os.RTLD_NOLOAD)
+        fns = tuple(ctypes.cast(getattr(lib, f), ctypes.c_void_p).value
+                    for f in ("MPI_Sendrecv", "MPI_Send", "MPI_Recv", "MPI_Isend",
+                              "MPI_Irecv", "MPI_Wait"))
+    except (IndexError, OSError, AttributeError):
+        return None
+    def as_int(handle: int) -> int:  # the C int of a handle mpi4py gives as unsigned
+        low = handle & 0xFFFFFFFF
+        return low - (1 << 32) if low >= 1 << 31 else low
+
+    return ext.CheckedContext(fns, as_int(MPI._handleof(comm)), as_int(MPI._handleof(MPI.BYTE)),
+                              comm.Get_rank(), comm.Get_size(), inline_bytes,
+                              max(inline_bytes, max_bytes), CHUNK_BYTES, WINDOW, board)
+
+
+def _transport(res, comm) -> MPITransport:
+    return res.transport(("mpi", id(comm)), lambda: MPITransport(comm))

@@ -1,0 +1,183 @@
+"""The check every collective starts with: each rank publishes a fixed-size header (which
+collective, algorithm, op, dtype, count, shape, local error), every rank sees every header,
+and a disagreement is reported on every rank instead of corrupting data or hanging.
+
+On one node the headers travel through the shared-memory control block (and the shm
+all-reduce carries its data in the same call); across nodes by recursive doubling with a small
+all-reduce's data in the same messages (mpidp.engine.exchange; Note [Checked in the message] in
+mpidp/engine/doubling.py), and, after a disagreement, in one MPI_Allgather to name who called what.
+
+Note [Debug fingerprints]
+The header covers what a collective's data depends on: which collective, algorithm, op,
+root, dtype, element count and a hash of the shape. Two things escape it: collectives that
+look alike but are not the same call (rank 2 skipped the first of two identical
+all-reduces, so its second pairs with the others' first and the sums mix), and mpidp's own
+object collectives over MPI (the pickled allgather, gather, bcast and barriers of set-up,
+checkpoints and the parameter server), which exchange no header and hang when ranks disagree.
+With MPIDP_DEBUG=1 every header also carries where the collective was called (the first
+frame outside mpidp's collective layer, file name and line, hashed into the algorithm word),
+and every object collective is preceded by a header naming it (kind OTHER, the name's CRC-32
+in the shape word): a rank that calls another collective, or the same one from another line,
+is named on every rank, with its call site. The cost is a stack walk per collective and one
+more exchange per object collective, so it is off by default. A sequence number would add
+nothing here (the k-th collectives of the ranks are the ones paired, so their numbers always
+agree); the watchdog's report carries it instead, to name the ranks that are behind."""
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..algorithms import CODE_NAMES
+from .dtypes import DTYPE_NAMES
+from ..errors import MismatchError
+
+ALLREDUCE, BROADCAST, ALLGATHER, REDUCE_SCATTER, REDUCE, OTHER = 1, 2, 3, 4, 5, 6
+KIND_NAMES = {ALLREDUCE: "allreduce", BROADCAST: "broadcast", ALLGATHER: "allgather",
+              REDUCE_SCATTER: "reduce_scatter", REDUCE: "reduce"}
+_OP_WORDS = {0: "sum", 1: "min", 2: "max", 4: "avg"}  # op_word(op code, average)
+_OTHER_NAMES: dict = {}  # CRC-32 -> name of an object collective (the same table on every rank)
+_SITES: dict = {}        # 24-bit CRC -> call site this process has seen
+# frames skipped when looking for a collective's call site (Note [Debug fingerprints])
+_LAYER = frozenset(("mpidp.comm.collectives", "mpidp.engine.host_executor", "mpidp.comm.fusion", "mpidp.comm.buckets",
+                    "mpidp.comm.state_broadcast", "mpidp.engine.header", "mpidp.runtime.watchdog",
+                    "mpidp.runtime.timeline", "mpidp.engine.gpu.executor", "mpidp.comm.device_buckets",
+                    "mpidp.comm.fingerprint", "contextlib"))
+# word 1: the algorithm's code (mpidp.algorithms) in bits 0-3; for the shared-memory protocol
+# its data mode (none, inline, sliced) in bits 4-5 and peer mode (cma, window) in bit 6, set
+# by the C call (csrc/binding.h), so ranks that would move data differently disagree there;
+# the call site's hash above bit 8 in debug mode
+MODE_SHIFT = 4
+_DATA_MODES = ("handshake", "inline", "sliced")
+_PEER_MODES = ("cma", "window")
+
+# local error codes carried in header word 6
+ERR_NONE, ERR_TYPE, ERR_VALUE = 0, 1, 2
+FREE_WORD = 7  # not compared: a value that may differ per rank (allgather's first dimension)
+
+
+def op_word(op: int, average: bool) -> int:
+    """The header's op word: the kernel op code, plus 4 for an average."""
+    return op + 4 * average
+
+
+def header(kind: int, algorithm: int, op: int, dtype: int, count: int, shape: tuple,
+           error: int = ERR_NONE, free: int = 0) -> tuple:
+    """The 8 words a rank publishes; words 0-6 must agree on every rank. ``op``: op_word, or
+    the root of a broadcast."""
+    return (kind, algorithm, op, dtype, count, hash(shape), error, free)
+
+
+def error_header(kind: int, exc: BaseException) -> tuple:
+    """The header of a rank refusing its input to collective ``kind``."""
+    return (kind, 0, 0, 0, 0, 0, ERR_TYPE if isinstance(exc, TypeError) else ERR_VALUE, 0)
+
+
+# element types of the torch.distributed backend's operations (mpidp.dist), by name: word 3
+# of an OTHER header holds 1 + an index into this table, 0 for none
+OTHER_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
+                "float32", "float64", "complex64", "complex128", "uint16", "uint32", "uint64",
+                "complex32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                "float8_e5m2fnuz", "float8_e8m0fnu")
+
+
+def other_header(name: str, op: int = 0, dtype: int = 0, count: int = 0,
+                 error: int = ERR_NONE) -> tuple:
+    """The header of an object collective called ``name`` (Note [Debug fingerprints]), or of
+    an operation of the torch.distributed backend: ``op`` (0, or 1 + its root: the name says
+    which reduction), ``dtype`` (0 or 1 + an index into OTHER_DTYPES) and element ``count`` must
+    agree too."""
+    crc = zlib.crc32(name.encode())
+    _OTHER_NAMES[crc] = name
+    return (OTHER, 0, op, dtype, count, crc, error, 0)
+
+
+def call_site() -> str:
+    """``file.py:line`` of the first caller outside mpidp's collective layer."""
+    f = sys._getframe(1)
+    while f.f_back is not None and f.f_globals.get("__name__") in _LAYER:
+        f = f.f_back
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+
+
+def with_site(hdr: tuple, site: str) -> tuple:
+    """``hdr`` carrying a hash of its call site ``site`` above the algorithm byte."""
+    crc = zlib.crc32(site.encode()) & 0xFFFFFF
+    _SITES[crc] = site
+    return (hdr[0], hdr[1] | crc << 8) + tuple(hdr[2:])
+
+
+def describe(h: Sequence[int], modes: bool = False) -> str:
+    """A header in words: "allreduce float32[650] op=avg algorithm=shm", with its call site
+    where it carries one, and with ``modes`` its shared-memory data and peer mode."""
+    kind, algorithm, op, dtype, count, shape, error, _ = h
+    site, mode, algorithm = algorithm >> 8, (algorithm >> MODE_SHIFT) & 0xF, algorithm & 0xF
+    name = KIND_NAMES.get(kind, f"collective kind {kind}")
+    if kind == OTHER:
+        what = _OTHER_NAMES.get(shape, f"object collective {shape:#x}")
+        if error:
+            what += " with an input it rejected"
+        elif 0 < dtype <= len(OTHER_DTYPES):
+            what += f" {OTHER_DTYPES[dtype - 1]}[{count}]"
+        if op and not error:
+            what += f" root={op - 1}"
+    elif error:
+        what = f"{name} with an input it rejected"
+    else:
+        what = f"{name} {DTYPE_NAMES[dtype]}[{count}]" if 0 <= dtype < len(DTYPE_NAMES) \
+            else name
+        if kind == BROADCAST:
+            what += f" root={op}"
+        elif op in _OP_WORDS and kind != ALLGATHER:
+            what += f" op={_OP_WORDS[op]}"
+        if algorithm in CODE_NAMES:
+            what += f" algorithm={CODE_NAMES[algorithm]}"
+        if mode and modes:
+            what += f" (shared memory: {_DATA_MODES[min(mode & 3, 2)]}, {_PEER_MODES[mode >> 2 & 1]})"
+    if site:
+        what += f" at {_SITES[site]}" if site in _SITES else f" at call site {site:#08x}"
+    return what
+
+
+def mismatch_error(operation: str, headers: Sequence[Sequence[int]], mine: int) -> MismatchError:
+    """A MismatchError listing what every rank called, marking those that differ from rank 0."""
+    ref = tuple(headers[0][:FREE_WORD])
+    # the shared-memory modes are named where they are all that differs
+    strip = ~(0xF << MODE_SHIFT)
+    modes = len({h[1] >> MODE_SHIFT & 0xF for h in headers}) > 1 and len(
+        {(h[0], h[1] & strip) + tuple(h[2:FREE_WORD]) for h in headers}) == 1
+    lines = []
+    for r, h in enumerate(headers):
+        text = describe(h, modes)
+        if tuple(h[:FREE_WORD]) != ref:
+            text += "  <- differs from rank 0"
+            if h[4] == ref[4] and h[5] != ref[5] and h[3] == ref[3]:
+                text += " (same count, different shape)"
+            elif tuple(h[2:FREE_WORD]) == ref[2:] and (h[1] ^ ref[1]) >> MODE_SHIFT & 0xF:
+                text += " (ranks started with different MPIDP_SHM_* settings?)"
+        lines.append(f"  rank {r}: {text}")
+    return MismatchError(f"rank {mine}: {operation}: ranks called it with inputs that do not "
+                         "agree; every rank raises this error:\n" + "\n".join(lines))
+
+
+def check(operation: str, status_ok: bool, headers: Optional[Sequence], rank: int,
+          local_error: Optional[BaseException]) -> None:
+    """Raises on every rank after an exchange: the rank's own input error if it has one, else
+    a MismatchError when the headers disagree."""
+    if local_error is not None:
+        raise local_error
+    if not status_ok:
+        raise mismatch_error(operation, headers, rank)
+
+
+def exchange_mpi(comm, hdr: tuple, operation: str, local_error) -> np.ndarray:
+    """Exchanges headers with MPI_Allgather; returns every rank's free word or raises."""
+    mine = np.array(hdr, dtype=np.int64)
+    table = np.empty((comm.Get_size(), len(hdr)), dtype=np.int64)
+    comm.Allgather(mine, table)
+    agree = bool((table[:, :FREE_WORD] == mine[:FREE_WORD]).all())
+    check(operation, agree, table.tolist(), comm.Get_rank(), local_error)
+    return table[:, FREE_WORD]

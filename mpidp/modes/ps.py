@@ -1,0 +1,324 @@
+"""Asynchronous parameter server on dedicated MPI ranks: parameters sharded across servers by
+bytes, held in MPI one-sided windows; workers pull with ``Get`` and push with
+``Accumulate(SUM)`` while servers apply the optimizer and publish, with bounded staleness
+(SSP: a worker is at most S steps ahead of the slowest).
+
+Note [Publishing a shard]
+A pull must never see a half-updated shard, and a push must be applied exactly once. Workers
+pull inside a *shared* lock epoch on the server (parameters, version and applied counts read
+together) and push inside one (gradient ``Accumulate`` and their pending count together). The
+server drains pushes (copies and zeroes the accumulated gradient and the pending counts) and
+publishes (writes the new parameters, adds the drained counts to the applied counts, bumps the
+version) each inside an *exclusive* lock epoch on its own window, which MPI guarantees no
+shared epoch overlaps: a pull sees the shard before or after a publish, and each push lands
+wholly before or wholly after a drain. The optimizer step runs between the two epochs with no
+lock held; a publish holds the lock only for one copy of the shard. (Double buffering with a
+version would let pulls proceed during the copy too; the copy is short and the lock is simpler
+to reason about.) MPICH progresses passive-target operations only while the target is inside
+MPI, so a server's pushes and pulls wait while it runs its optimizer step; with a spare core
+per server that is a short wait, on an oversubscribed node it is what limits throughput.
+Control words that workers update with ``Fetch_and_op`` are read with ``Get_accumulate
+(NO_OP)`` (an atomic read), never a plain ``Get`` racing an accumulate.
+
+Every wait of a worker (next batch, pull with its staleness wait, push, end of epoch) and a
+server's wait for pushes is posted on the watchdog's board (Note [Watchdog] in
+mpidp/runtime/watchdog.py): a worker or server that stalls or dies leaves the others waiting at most
+MPIDP_TIMEOUT_S, and a server's clock restarts at every push it applies.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from .. import runtime
+from ..runtime import timeline
+from ..engine.ring import partition
+from ..runtime.watchdog import board_of, collective
+from .windows import Window, layout
+
+# control words of every server's window, then per-worker pending[W], applied[W], done[W]
+VERSION, FINISHED, NEXT_BATCH, CONTROL_WORDS = 0, 1, 2, 3
+IDLE_SLEEP_S = 0.0002  # a server with nothing to apply yields the core this long
+
+
+def shard_map(counts: Sequence[int], servers: int) -> tuple:
+    """Splits tensors of ``counts`` elements (one flat float32 vector, in order) into
+    ``servers`` contiguous shards balanced by bytes. Returns, per server, a tuple of pieces
+    (tensor index, offset in the tensor, count, offset in the shard); every element of every
+    tensor is in exactly one piece. Pure."""
+    if servers < 1:
+        raise ValueError(f"servers must be >= 1, got {servers}")
+    total = int(sum(counts))
+    starts = np.cumsum([0] + [int(c) for c in counts])
+    shards = []
+    for lo, n in partition(total, servers):
+        pieces, hi = [], lo + n
+        for t, count in enumerate(counts):
+            a, b = max(lo, int(starts[t])), min(hi, int(starts[t]) + int(count))
+            if a < b:
+                pieces.append((t, a - int(starts[t]), b - a, a - lo))
+        shards.append(tuple(pieces))
+    return tuple(shards)
+
+
+class Layout:
+    """Where things are in one server's window, for a shard of ``count`` floats and
+    ``workers`` workers."""
+
+    def __init__(self, count: int, workers: int):
+        self.count, self.workers = count, workers
+        self.control, self.params, self.grads, self.nbytes = layout(
+            (CONTROL_WORDS + 3 * workers, np.int64), (count, np.float32), (count, np.float32))
+
+    def pending(self, w: int) -> int:
+        return CONTROL_WORDS + w
+
+    def applied(self, w: int) -> int:
+        return CONTROL_WORDS + self.workers + w
+
+    def done(self, w: int) -> int:
+        return CONTROL_WORDS + 2 * self.workers + w
+
+
+class ParameterServer:
+    """The servers and workers of one job over ``comm`` (every rank constructs it, a
+    collective): the last ``num_servers`` ranks are servers, the others workers. ``counts``:
+    element counts of the float32 tensors shared (the same on every rank); ``initial_flat``:
+    every tensor concatenated, from which each server takes its shard (zeros when None)."""
+
+    def __init__(self, comm, num_servers: int, counts: Sequence[int],
+                 initial_flat: Optional[np.ndarray] = None):
+        size = comm.Get_size()
+        if not 1 <= num_servers < size:
+            raise ValueError(f"num_servers must be between 1 and the number of ranks - 1 "
+                             f"({size - 1}), got {num_servers}")
+        self.comm, self.rank = comm, comm.Get_rank()
+        g = runtime.group() if runtime.is_initialized() else None
+        self.group = g if g is not None and g.comm == comm else None  # watched collectives
+        self.board = board_of(g)
+        self.num_workers = size - num_servers
+        self.servers = tuple(range(self.num_workers, size))
+        self.is_server = self.rank >= self.num_workers
+        self.shards = shard_map(counts, num_servers)
+        self.counts = tuple(int(c) for c in counts)
+        self.layouts = tuple(Layout(sum(p[2] for p in s), self.num_workers)
+                             for s in self.shards)
+        self.index = self.rank - self.num_workers if self.is_server else None
+        mine = self.layouts[self.index] if self.is_server else None
+        self.window = Window(comm, mine.nbytes if mine else 0)
+        if self.is_server and initial_flat is not None:
+            with self.window.locked(self.rank, exclusive=True):
+                self.window.local(mine.params)[...] = self.gather_shard(initial_flat,
+                                                                        self.index)
+        self.barrier("ps: initial shards published")  # before any pull
+
+    def barrier(self, name: str) -> None:
+        """A barrier over ``comm`` named ``name`` under the watchdog. Collective."""
+        with collective(self.group, name):
+            self.comm.Barrier()
+
+    # ---- flat vector <-> shards --------------------------------------------------------
+
+    def gather_shard(self, flat: np.ndarray, s: int) -> np.ndarray:
+        """Server ``s``'s part of the full flat vector ``flat``."""
+        starts = np.cumsum((0,) + self.counts)
+        out = np.empty(self.layouts[s].count, np.float32)
+        for t, off, n, at in self.shards[s]:
+            out[at:at + n] = flat[starts[t] + off:starts[t] + off + n]
+        return out
+
+    def scatter_shard(self, shard: np.ndarray, s: int, flat: np.ndarray) -> None:
+        starts = np.cumsum((0,) + self.counts)
+        for t, off, n, at in self.shards[s]:
+            flat[starts[t] + off:starts[t] + off + n] = shard[at:at + n]
+
+    def read(self, k: int, shard: Optional[np.ndarray], control: np.ndarray) -> None:
+        """Server ``k``'s control words and (unless None) published shard, read together
+        (one shared epoch: Note [Publishing a shard]). Any rank may read."""
+        s, lay = self.servers[k], self.layouts[k]
+        with self.window.locked(s):
+            self.window.get_atomic(control, s, lay.control)
+            if shard is not None:
+                self.window.get(shard, s, lay.params)
+
+    def controls(self) -> list:
+        """Buffers for every server's control words."""
+        return [np.empty(CONTROL_WORDS + 3 * lay.workers, np.int64) for lay in self.layouts]
+
+    def read_all(self, flat: np.ndarray) -> list:
+        """Every server's published parameters into ``flat`` (no staleness wait); returns
+        the version each shard was read at."""
+        versions = []
+        for k, (lay, control) in enumerate(zip(self.layouts, self.controls())):
+            shard = np.empty(lay.count, np.float32)
+            self.read(k, shard, control)
+            self.scatter_shard(shard, k, flat)
+            versions.append(int(control[VERSION]))
+        return versions
+
+    def free(self) -> None:
+        """Collective over ``comm``."""
+        with collective(self.group, "ps: freeing the window"):
+            self.window.free()
+
+
+class Worker:
+    """A worker's side: ``pull`` parameters (waiting for SSP), ``push`` gradients, take the
+    next batch of an epoch, and say it has finished the epoch. ``staleness``: S (None: fully
+    asynchronous)."""
+
+    def __init__(self, ps: ParameterServer, staleness: Optional[int]):
+        assert not ps.is_server
+        self.ps, self.staleness, self.w = ps, staleness, ps.rank
+        self.steps = 0               # pushes this epoch (this worker's clock)
+        self.pulled_versions = [0] * len(ps.servers)
+        self.staleness_seen: list = []   # per push: server updates since the pull it used
+
+    def next_batch(self) -> int:
+        """The next batch number of this epoch, shared among the workers (fetch-and-add on
+        the first server): a fast worker takes more batches."""
+        s0, lay = self.ps.servers[0], self.ps.layouts[0]
+        with self.ps.board.waiting(("ps worker: taking the next batch from server rank {}", s0)):
+            with self.ps.window.locked(s0):
+                return self.ps.window.fetch_add(s0, lay.control, NEXT_BATCH, 1)
+
+    @timeline.traced("pull")
+    def pull(self, flat: np.ndarray) -> None:
+        """Fills ``flat`` (every tensor concatenated) with the servers' parameters, first
+        waiting (SSP) until every worker has at least (steps - S) pushes applied, or, if it
+        has finished the epoch, all of its pushes. Only control words are polled; the
+        applied counts only grow within an epoch, so the shards read afterwards satisfy it."""
+        what = ("ps worker: pull, waiting until every worker has at least {} pushes applied "
+                "(staleness {})", self.steps - self.staleness, self.staleness) \
+            if self.staleness is not None else ("ps worker: pull",)
+        with self.ps.board.waiting(what):
+            self._pull(flat)
+
+    def _pull(self, flat: np.ndarray) -> None:
+        ps = self.ps
+        controls = ps.controls()
+        while self.staleness is not None:
+            for k in range(len(ps.servers)):
+                ps.read(k, None, controls[k])
+            lay0 = ps.layouts[0]
+            done = controls[0][lay0.done(0):lay0.done(0) + lay0.workers]  # final steps + 1
+            need = np.full(lay0.workers, self.steps - self.staleness, np.int64)
+            need = np.where(done > 0, np.minimum(need, done - 1), need)
+            if all((c[lay.applied(0):lay.applied(0) + lay.workers] >= need).all()
+                   for c, lay in zip(controls, ps.layouts)):
+                break
+            time.sleep(IDLE_SLEEP_S)
+        self.pulled_versions = ps.read_all(flat)
+
+    @timeline.traced("push")
+    def push(self, grad_flat: np.ndarray, scale_by_staleness: bool = False) -> None:
+        """Adds this worker's gradient into every server's accumulator, counted once. Its
+        staleness (server updates since the pull it was computed from) is recorded; with
+        ``scale_by_staleness`` the gradient is divided by it first (Zhang et al. 2016)."""
+        with self.ps.board.waiting(("ps worker: push {} of this epoch", self.steps + 1)):
+            worst = self._push(grad_flat, scale_by_staleness)
+        self.staleness_seen.append(worst)
+        self.steps += 1
+
+    def _push(self, grad_flat: np.ndarray, scale_by_staleness: bool) -> int:
+        ps, win = self.ps, self.ps.window
+        worst = 0
+        for k, s in enumerate(ps.servers):
+            lay = ps.layouts[k]
+            part = ps.gather_shard(grad_flat, k)
+            with win.locked(s):
+                stale = win.fetch_add(s, lay.control, VERSION, 0) - self.pulled_versions[k]
+                if scale_by_staleness and stale > 1:
+                    part *= np.float32(1.0 / stale)
+                win.accumulate(part, s, lay.grads)
+                win.fetch_add(s, lay.control, lay.pending(self.w), 1)
+            worst = max(worst, stale)
+        return worst
+
+    def finish_epoch(self) -> None:
+        """This worker has pushed its last gradient of the epoch: its final step count is
+        published (others wait for those pushes, no more) and its clock restarts."""
+        ps, win = self.ps, self.ps.window
+        lay0 = ps.layouts[0]
+        with ps.board.waiting(("ps worker: telling the servers it finished the epoch",)):
+            with win.locked(ps.servers[0]):
+                win.fetch_add(ps.servers[0], lay0.control, lay0.done(self.w), self.steps + 1)
+            self.steps = 0
+            for k, s in enumerate(ps.servers):
+                with win.locked(s):
+                    win.fetch_add(s, ps.layouts[k].control, FINISHED, 1)
+
+
+class Server:
+    """A server's side: ``serve_epoch`` drains pushes, calls ``apply(shard_params,
+    gradient_sum, pushes)`` (which updates ``shard_params`` in place) and publishes, until
+    every worker has finished the epoch and every push is applied."""
+
+    def __init__(self, ps: ParameterServer):
+        assert ps.is_server
+        self.ps = ps
+        self.epoch_pushes = 0
+        self.lay = ps.layouts[ps.index]
+        self.applies = 0
+        self.pushes = 0
+        self.busy_s = 0.0
+
+    def params(self) -> np.ndarray:
+        """A copy of this server's published shard."""
+        win = self.ps.window
+        with win.locked(self.ps.rank, exclusive=True):
+            return win.local(self.lay.params).copy()
+
+    def serve_epoch(self, apply: Callable[[np.ndarray, np.ndarray, int], None]) -> None:
+        board = self.ps.board
+        with board.waiting(("ps server: waiting for a push, or for every worker to finish the "
+                            "epoch",)):
+            self._serve(apply, board)
+
+    def _serve(self, apply, board) -> None:
+        ps, win, lay = self.ps, self.ps.window, self.lay
+        me = ps.rank
+        control_of = win.local(lay.control)
+        workers = slice(CONTROL_WORDS, CONTROL_WORDS + lay.workers)
+        grads = np.empty(lay.count, np.float32)
+        while True:
+            with win.locked(me, exclusive=True):  # Note [Publishing a shard]: drain
+                pending = control_of[workers].copy()
+                finished = int(control_of[FINISHED])
+                if pending.any():
+                    grads[...] = win.local(lay.grads)
+                    win.local(lay.grads)[...] = 0
+                    control_of[workers] = 0
+                params = win.local(lay.params).copy() if pending.any() else None
+            if params is None:
+                if finished >= lay.workers:
+                    return
+                time.sleep(IDLE_SLEEP_S)
+                continue
+            t0 = time.perf_counter()
+            n = int(pending.sum())
+            with timeline.span("apply", {"pushes": n}):
+                apply(params, grads, n)
+            with win.locked(me, exclusive=True):  # publish
+                win.local(lay.params)[...] = params
+                applied = slice(lay.applied(0), lay.applied(0) + lay.workers)
+                control_of[applied] += pending
+                control_of[VERSION] += 1
+            self.applies += 1
+            self.pushes += n
+            self.epoch_pushes += n
+            self.busy_s += time.perf_counter() - t0
+            board.progress()
+
+    def reset_epoch(self) -> None:
+        """Between epochs, when no worker is active: clocks, flags and the batch counter."""
+        win, lay = self.ps.window, self.lay
+        self.epoch_pushes = 0
+        with self.ps.board.waiting(("ps server: resetting its epoch counters",)):
+            with win.locked(self.ps.rank, exclusive=True):
+                control = win.local(lay.control)
+                version = control[VERSION]
+                control[...] = 0
+                control[VERSION] = version

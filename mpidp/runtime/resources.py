@@ -1,0 +1,163 @@
+"""What collectives use on top of a group's topology: the watchdog's board (and thread), the
+node's shared-memory context, the transports of the ring, and the facts the algorithm choices
+read. Made by ``mpidp.init`` for its group and handed down to every collective."""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any, Callable, Optional
+
+from ..engine import exchange, header, host_ops
+from .. import config
+from . import timeline
+from ..algorithms import HOST, Facts, choose
+from ..engine.shm import ShmContext
+from .topology import Topology
+from .watchdog import Board, Watchdog, collective
+
+
+# Note [Stopping the users first]
+# A thread of mpidp's own may be inside a collective when the group is freed: DDP's
+# communication thread waits in the shared-memory protocol for a bucket when Ctrl-C ends the
+# main thread, whose exit then runs mpidp.shutdown (atexit). Freeing the windows under it
+# would make it read unmapped memory (a segfault). So such a thread registers a stop with the
+# resources (add_user), and free, before it frees anything, closes the shared-memory context
+# (every wait in it ends at its next poll, Note [Interrupting a wait] in csrc/shm.c, and no
+# call enters again), then stops and joins each registered thread. One that does not end
+# (waiting in an MPI call) leaves everything unfreed: a leak at exit, never a segfault.
+
+
+class Resources:
+    """Owned by one group (``topo``); every method that communicates is collective over it."""
+
+    def __init__(self, topo: Topology, cfg: config.Config):
+        self.topo = topo  # the group itself (mpidp.runtime.Group), as collectives see it
+        self.board = Board(cfg.debug)  # Note [Watchdog] in mpidp/runtime/watchdog.py
+        ext = host_ops.EXTENSION
+        self.facts = Facts(
+            size=topo.size, single_node=topo.single_node, shm=ext is not None,
+            hier_min_bytes=cfg.hier_min_bytes, default=cfg.algorithm,
+            doubling_max_bytes=cfg.doubling_max_bytes,
+            one_per_node=topo.node_count == topo.size,
+            inline_bytes=min(cfg.shm_inline_bytes, ext.SHM_INLINE_BYTES) if ext else 0,
+            max_segments=ext.SHM_MAX_SEGMENTS if ext else 0)
+        self._shm: Optional[ShmContext] = None
+        self._transports: dict = {}
+        self._users: list = []  # Note [Stopping the users first]
+        self._stuck = False
+        self.watchdog: Optional[Watchdog] = None
+        # Note [Small all-reduce in one call] in csrc/small.c: the C call that is the whole
+        # in-place all-reduce of a small numpy array, once the node's context exists, where
+        # auto means shm and nothing else must see every call (debug headers, the timeline)
+        self.fast_allreduce: Optional[Callable] = None
+        self.fast_max_bytes = 0  # the largest array it takes
+        self._fast_ok = (topo.size > 1 and choose(HOST, "auto", self.facts, 8).name == "shm"
+                         and not cfg.debug and not timeline.ON)
+        self.checked = None  # across nodes, one rank per node: csrc/exchange.c's context
+        if topo.size > 1 and self.facts.one_per_node and not cfg.debug and not timeline.ON \
+                and choose(HOST, "auto", self.facts, 8).name == "doubling":
+            self._make_checked(cfg)
+
+    def _make_checked(self, cfg: config.Config) -> None:
+        """The C call across nodes, where every rank could make it (agreed: one collective
+        step), taking arrays of any size in chunks between two nodes (Note [Chunks after the
+        record] in csrc/exchange.c; Note [Auto choice] in mpidp/algorithms.py)."""
+        from mpi4py import MPI  # deferred for cost, as everywhere
+        topo = self.topo
+        chunks = topo.size == 2
+        inline = cfg.doubling_max_bytes - 1
+        try:  # whatever happens on this rank, the others must hear of it: no raise here
+            ctx = exchange.c_context(topo.comm, inline, sys.maxsize if chunks else inline,
+                                    self.board)
+        except Exception:  # noqa: BLE001 - any failure means: the Python path
+            ctx = None
+        if not topo.comm.allreduce(int(ctx is not None), op=MPI.MIN):
+            return  # a rank without it: the Python path everywhere, alike
+        self.checked = ctx
+        self.fast_allreduce = ctx.allreduce_array
+        self.fast_max_bytes = sys.maxsize if chunks else inline
+        self.facts = self.facts._replace(checked_chunks=chunks)
+
+    def start_watchdog(self, timeout_s: float) -> None:
+        """Starts the watching thread (collective; only where there is more than one rank)."""
+        if self.topo.size > 1:
+            self.watchdog = Watchdog(self.topo, timeout_s)
+
+    def shm(self) -> Optional[ShmContext]:
+        """The node's shared-memory context (None without the C extension): collective on
+        first use, watched as a collective of its own when none is under way."""
+        if self._shm is None and self.facts.shm:
+            if self.board.seq == self.board.done:
+                with collective(self.topo, "shared-memory set-up", check=False):
+                    self._shm = ShmContext(self.topo.node_comm, self.facts.inline_bytes)
+            else:
+                self._shm = ShmContext(self.topo.node_comm, self.facts.inline_bytes)
+            if self._fast_ok:
+                self._shm.c.set_board(self.board)
+                self.fast_allreduce = self._shm.c.allreduce_array
+                self.fast_max_bytes = self.facts.inline_bytes
+        return self._shm
+
+    def fast_disagreed(self, done) -> None:
+        """Raises on every rank after ``fast_allreduce`` found that the ranks' inputs disagree
+        (``done``: what it returned)."""
+        if self.checked is not None:
+            exchange.disagreed(self.topo, done[1], "allreduce", None)
+        if not self.shm().check(done[0], done[1], "allreduce"):
+            raise header.mismatch_error("allreduce", done[1], self.topo.rank)
+
+    def exchange(self, hdr: tuple, operation: str, local_error: Optional[BaseException] = None,
+                 data=None, dtype: int = 0, op: int = 0):
+        """The check every collective starts with (mpidp.engine.exchange.exchange): every rank's free
+        word, or an error raised on every rank. Collective."""
+        return exchange.exchange(self, hdr, operation, local_error, data, dtype, op)
+
+    def transport(self, key: Any, make: Callable[[], Any]) -> Any:
+        """The transport under ``key`` (a communicator's or a device's), made by ``make`` on
+        first use (collective then)."""
+        t = self._transports.get(key)
+        if t is None:
+            t = self._transports[key] = make()
+        return t
+
+    def add_user(self, stop: Callable[[float], bool]) -> None:
+        """Registers a thread that calls collectives on its own (DDP's communication thread):
+        ``stop(timeout_s)`` ends and joins it, True once it has ended. Note [Stopping the
+        users first]."""
+        self._users.append(stop)
+
+    def stop_users(self, timeout_s: float = 10.0) -> bool:
+        """Note [Stopping the users first]: ends every wait in the shared-memory context,
+        then stops and joins every registered thread. True when all of them ended (also on a
+        later call). This rank only; no communication."""
+        if self._shm is not None:
+            self.fast_allreduce = None
+            self._shm.close()
+        users, self._users = self._users, []
+        self._stuck = not all([stop(timeout_s) for stop in users]) or self._stuck
+        return not self._stuck
+
+    def free(self) -> bool:
+        """Collective: stops the threads that use the resources, frees transports and the
+        node's windows (under the watchdog), then stops the watchdog; True. False, freeing
+        nothing, when a thread did not end: it may still use them, and the watchdog goes on
+        watching the collective it is in."""
+        if not self.stop_users():
+            warnings.warn(f"mpidp: rank {self.topo.rank}: a communication thread did not end "
+                          "at shutdown; mpidp's windows and communicators are left to the "
+                          "process's exit", RuntimeWarning, stacklevel=3)
+            return False
+        for t in self._transports.values():  # NCCL communicators before MPI goes
+            if hasattr(t, "free"):
+                t.free()
+        self._transports.clear()
+        if self._shm is not None:
+            self.fast_allreduce = None
+            with collective(self.topo, "shutdown: freeing the shared-memory windows",
+                            check=False):
+                self._shm.free()
+            self._shm = None
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+        return True

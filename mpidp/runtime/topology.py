@@ -1,0 +1,72 @@
+"""What a group of ranks is: its communicator, this process's rank, the node map and the
+sub-communicators of a node and of the node leaders. Built once by ``mpidp.init`` and fixed
+after it; what collectives use on top of it (shared memory, transports, the watchdog's board)
+is mpidp.runtime.resources."""
+from __future__ import annotations
+
+import socket
+from typing import Any, Optional
+
+import numpy as np
+
+HOST_BYTES = 64  # a host name as the node map keeps it (longer names are cut)
+
+
+class Topology:
+    """``comm`` is mpidp's duplicate of ``user_comm`` (the communicator passed to init);
+    ``node_comm`` holds the ranks of this node (or of an emulated node: ``emulate_node_size``
+    consecutive ranks), ``leader_comm`` the local rank 0 of every node (None on other ranks).
+    ``node_of[r]`` is rank r's node index and ``hosts[k]`` node k's host name (its local rank
+    0's; an emulated node: "HOST/k"), so that a report can name a node whose ranks are gone;
+    ``node_ranks`` the ranks of this node in local-rank order.
+    Collective: every rank of ``user_comm`` constructs it together."""
+
+    __slots__ = ("user_comm", "comm", "rank", "size", "node_comm", "leader_comm", "local_rank",
+                 "local_size", "node_count", "node_index", "node_of", "hosts", "node_ranks")
+
+    def __init__(self, user_comm: Any, emulate_node_size: int = 0):
+        from mpi4py import MPI  # deferred for cost: import mpidp starts no MPI
+        self.user_comm = user_comm
+        self.comm = comm = user_comm.Dup()
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        if emulate_node_size > 0:
+            self.node_comm = comm.Split(self.rank // emulate_node_size, self.rank)
+        else:
+            self.node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, self.rank)
+        self.local_rank, self.local_size = self.node_comm.Get_rank(), self.node_comm.Get_size()
+        is_leader = self.local_rank == 0
+        leaders = comm.Split(0 if is_leader else MPI.UNDEFINED, self.rank)
+        self.leader_comm: Optional[Any] = leaders if is_leader else None
+        self.node_count = comm.allreduce(1 if is_leader else 0)
+        self.node_index = self.node_comm.bcast(leaders.Get_rank() if is_leader else -1, root=0)
+        self.node_of, self.hosts = self._node_map(comm, emulate_node_size)
+        self.node_ranks = tuple(r for r in range(self.size) if self.node_of[r] == self.node_index)
+
+    def _node_map(self, comm, emulate_node_size: int) -> tuple:
+        """(node index of every rank, host name of every node): one Allgather of fixed-size
+        records (no pickle)."""
+        host = socket.gethostname()
+        if emulate_node_size > 0:
+            host = f"{host}/{self.node_index}"
+        mine = np.zeros(8 + HOST_BYTES, np.uint8)
+        mine[:8] = np.frombuffer(np.int64(self.node_index).tobytes(), np.uint8)
+        name = host.encode()[:HOST_BYTES]
+        mine[8:8 + len(name)] = np.frombuffer(name, np.uint8)
+        everyone = np.empty((self.size, mine.size), np.uint8)
+        comm.Allgather(mine, everyone)
+        node_of = tuple(int(v) for v in everyone[:, :8].copy().view(np.int64)[:, 0])
+        hosts = [""] * self.node_count
+        for r in range(self.size):
+            if not hosts[node_of[r]]:
+                hosts[node_of[r]] = bytes(everyone[r, 8:]).rstrip(b"\0").decode(errors="replace")
+        return node_of, tuple(hosts)
+
+    @property
+    def single_node(self) -> bool:
+        return self.node_count == 1
+
+    def free(self) -> None:
+        """Frees mpidp's communicators (collective)."""
+        for c in (self.node_comm, self.leader_comm, self.comm):
+            if c is not None:
+                c.Free()

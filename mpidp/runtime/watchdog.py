@@ -1,0 +1,393 @@
+"""The watchdog: the board on which every blocking mpidp operation is posted (which one, its
+sequence number on the group), and the thread that aborts the job with a report naming the
+ranks that had and had not arrived when an operation has waited longer than MPIDP_TIMEOUT_S.
+
+Note [Watchdog]
+Every collective on the group publishes its handshake header on this process's ``Board``
+(``seq`` counts collectives, so the same collective has the same number on every rank) and
+marks it done when it returns, whatever the outcome; the parameter server posts its one-sided
+waits (pull, push, a server waiting for pushes, epoch-end reads) on a second lane. That is
+the whole cost on the hot path: a few attribute stores per collective, no clock, no lock, no
+wake-up. One thread per process wakes every ``interval_s`` (1 s, or a quarter of the timeout
+if that is shorter) and compares the board with what it saw before: an operation seen under
+way for MPIDP_TIMEOUT_S (measured from the first sample that saw it, so never early) is a
+stall. The thread then asks every other rank's watchdog thread for its board, over a private
+duplicate of the group's communicator (a query and a reply of point-to-point messages that
+the thread itself progresses, so they are answered while the main thread computes, sleeps or
+waits inside MPI or the shared-memory protocol), waits at most ``grace_s`` for the answers,
+prints one report on stderr and aborts the job with exit code 124, as coreutils' ``timeout``
+does (mpidp.runtime.abort: Note [Forwarding before abort]).
+A rank asked first postpones its own report, so one rank normally speaks.
+
+Progress: MPICH moves a message only while the receiving process is inside MPI. Each
+watchdog thread enters MPI at every wake (it tests for questions), so questions are answered
+within one interval whatever the main thread does — computing, sleeping, spinning in the
+shared-memory protocol (which is not MPI) or blocked in an MPI call (which, at
+MPI_THREAD_MULTIPLE, does not keep another thread out). Those wakes also progress the
+parameter server's one-sided operations a little, harmlessly.
+
+What the report can know: every rank that answers says what it is in (collective number and
+header, or a parameter-server wait) or that it is in none since collective #k (its own code:
+computing, loading data, stalled), and for how long. A rank that does not answer within
+``grace_s`` has exited, is stopped, or holds Python's GIL in a long C call; across nodes a
+lost node or network looks the same, and the report cannot tell these apart. Without
+MPI_THREAD_MULTIPLE the thread cannot ask, and the report holds this rank's view only. A
+dead process is usually reported sooner by the launcher (Hydra ends the job at once).
+
+Why 180 s by default: the watchdog must outwait every legitimate wait inside an operation,
+and those are the waits for one rank doing work the others do not — rank 0 writing a
+checkpoint (the model and optimizer state of a billion float32 parameters is 12 GB: about
+a minute on shared storage at 200 MB/s) or evaluating alone in a user's script, a slow first
+import or data download on one rank. Three minutes covers them with margin and still reports
+a hang in a third of the time PyTorch's NCCL watchdog takes (10 minutes; gloo waits 30).
+Longer legitimate waits: raise MPIDP_TIMEOUT_S."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..engine import header
+from .abort import abort_job
+
+EXIT_CODE = 124                        # the job was ended for waiting too long
+QUERY_TAG, REPLY_TAG = 0x7764, 0x7765  # "wd", on the watchdog's own communicator
+REPLY_BYTES = 1024  # a JSON state: two descriptions of at most 300 characters and a few numbers
+COLLECTIVE, ONE_SIDED = 0, 1           # the board's lanes
+
+
+class Board:
+    """What this process is waiting in (Note [Watchdog]), written by the thread that waits
+    and read by the watchdog thread. Collectives on the group: ``seq`` counts them, ``done``
+    is the last one returned, ``what`` the current one's header (or name) and ``context``
+    what it serves (a format string and its arguments, formatted only for a report).
+    One-sided waits: ``pseq``, ``pdone``, ``pwhat``. An operation is under way while
+    ``seq != done`` (``pseq != pdone``)."""
+
+    __slots__ = ("debug", "seq", "done", "what", "context", "pseq", "pdone", "pwhat")
+
+    def __init__(self, debug: bool = False):
+        self.debug = debug
+        self.seq = self.done = self.pseq = self.pdone = 0
+        self.what = self.context = self.pwhat = None
+
+    def publish(self, hdr: tuple) -> tuple:
+        """Starts collective number ``seq + 1`` with header ``hdr`` and returns the header
+        to exchange (carrying its call site in debug mode: Note [Debug fingerprints] in
+        mpidp/engine/header.py). The caller sets ``done = seq`` when the collective returns."""
+        self.seq += 1
+        if self.debug:
+            hdr = header.with_site(hdr, header.call_site())
+        self.what = hdr
+        return hdr
+
+    @contextlib.contextmanager
+    def waiting(self, what: tuple):
+        """A one-sided wait (not nested) under the watchdog; ``what`` names it: a format
+        string and its arguments."""
+        self.pseq += 1
+        self.pwhat = what
+        try:
+            yield self
+        finally:
+            self.pdone = self.pseq
+
+    def progress(self) -> None:
+        """The current one-sided wait made progress (a server applied a push): its clock
+        starts again."""
+        self.pseq += 1
+
+
+_IDLE_BOARD = Board()  # for code that runs without mpidp.init (nobody watches it)
+
+
+def board_of(g) -> Board:
+    """The board of group ``g`` (None: the board nobody watches)."""
+    return _IDLE_BOARD if g is None else g.board
+
+
+@contextlib.contextmanager
+def collective(g, name: str, check: bool = True):
+    """Runs its body — an object collective or a barrier on the group's communicator, which
+    every rank of ``g`` enters in the same order — as the group's next collective under the
+    watchdog, named ``name``; in debug mode with ``check`` a header naming it is exchanged
+    first. ``g`` None: runs the body unwatched (communication outside any mpidp group)."""
+    if g is None:
+        yield
+        return
+    b = g.board
+    hdr = b.publish(header.other_header(name))
+    try:
+        if check and b.debug and g.size > 1:
+            g.resources.exchange(hdr, name)
+        yield
+    finally:
+        b.done = b.seq
+
+
+def describe(what, context=None) -> str:
+    """A board entry in words: a handshake header, or a format string and its arguments
+    (formatted only here, for a report), and what it serves."""
+    if isinstance(what, tuple) and what and isinstance(what[0], str):
+        text = what[0].format(*what[1:])
+    else:
+        text = header.describe(what) if isinstance(what, tuple) else str(what)
+    if context:
+        text += f" ({describe(context)})"
+    return text[:300]
+
+
+class Sampler:
+    """What each lane of ``board`` has shown since when, as far as samples tell (a state
+    first seen at a sample began at most one interval before it)."""
+
+    def __init__(self, board: Board, timeout_s: float, now: float):
+        self.board, self.timeout_s = board, timeout_s
+        self.seen = [((0, 0), now), ((0, 0), now)]  # per lane: ((seq, done), since)
+
+    def sample(self, now: float) -> Optional[int]:
+        """Records the board at ``now``; returns the first lane whose operation has been
+        under way for ``timeout_s`` or more, else None."""
+        b = self.board
+        stalled = None
+        for lane, key in enumerate(((b.seq, b.done), (b.pseq, b.pdone))):
+            if self.seen[lane][0] != key:
+                self.seen[lane] = (key, now)
+            elif key[0] != key[1] and now - self.seen[lane][1] >= self.timeout_s:
+                stalled = lane if stalled is None else stalled
+        return stalled
+
+
+class Watchdog:
+    """The watching thread of one process (Note [Watchdog]). Collective over the group to
+    construct (it duplicates the communicator) and to ``stop``."""
+
+    def __init__(self, g, timeout_s: float):
+        from mpi4py import MPI
+        self._MPI = MPI
+        self.g, self.board, self.timeout_s = g, g.board, timeout_s
+        self.interval_s = min(1.0, timeout_s / 4)
+        self.grace_s = 2 * self.interval_s + 1.0
+        self.can_ask = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        self.comm = g.comm.Dup() if self.can_ask else None
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.sampler = Sampler(self.board, timeout_s, time.monotonic())
+        self._defer_until = 0.0
+        self._sends: list = []
+        self._query_buf = np.zeros(2, np.int64)  # (asking rank, its round of questions)
+        self._round = 0
+        self._query = self._post_query()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="mpidp-watchdog", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Ends the thread and frees its communicator (before MPI finalises)."""
+        self._stop.set()
+        self.thread.join()
+        if self.comm is not None:
+            self._query.Cancel()
+            self._query.Wait()
+            self.comm.Free()
+            self.comm = None
+
+    # ---- the thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.interval_s) and not self._MPI.Is_finalized():
+                now = time.monotonic()
+                self._answer(now)
+                lane = self.sampler.sample(now)
+                if lane is not None and now >= self._defer_until:
+                    self._fire(lane, now)
+        except Exception as exc:  # a broken watchdog must not take the job down
+            sys.stderr.write(f"mpidp: rank {self.g.rank}: the watchdog stopped: "
+                             f"{type(exc).__name__}: {exc}\n")
+
+    def state(self, now: float) -> dict:
+        """This rank's board as the report shows it."""
+        self.sampler.sample(now)
+        b = self.board
+        ((seq, done), since), ((pseq, pdone), psince) = self.sampler.seen
+        return {"rank": self.g.rank, "host": self.host, "pid": self.pid, "seq": seq,
+                "in": seq != done, "for_s": now - since,
+                "what": describe(b.what, b.context) if seq != done else None,
+                "pin": pseq != pdone, "pfor_s": now - psince,
+                "pwhat": describe(b.pwhat) if pseq != pdone else None}
+
+    def _post_query(self):
+        if self.comm is None:
+            return None
+        return self.comm.Irecv(self._query_buf, self._MPI.ANY_SOURCE, QUERY_TAG)
+
+    def _answer(self, now: float) -> list:
+        """Replies to every rank that asked for this board; returns who asked."""
+        if self.comm is None:
+            return []
+        asked = []
+        status = self._MPI.Status()
+        while self._query.Test(status):
+            src = status.Get_source()
+            asked.append(src)
+            # the asking rank is reporting: let it speak first
+            self._defer_until = max(self._defer_until, now + 2 * self.grace_s + 1.0)
+            answer = dict(self.state(now), round=int(self._query_buf[1]))
+            data = json.dumps(answer).encode()
+            if len(data) > REPLY_BYTES:  # never cut the JSON: shorten the descriptions
+                answer.update({k: answer[k] and answer[k][:60] for k in ("what", "pwhat")})
+                data = json.dumps(answer).encode()[:REPLY_BYTES]
+            reply = np.zeros(REPLY_BYTES, np.uint8)
+            reply[:len(data)] = np.frombuffer(data, np.uint8)
+            self._sends.append((self.comm.Isend(reply, src, REPLY_TAG), reply))
+            self._query = self._post_query()
+        self._sends = [(r, buf) for r, buf in self._sends if not r.Test()]
+        return asked
+
+    def _ask_everyone(self, states: dict) -> bool:
+        """Fills ``states`` with every rank's answer (None: none within grace_s); returns
+        whether a lower rank is reporting too (it then speaks first)."""
+        me, comm = self.g.rank, self.comm
+        self._round += 1
+        others = [r for r in range(self.g.size) if r != me]
+        question = np.array([me, self._round], np.int64)
+        buffers = {r: np.zeros(REPLY_BYTES, np.uint8) for r in others}
+        pending = {r: comm.Irecv(buffers[r], r, REPLY_TAG) for r in others}
+        self._sends += [(comm.Isend(question, r, QUERY_TAG), question) for r in others]
+        lower_reports = False
+        deadline = time.monotonic() + self.grace_s
+        while pending and time.monotonic() < deadline:
+            for r in [r for r, req in pending.items() if req.Test()]:
+                text = bytes(buffers[r]).rstrip(b"\0").decode(errors="replace")
+                buffers[r][...] = 0
+                try:
+                    answer = json.loads(text)
+                except ValueError:
+                    answer = None
+                if answer is not None and answer.get("round") != self._round:
+                    pending[r] = comm.Irecv(buffers[r], r, REPLY_TAG)  # a late earlier one
+                    continue
+                states[r] = answer
+                del pending[r]
+            lower_reports |= any(r < me for r in self._answer(time.monotonic()))
+            time.sleep(0.005)
+        for r, req in pending.items():
+            req.Cancel()
+            req.Wait()
+            states[r] = None
+        return lower_reports
+
+    def _fire(self, lane: int, now: float) -> None:
+        mine = self.state(now)
+        states = {self.g.rank: mine}
+        lower_reports = self._ask_everyone(states) if self.comm is not None else False
+        if self.sampler.sample(time.monotonic()) != lane:
+            return  # the operation completed while the others were asked: no stall after all
+        text = report(self.g.rank, lane, states, self.g.size, self.timeout_s, self.grace_s,
+                      self.can_ask, self.g.node_of, self.g.hosts)
+        if lower_reports:  # its abort normally ends this process before the sleep does
+            time.sleep(self.grace_s + 2.0)
+        abort_job(text, EXIT_CODE)
+
+
+# ---- the report ----------------------------------------------------------------------------
+
+def _ranks(rs: list, silent: tuple = ()) -> str:
+    """"ranks 0, 2", a rank in ``silent`` marked as not answering."""
+    if not rs:
+        return "none"
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(
+        f"{r} (no answer)" if r in silent else str(r) for r in rs)
+
+
+def _state_text(s: Optional[dict], grace_s: float) -> str:
+    if s is None:
+        return (f"no answer within {grace_s:.0f} s: the process has exited, is stopped, or "
+                "holds Python's GIL in a long C call (or its node is unreachable)")
+    if s["in"]:
+        text = f"in collective #{s['seq']}, {s['what']}, for {s['for_s']:.1f} s"
+        return text + (f"; in {s['pwhat']} for {s['pfor_s']:.1f} s" if s["pin"] else "")
+    if s["pin"]:
+        return f"in {s['pwhat']}, for {s['pfor_s']:.1f} s (its last collective: #{s['seq']})"
+    return (f"in no mpidp operation for {min(s['for_s'], s['pfor_s']):.1f} s (its last "
+            f"collective: #{s['seq']}): in its own code (computing, loading data, or stalled "
+            "there)")
+
+
+def _lost_nodes(silent: tuple, node_of: Sequence[int], hosts: Sequence[str]) -> list:
+    """A line for each node none of whose ranks answered (of several nodes)."""
+    lines = []
+    for k, host in enumerate(hosts if len(hosts) > 1 else ()):
+        ranks = [r for r, node in enumerate(node_of) if node == k]
+        if ranks and all(r in silent for r in ranks):
+            lines.append(f"  node {host}: no answer from any of its {_ranks(ranks)}: the node "
+                         "is lost or unreachable (its processes died, or its network)")
+    return lines
+
+
+def _uneven_inputs(answered: dict) -> list:
+    """A hint where some ranks wait in an all-reduce (a gradient's) while others have
+    finished (in mpidp's shutdown): uneven inputs."""
+    reducing = sorted(r for r, s in answered.items()
+                      if s["in"] and str(s["what"]).startswith("allreduce"))
+    done = sorted(r for r, s in answered.items()
+                  if s["in"] and str(s["what"]).startswith("shutdown"))
+    if not reducing or not done:
+        return []
+    return [f"  uneven inputs? in an all-reduce: {_ranks(reducing)}; finished (in mpidp's "
+            f"shutdown): {_ranks(done)}. If ranks have different numbers of batches, wrap the "
+            "training loop in `with model.join():` (torch's Join, for mpidp's "
+            "DistributedDataParallel and torch's on the mpidp backend)"]
+
+
+def report(me: int, lane: int, states: dict, size: int, timeout_s: float, grace_s: float,
+           asked: bool, node_of: Sequence[int] = (), hosts: Sequence[str] = ()) -> str:
+    """The report of rank ``me``, whose lane ``lane`` stalled, from the states of the ranks
+    (rank -> ``Watchdog.state`` dict, None where a rank did not answer); ``node_of`` and
+    ``hosts``: the node map (Topology), to name a node whose ranks are all silent. Pure."""
+    m = states[me]
+    where = f"rank {me} of {size} on {m['host']}"
+    limit = f"(MPIDP_TIMEOUT_S={timeout_s:g})"
+    lines = []
+    answered = {r: s for r, s in states.items() if s is not None}
+    silent = tuple(sorted(r for r, s in states.items() if s is None))
+    if lane == COLLECTIVE:
+        seq = m["seq"]
+        lines.append(f"mpidp: watchdog: {where}: collective #{seq}, {m['what']}, has not "
+                     f"completed after {m['for_s']:.0f} s {limit}; aborting the job")
+        arrived = sorted(r for r, s in answered.items()
+                         if s["in"] and s["seq"] == seq and s["what"] == m["what"])
+        if asked:
+            lines.append(f"  arrived at collective #{seq}: {_ranks(arrived)}")
+            lines.append(f"  not arrived: "
+                         f"{_ranks(sorted(r for r in states if r not in arrived), silent)}")
+    else:
+        lines.append(f"mpidp: watchdog: {where}: {m['pwhat']} has waited "
+                     f"{m['pfor_s']:.0f} s without progress {limit}; aborting the job")
+        busy = sorted(r for r, s in answered.items() if s["in"] or s["pin"])
+        if asked:
+            lines.append(f"  waiting in an mpidp operation: {_ranks(busy)}")
+            lines.append(f"  in their own code (computing, or stalled there): "
+                         f"{_ranks(sorted(r for r in answered if r not in busy))}")
+        if silent:
+            lines.append(f"  no answer: {_ranks(list(silent))}")
+    lines += _lost_nodes(silent, node_of, hosts)
+    lines += _uneven_inputs(answered)
+    if not asked:
+        lines.append("  other ranks were not asked: MPI runs below MPI_THREAD_MULTIPLE, so the "
+                     "watchdog thread cannot query them")
+    for r in sorted(states):
+        s = states[r]
+        who = f"rank {r} (pid {s['pid']} on {s['host']})" if s is not None else \
+            f"rank {r} (on {hosts[node_of[r]]})" if node_of else f"rank {r}"
+        lines.append(f"  {who}: {_state_text(s, grace_s)}")
+    lines.append("  a rank's Python stack: py-spy dump --pid PID; a longer legitimate wait: "
+                 "raise MPIDP_TIMEOUT_S (docs/troubleshooting.md)")
+    return "\n".join(lines) + "\n"
