@@ -59,7 +59,7 @@ class BucketBase:
         p = plan_bucket(self.where, algorithm, collectives.facts(g, self.where == DEVICE),
                         self.nbytes, len(self.indices), views is not None, op)
         if p.zero_copy:
-            collectives.allreduce_segments_(views, self.dtype, op)
+            collectives.allreduce_segments_(g, views, self.dtype, op)
             return
         self.divisor = g.size if p.divide_in_unpack else 1
         self.pack(sources)
@@ -75,9 +75,9 @@ class BucketBase:
         with self.stream_context():
             self.pack(sources, skip_own_slots=True)
             flat = self.torch_flat(dtype)
-            block = collectives.reduce_scatter(flat, "avg", algorithm if algorithm in
-                                               ("ring", "mpi") else "auto")
             g = runtime.group()
+            block = collectives.reduce_scatter_in(g, flat, "avg", algorithm if algorithm in
+                                                  ("ring", "mpi") else "auto")
             lo, n = partition(len(flat), g.size)[g.rank]
             flat[lo:lo + n].copy_(block)
             for s, o, c in zip(sources, self.offsets, self.counts):
@@ -128,7 +128,7 @@ class Bucket(BucketBase):
         views = [np.zeros(c, np.float32) if s is None else as_host_array(s).flat
                  for s, c in zip(sources, self.counts)]
         host_ops.cast_segments(self.wire, views, wire, self.dtype, before, False)
-        collectives.allreduce_(flat_host_array(self.wire, wire), "sum", algorithm)
+        collectives.allreduce_in(g, flat_host_array(self.wire, wire), "sum", algorithm, True)
         destinations = destinations or [None] * len(self.counts)
         arrays = [None if d is None else as_host_array(d) for d in destinations]
         outs = [self.flat[o:o + c] if a is None else a.flat
@@ -141,7 +141,7 @@ class Bucket(BucketBase):
 
     def allreduce_(self, op: str, algorithm: str) -> None:
         """All-reduces the bucket's buffer in place (collective)."""
-        collectives.allreduce_(self.buffer, op, algorithm)
+        collectives.allreduce_in(runtime.group(), self.buffer, op, algorithm, True)
 
     def capture_stream(self) -> None:
         """Host buffers have no stream to order by (DeviceBucket's capture one)."""

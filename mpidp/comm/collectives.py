@@ -23,6 +23,7 @@ import numpy as np
 from ..engine import header, host_executor
 from .. import runtime
 from ..runtime import timeline
+from ..runtime.frame import Frame
 from ..engine.gpu import executor as device_backend  # imports no CuPy until a device array arrives
 from ..algorithms import DEVICE, HOST, TABLE, check_name, choose
 from ..engine.dtypes import FLOATING, OP_CODES, OPS, as_host_array, empty_like, write_back
@@ -60,7 +61,8 @@ def check_algorithm(algorithm: Any, on_device: bool) -> str:
 def facts(g, on_device: bool):
     """What the algorithm choices read for group ``g`` (mpidp.algorithms.Facts), with the
     device's facts for device arrays."""
-    return device_backend.facts(g) if on_device else g.resources.facts
+    return device_backend.facts(g.resources.links, g.resources.facts) if on_device else \
+        g.resources.facts
 
 
 def check_writable(a) -> None:
@@ -92,16 +94,11 @@ def _increment_version(t) -> None:
 
 
 def refuse(g, kind: int, exc: BaseException) -> None:
-    """This rank's input to collective ``kind`` is bad (``exc``): joins the collective's
-    header exchange with an error code, which raises on every rank (``exc`` here, a
-    MismatchError elsewhere), so no rank waits for it. Alone, returns (the caller raises)."""
-    if g.size > 1:
-        b = g.board
-        try:
-            g.resources.exchange(b.publish(header.error_header(kind, exc)),
-                                 header.KIND_NAMES[kind], exc)
-        finally:
-            b.done = b.seq
+    """This rank's input to collective ``kind`` is bad (``exc``): the collective's frame
+    refuses it (Note [The collective frame] in mpidp/runtime/frame.py), which raises on every
+    rank (``exc`` here, a MismatchError elsewhere). Alone, returns (the caller raises)."""
+    with Frame(g, kind) as f:
+        f.refuse(exc)
 
 
 def allreduce(x: Any, op: str = "sum", algorithm: str = "auto"):
@@ -109,26 +106,37 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto"):
     same type, shape and dtype; ``x`` is unchanged. ``op``: sum, avg, min, max (min and max
     propagate NaN). ``algorithm``: auto, shm, doubling, hier, mpi, ring for host arrays;
     auto, ring, nccl, staged for device arrays (docs/api.md). Every rank must call it."""
-    if algorithm == "auto" and type(x) is np.ndarray:
-        g = runtime.group()
-        if g.resources.fast_allreduce is not None and x.nbytes <= g.resources.fast_max_bytes:
-            y = np.array(x, order="C")  # a copy: the one call reduces it in place
-            if _one_call(g, y, op):
-                return y
-    return _allreduce(x, op, algorithm, False)
+    return allreduce_in(runtime.group(), x, op, algorithm, False)
 
 
 def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
     """In-place ``allreduce``: ``x`` holds the result afterwards, and is returned."""
+    return allreduce_in(runtime.group(), x, op, algorithm, True)
+
+
+# Note [Group-explicit collectives]
+# The public collectives above and below act on the calling context's group
+# (mpidp.runtime.group()); each is a line over its ``*_in`` form, which takes the group
+# explicitly. Every caller inside mpidp that has a group — buckets, fusion, the
+# torch.distributed backend — calls the ``*_in`` form with it: below the public API the group
+# is handed down, never looked up again.
+
+def allreduce_in(g, x: Any, op: str = "sum", algorithm: str = "auto", inplace: bool = False):
+    """``allreduce`` (``allreduce_`` with ``inplace``) over group ``g``."""
     if algorithm == "auto":
-        g = runtime.group()
         fast = g.resources.fast_allreduce  # one C call: csrc/small.c, csrc/checked.c
-        view = None if fast is None else x if type(x) is np.ndarray else _numpy_view(x)
-        if view is not None and _one_call(g, view, op):
-            if view is not x:
-                _increment_version(x)
-            return x
-    return _allreduce(x, op, algorithm, True)
+        if fast is not None and inplace:
+            view = x if type(x) is np.ndarray else _numpy_view(x)
+            if view is not None and _one_call(g, view, op):
+                if view is not x:
+                    _increment_version(x)
+                return x
+        elif fast is not None and type(x) is np.ndarray and \
+                x.nbytes <= g.resources.fast_max_bytes:
+            y = np.array(x, order="C")  # a copy: the one call reduces it in place
+            if _one_call(g, y, op):
+                return y
+    return _allreduce(g, x, op, algorithm, inplace)
 
 
 def _one_call(g, view: np.ndarray, op: str) -> bool:
@@ -163,12 +171,10 @@ def _numpy_view(x: Any):
 
 
 @timeline.traced("allreduce")
-def _allreduce(x, op, algorithm, inplace):
-    g = runtime.group()
+def _allreduce(g, x, op, algorithm, inplace):
     if is_device_array(x):
         return _device_allreduce(g, x, op, algorithm, inplace)
-    b = g.board
-    try:
+    with Frame(g, ALLREDUCE) as f:
         try:
             a = as_host_array(x)
             opc, avg = _op_codes(op, a.dtype)
@@ -178,62 +184,55 @@ def _allreduce(x, op, algorithm, inplace):
             src = a.flat
             out, dst = (a.original, src) if inplace else empty_like(a)
         except Exception as exc:
-            refuse(g, ALLREDUCE, exc)
+            f.refuse(exc)
             raise
         if g.size == 1:
             if dst is not src:
                 dst[...] = src
         else:
-            hdr = b.publish((ALLREDUCE, _HOST_CODES[name], op_word(opc, avg), a.dtype,
-                             len(src), hash(a.shape), 0, 0))
-            host_executor.allreduce(g, name, hdr, src, dst, a.dtype, opc, g.size if avg else 1)
+            hdr = f.publish(header.header(ALLREDUCE, _HOST_CODES[name], op_word(opc, avg),
+                                          a.dtype, len(src), a.shape))
+            host_executor.allreduce(f.links(), name, hdr, src, dst, a.dtype, opc,
+                                    g.size if avg else 1)
         if inplace:
             _wrote(a)
         return out
-    finally:
-        b.done = b.seq
 
 
-def allreduce_segments_(flats: list, dtype: int, op: str) -> None:
+def allreduce_segments_(g, flats: list, dtype: int, op: str) -> None:
     """mpidp-internal: all-reduces the contiguous, writable flat buffers ``flats`` (dtype code
     ``dtype``) in place as one concatenated buffer without packing them, with the shared-memory
     algorithm — where mpidp.engine.planner.plan_bucket said so (Note [Zero-copy buckets] in
-    mpidp/comm/buckets.py). Its header is the one a packed buffer of the same count sends."""
-    g = runtime.group()
+    mpidp/comm/buckets.py). Its header is the one a packed buffer of the same count sends.
+    ``g``: the group."""
     opc, avg = OP_CODES[op]
     count = sum(len(f) for f in flats)
-    b = g.board
-    hdr = b.publish(header.header(ALLREDUCE, _HOST_CODES["shm"], op_word(opc, avg), dtype,
-                                     count, (count,)))
-    try:
-        with timeline.span("allreduce"):
-            host_executor.allreduce_segments(g, hdr, flats, dtype, opc, g.size if avg else 1)
-    finally:
-        b.done = b.seq
+    with Frame(g, ALLREDUCE) as f, timeline.span("allreduce"):
+        hdr = f.publish(header.header(ALLREDUCE, _HOST_CODES["shm"], op_word(opc, avg), dtype,
+                                      count, (count,)))
+        host_executor.allreduce_segments(f.links(), hdr, flats, dtype, opc,
+                                         g.size if avg else 1)
 
 
 def _device_allreduce(g, x, op, algorithm, inplace):
-    b = g.board
     dev = device_backend
     try:
         a = dev.view(x)
         opc, avg = _op_codes(op, a.dtype)
-        row = choose(DEVICE, check_name(algorithm, DEVICE), dev.facts(g), a.flat.nbytes)
+        row = choose(DEVICE, check_name(algorithm, DEVICE), facts(g, True), a.flat.nbytes)
         prepared = None if row.name == "staged" else dev.prepare(a, inplace)
     except Exception as exc:  # ImportError too: CuPy or NCCL missing on this rank
         refuse(g, ALLREDUCE, exc)
         raise
     if prepared is None:  # staged: the host all-reduce posts itself on the board
-        return _staged(g, x, inplace, ALLREDUCE, lambda h: allreduce_(h, op))
-    try:
-        hdr = b.publish(header.header(ALLREDUCE, row.code, op_word(opc, avg), a.dtype,
-                                         len(a.flat), a.shape))
-        dev.allreduce(g, row.name, hdr, a, prepared, opc, avg)
+        return _staged(g, x, inplace, ALLREDUCE, lambda h: allreduce_in(g, h, op, "auto", True))
+    with Frame(g, ALLREDUCE) as f:
+        hdr = f.publish(header.header(ALLREDUCE, row.code, op_word(opc, avg), a.dtype,
+                                      len(a.flat), a.shape))
+        dev.allreduce(f.links(), row.name, hdr, a, prepared, opc, avg)
         if inplace:
             bump_version(a)
         return prepared[0]
-    finally:
-        b.done = b.seq
 
 
 def _staged(g, x, inplace: bool, kind: int, host_call):
@@ -257,21 +256,20 @@ def _staged(g, x, inplace: bool, kind: int, host_call):
 def broadcast(x: Any, root: int = 0):
     """Returns a new array or tensor holding root's ``x`` on every rank; ``x`` is unchanged.
     Every rank passes an ``x`` of the same shape and dtype."""
-    return _broadcast(x, root, False)
+    return broadcast_in(runtime.group(), x, root, False)
 
 
 def broadcast_(x: Any, root: int = 0):
     """In-place ``broadcast``: every rank's ``x`` holds root's values afterwards."""
-    return _broadcast(x, root, True)
+    return broadcast_in(runtime.group(), x, root, True)
 
 
 @timeline.traced("broadcast")
-def _broadcast(x, root, inplace):
-    g = runtime.group()
+def broadcast_in(g, x: Any, root: int = 0, inplace: bool = False):
+    """``broadcast`` (``broadcast_`` with ``inplace``) over group ``g``."""
     if is_device_array(x):
-        return _staged(g, x, inplace, BROADCAST, lambda h: broadcast_(h, root))
-    b = g.board
-    try:
+        return _staged(g, x, inplace, BROADCAST, lambda h: broadcast_in(g, h, root, True))
+    with Frame(g, BROADCAST) as f:
         try:
             a = as_host_array(x)
             check_root(root, g.size)
@@ -279,30 +277,31 @@ def _broadcast(x, root, inplace):
                 check_writable(a)
             out, flat = (a.original, a.flat) if inplace else empty_like(a)
         except Exception as exc:
-            refuse(g, BROADCAST, exc)
+            f.refuse(exc)
             raise
         if not inplace:
             flat[...] = a.flat
         if g.size > 1:
-            hdr = b.publish(header.header(BROADCAST, 0, int(root), a.dtype, len(a.flat),
-                                             a.shape))
-            host_executor.broadcast(g, hdr, flat, int(root))
+            hdr = f.publish(header.header(BROADCAST, 0, int(root), a.dtype, len(a.flat),
+                                          a.shape))
+            host_executor.broadcast(f.links(), hdr, flat, int(root))
         if inplace:
             _wrote(a)
         return out
-    finally:
-        b.done = b.seq
 
 
-@timeline.traced("reduce")
 def reduce_(x: Any, root: int = 0, op: str = "sum"):
     """Reduces ``x`` over every rank into root's ``x`` (MPI_Reduce, in place at root); the
     other ranks' ``x`` is unchanged. ``op``: sum, avg, min, max. Every rank must call it."""
-    g = runtime.group()
+    return reduce_in(runtime.group(), x, root, op)
+
+
+@timeline.traced("reduce")
+def reduce_in(g, x: Any, root: int = 0, op: str = "sum"):
+    """``reduce_`` over group ``g``."""
     if is_device_array(x):
-        return _staged(g, x, True, REDUCE, lambda h: reduce_(h, root, op))
-    b = g.board
-    try:
+        return _staged(g, x, True, REDUCE, lambda h: reduce_in(g, h, root, op))
+    with Frame(g, REDUCE) as f:
         try:
             a = as_host_array(x)
             check_root(root, g.size)
@@ -310,64 +309,68 @@ def reduce_(x: Any, root: int = 0, op: str = "sum"):
             if g.rank == root:
                 check_writable(a)
         except Exception as exc:
-            refuse(g, REDUCE, exc)
+            f.refuse(exc)
             raise
         root = int(root)
         if g.size > 1:
-            hdr = b.publish(header.header(REDUCE, _HOST_CODES["mpi"], op_word(opc, avg),
-                                             a.dtype, len(a.flat), a.shape, free=root))
-            host_executor.reduce(g, hdr, a.flat, a.dtype, opc, g.size if avg else 1, root)
+            hdr = f.publish(header.header(REDUCE, _HOST_CODES["mpi"], op_word(opc, avg),
+                                          a.dtype, len(a.flat), a.shape, free=root))
+            host_executor.reduce(f.links(), hdr, a.flat, a.dtype, opc, g.size if avg else 1,
+                                 root)
         if g.rank == root:
             _wrote(a)
         return a.original
-    finally:
-        b.done = b.seq
 
 
-@timeline.traced("allgather")
 def allgather(x: Any):
     """Concatenates every rank's ``x`` along dimension 0, in rank order, into a new array or
     tensor. The first dimension may differ between ranks; the others and the dtype may not."""
-    g = runtime.group()
+    return allgather_in(runtime.group(), x)
+
+
+@timeline.traced("allgather")
+def allgather_in(g, x: Any):
+    """``allgather`` over group ``g``."""
     if is_device_array(x):
-        return _staged(g, x, False, ALLGATHER, allgather)
-    b = g.board
-    try:
+        return _staged(g, x, False, ALLGATHER, lambda h: allgather_in(g, h))
+    with Frame(g, ALLGATHER) as f:
         try:
             a = as_host_array(x)
             if len(a.shape) == 0:
                 raise ValueError("allgather needs at least one dimension (it concatenates "
                                  "along 0)")
         except Exception as exc:
-            refuse(g, ALLGATHER, exc)
+            f.refuse(exc)
             raise
         row = int(np.prod(a.shape[1:], dtype=np.int64))
         rows = [a.shape[0]]
         if g.size > 1:
-            hdr = b.publish(header.header(ALLGATHER, 0, 0, a.dtype, row, a.shape[1:],
-                                             free=a.shape[0]))
-            rows = host_executor.allgather_rows(g, hdr)
+            hdr = f.publish(header.header(ALLGATHER, 0, 0, a.dtype, row, a.shape[1:],
+                                          free=a.shape[0]))
+            links = f.links()
+            rows = host_executor.allgather_rows(links, hdr)
         out, flat = empty_like(a, (sum(rows),) + tuple(a.shape[1:]))
         if g.size == 1:
             flat[...] = a.flat
         else:
-            host_executor.allgather(g, a.flat, flat, rows, row)
+            host_executor.allgather(links, a.flat, flat, rows, row)
         return out
-    finally:
-        b.done = b.seq
 
 
-@timeline.traced("reduce_scatter")
 def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto"):
     """Reduces ``x`` over every rank and returns this rank's block along dimension 0, the
     blocks split as ``numpy.array_split`` splits. ``algorithm``: auto or ring (our ring's
     reduce-scatter phase) or mpi (MPI_Reduce_scatter). ``x`` is unchanged."""
-    g = runtime.group()
+    return reduce_scatter_in(runtime.group(), x, op, algorithm)
+
+
+@timeline.traced("reduce_scatter")
+def reduce_scatter_in(g, x: Any, op: str = "sum", algorithm: str = "auto"):
+    """``reduce_scatter`` over group ``g``."""
     if is_device_array(x):
         return _staged(g, x, False, REDUCE_SCATTER,
-                       lambda h: reduce_scatter(h, op, algorithm))
-    b = g.board
-    try:
+                       lambda h: reduce_scatter_in(g, h, op, algorithm))
+    with Frame(g, REDUCE_SCATTER) as f:
         try:
             a = as_host_array(x)
             if len(a.shape) == 0:
@@ -380,7 +383,7 @@ def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto"):
             row = int(np.prod(a.shape[1:], dtype=np.int64))
             out, flat = empty_like(a, (partition(a.shape[0], g.size)[g.rank][1],) + a.shape[1:])
         except Exception as exc:
-            refuse(g, REDUCE_SCATTER, exc)
+            f.refuse(exc)
             raise
         name = "ring" if algorithm == "auto" else algorithm
         chunks = partition(len(a.flat), g.size, unit=max(row, 1)) if row else \
@@ -388,11 +391,9 @@ def reduce_scatter(x: Any, op: str = "sum", algorithm: str = "auto"):
         if g.size == 1:
             flat[...] = a.flat
             return out
-        hdr = b.publish(header.header(REDUCE_SCATTER, _HOST_CODES[name], op_word(opc, avg),
-                                         a.dtype, len(a.flat), a.shape))
-        host_executor.reduce_scatter(g, name, hdr, a.flat, flat, a.dtype, opc,
-                                    g.size if avg else 1, chunks)
+        hdr = f.publish(header.header(REDUCE_SCATTER, _HOST_CODES[name], op_word(opc, avg),
+                                      a.dtype, len(a.flat), a.shape))
+        host_executor.reduce_scatter(f.links(), name, hdr, a.flat, flat, a.dtype, opc,
+                                     g.size if avg else 1, chunks)
         return out
-    finally:
-        b.done = b.seq
 

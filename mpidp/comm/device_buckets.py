@@ -68,7 +68,7 @@ class DeviceBucket(BucketBase):
     def allreduce_(self, op: str, algorithm: str) -> None:
         """All-reduces the bucket in place, in its stream's order."""
         with cupy().cuda.Device(self.device), self._ops([]).stream:
-            collectives.allreduce_(self.buffer, op, algorithm)
+            collectives.allreduce_in(runtime.group(), self.buffer, op, algorithm, True)
 
     def pack(self, sources: Sequence[Any], skip_own_slots: bool = False) -> None:
         """Copies ``sources`` (None packs zeros) into the bucket in one launch; with
@@ -98,7 +98,8 @@ class DeviceBucket(BucketBase):
         (Note [Compressed buckets] in mpidp/ddp/compression.py). Collective."""
         cp = cupy()
         with cp.cuda.Device(self.device):
-            size = runtime.size()
+            g = runtime.group()
+            size = g.size
             before, after = (size, 1) if wire == F16 else (1, size)
             arrays = [None if s is None else as_device_array(s) for s in sources]
             ops = self._ops(arrays)
@@ -109,8 +110,9 @@ class DeviceBucket(BucketBase):
                          for a, c in zip(arrays, self.counts)]
             ops.cast(self.wire, views, wire, before, unpack=False)
             with ops.stream:
-                collectives.allreduce_(DeviceArray(self.wire, self.wire, wire, self.wire.shape,
-                                                   False, True, self.device), "sum", algorithm)
+                collectives.allreduce_in(g, DeviceArray(self.wire, self.wire, wire,
+                                                        self.wire.shape, False, True,
+                                                        self.device), "sum", algorithm, True)
             outs = [None if d is None else as_device_array(d)
                     for d in (destinations or [None] * len(self.counts))]
             flats = [self.flat[o:o + c] if a is None else a.flat

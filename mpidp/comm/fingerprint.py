@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from ..engine.dtypes import DTYPE_NAMES
 from ..errors import MismatchError
-from ..runtime.watchdog import collective
+from ..runtime.frame import collective
 
 
 def check_same_model(g, module: Any, who: str) -> None:

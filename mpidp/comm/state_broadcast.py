@@ -19,7 +19,7 @@ from .. import runtime
 from ..engine.dtypes import I64, flat_host_array
 from .fusion import assign_buckets, tensor_list, writable_view
 from ..engine.gpu import is_device_array
-from ..runtime.watchdog import collective
+from ..runtime.frame import collective
 
 
 def _byte_view(t: Any) -> np.ndarray:

@@ -67,10 +67,3 @@ for _hook, _wire in ((fp16_compress_hook, F16), (bf16_compress_hook, BF16)):
     _hook.mpidp_wire = _wire  # type: ignore[attr-defined]
     _hook.mpidp_check_state = functools.partial(  # type: ignore[attr-defined]
         _check_state, name=_hook.__name__)
-
-
-def fused_wire(hook: Any, bucket) -> Optional[int]:
-    """The 16-bit dtype code ``bucket`` goes over on the fused path with ``hook``, or None
-    where it takes the hook function (another hook, a bucket of another dtype)."""
-    wire = getattr(hook, "mpidp_wire", None)
-    return wire if wire is not None and bucket.dtype == F32 else None

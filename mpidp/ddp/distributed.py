@@ -19,9 +19,7 @@ from .. import config, runtime
 from . import sync_bn
 from ..runtime import timeline
 from .audit import ReplicaDivergenceError, checksums, divergence
-from .hooks import check_hook, run_hook
-from .compression import fused_wire
-from .zero import reduce_scatter_hook
+from .hooks import attach, check_hook, fused_wire, reduce_scatters, run_hook
 from .comm_thread import call_in_order, check_thread_level, communicate, reduce_bucket, stop
 from .args import agree_audit, validate
 from .join import JoinSupport
@@ -177,8 +175,7 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
             raise RuntimeError("register_comm_hook can only be called once")
         if self.comm_stats["steps"] or self._in_backward:
             raise RuntimeError("register_comm_hook must be called before the first backward")
-        if hook is reduce_scatter_hook:
-            state.attach(self)
+        attach(state, hook, self)  # Note [Hook capabilities] in mpidp/ddp/hooks.py
         self._hook = (state, hook)
 
     def _agree_on_hook(self) -> None:
@@ -255,7 +252,7 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         if timeline.ON:
             timeline.instant("bucket ready", {"bucket": self._next, "bytes": bucket.nbytes})
         if self._size == 1 and not self.gradient_as_bucket_view and \
-                (self._hook is None or self._hook[1] is reduce_scatter_hook):
+                (self._hook is None or reduce_scatters(self._hook[1])):
             self._results.put((None, 0.0))  # one rank: each gradient already is the average
             return
         params = [self._params[i] for i in bucket.indices]
@@ -273,7 +270,7 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         if self._hook is None:
             reduce_bucket(bucket, sources, destinations, self.algorithm)
             return
-        if self._hook[1] is reduce_scatter_hook:  # Note [ZeRO] in mpidp/ddp/zero.py
+        if reduce_scatters(self._hook[1]):  # Note [ZeRO] in mpidp/ddp/zero.py
             if not self._rebuilt:
                 reduce_bucket(bucket, sources, destinations, self.algorithm)
                 return

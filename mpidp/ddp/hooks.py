@@ -18,9 +18,23 @@ their own (Note [Sub-groups] in mpidp/runtime.py). A joined rank (Note [Uneven i
 mpidp/ddp/join.py) calls the hook with a zero buffer, as torch's DDP does."""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+
+from ..engine.dtypes import F32
+
+# Note [Hook capabilities]
+# DistributedDataParallel knows a communication hook by what the hook declares, never by
+# importing it and comparing: a hook function may carry
+#   mpidp_check_state(state)  checks the state it is registered with (register_comm_hook);
+#   mpidp_attach(state, ddp)  is called once at registration (ZeRO attaches to the model);
+#   mpidp_wire                a 16-bit dtype code: float32 buckets go over mpidp's fused
+#                             cast-and-reduce path in that dtype (Note [Compressed buckets] in
+#                             mpidp/ddp/compression.py) instead of calling the hook;
+#   mpidp_reduce_scatter      True: each bucket is reduce-scattered, every rank keeping its
+#                             block of the average (Note [ZeRO] in mpidp/ddp/zero.py).
+# torch's hooks and users' declare none of these and are called as torch's contract says.
 
 
 class GradBucket:
@@ -110,3 +124,24 @@ def _result(hook: Callable, future, count: int) -> torch.Tensor:
         raise ValueError(f"the communication hook returned {result.numel()} elements for a "
                          f"bucket of {count}")
     return result
+
+
+def fused_wire(hook: Any, bucket) -> Optional[int]:
+    """The 16-bit dtype code ``bucket`` goes over on the fused path with ``hook`` (Note [Hook
+    capabilities]: ``mpidp_wire``), or None where it takes the hook function (another hook, a
+    bucket of another dtype)."""
+    wire = getattr(hook, "mpidp_wire", None)
+    return wire if wire is not None and bucket.dtype == F32 else None
+
+
+def reduce_scatters(hook: Any) -> bool:
+    """Whether ``hook``'s buckets are reduce-scattered (Note [Hook capabilities])."""
+    return bool(getattr(hook, "mpidp_reduce_scatter", False))
+
+
+def attach(state: Any, hook: Callable, ddp: Any) -> None:
+    """Registration's call of the hook's ``mpidp_attach`` where it declares one (Note [Hook
+    capabilities])."""
+    attach_to = getattr(hook, "mpidp_attach", None)
+    if attach_to is not None:
+        attach_to(state, ddp)

@@ -12,6 +12,7 @@ from ..comm import collectives
 from .. import runtime
 from ..dist import process_group_for_join
 from ..comm.state_broadcast import broadcast_tensors_
+from .hooks import reduce_scatters
 
 # Note [Uneven inputs]
 # torch's Join (``with Join([model]):``, ``with model.join():``) lets ranks that ran out of
@@ -49,8 +50,7 @@ class JoinSupport(Joinable):
         if self.audit_every:
             raise ValueError("Join: the replica audit (audit_every) would compare the "
                              "models of ranks that stopped stepping; turn it off under Join")
-        if self._hook is not None and getattr(self._hook[1], "__name__", "") == \
-                "reduce_scatter_hook":  # mpidp.ddp.zero's
+        if self._hook is not None and reduce_scatters(self._hook[1]):  # ZeRO's hook
             raise ValueError("Join: a ZeroRedundancyOptimizer all-gathers at every step, which "
                              "a rank without a batch does not take; give every rank the same "
                              "number of batches instead")

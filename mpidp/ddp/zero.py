@@ -344,4 +344,8 @@ def _check_state(state: Any) -> None:
                         f"model's parameters as its state; got {type(state).__name__}")
 
 
+# Note [Hook capabilities] in mpidp/ddp/hooks.py: how DistributedDataParallel knows this hook
 reduce_scatter_hook.mpidp_check_state = _check_state  # type: ignore[attr-defined]
+reduce_scatter_hook.mpidp_reduce_scatter = True  # type: ignore[attr-defined]
+reduce_scatter_hook.mpidp_attach = \
+    lambda state, ddp: state.attach(ddp)  # type: ignore[attr-defined]

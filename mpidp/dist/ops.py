@@ -27,6 +27,7 @@ import torch
 
 from ..comm import collectives
 from ..engine import header
+from ..runtime.frame import Frame
 from ..errors import MismatchError
 
 RED = torch.distributed.ReduceOp.RedOpType
@@ -73,26 +74,18 @@ def checked(g, name: str, t=None, count: int = 0, root=None, validate=None):
     after the header check (Note [Operations beyond mpidp's collectives]); ``validate()``
     runs first, and an exception it raises is raised on this rank, a MismatchError on the
     others. Yields every rank's free word (nothing here)."""
-    b = g.board
-    try:
+    with Frame(g, header.OTHER, name) as f:  # Note [The collective frame]
         try:
             _dense(name, t)
             if validate is not None:
                 validate()
             op = 0 if root is None else int(root) + 1
         except Exception as exc:
-            if g.size > 1:
-                err = header.ERR_TYPE if isinstance(exc, TypeError) else header.ERR_VALUE
-                g.resources.exchange(b.publish(header.other_header(name, error=err)), name,
-                                     exc)
+            err = header.ERR_TYPE if isinstance(exc, TypeError) else header.ERR_VALUE
+            f.refuse(exc, header.other_header(name, error=err))
             raise
-        hdr = b.publish(header.other_header(
-            name, op, 0 if t is None else _dtype_word(t), count))
-        if g.size > 1:
-            g.resources.exchange(hdr, name)
+        f.check(header.other_header(name, op, 0 if t is None else _dtype_word(t), count))
         yield
-    finally:
-        b.done = b.seq
 
 
 def _dense(what: str, *tensors) -> None:
@@ -179,8 +172,8 @@ def all_reduce(g, t: torch.Tensor, op) -> None:
     if _native(kind, t):
         plain = t.device.type == "cpu" and t.is_contiguous() and t.dtype != torch.bfloat16
         # a numpy view through DLPack keeps the storage resizable (_bytes)
-        collectives.allreduce_(np.from_dlpack(t.detach()) if plain else t.detach(),
-                               _MPIDP_OPS[kind])
+        collectives.allreduce_in(g, np.from_dlpack(t.detach()) if plain else t.detach(),
+                                 _MPIDP_OPS[kind], "auto", True)
         return
     with checked(g, f"all_reduce {name}", t, t.numel(),
                  validate=lambda: (reduce_name(op), _check_op_dtype(kind, t))):
@@ -195,7 +188,7 @@ def reduce(g, t: torch.Tensor, root: int, op) -> None:
     """torch.distributed.reduce: ``t`` at ``root`` holds the reduction afterwards."""
     kind, name = _reduction(op)
     if _native(kind, t):
-        collectives.reduce_(t.detach(), root, _MPIDP_OPS[kind])
+        collectives.reduce_in(g, t.detach(), root, _MPIDP_OPS[kind])
         return
     with checked(g, f"reduce {name}", t, t.numel(), root,
                  validate=lambda: (reduce_name(op), collectives.check_root(root, g.size),
@@ -234,7 +227,8 @@ def reduce_scatter_tensor(g, out: torch.Tensor, x: torch.Tensor, op) -> None:
         except Exception as exc:
             collectives.refuse(g, header.REDUCE_SCATTER, exc)
             raise
-        block = collectives.reduce_scatter(x.detach().reshape(g.size, -1), _MPIDP_OPS[kind])
+        block = collectives.reduce_scatter_in(g, x.detach().reshape(g.size, -1),
+                                             _MPIDP_OPS[kind])
         with torch.no_grad():
             out.copy_(block.reshape(out.shape))
         return

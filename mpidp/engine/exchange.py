@@ -17,34 +17,36 @@ from ..errors import CommunicationError
 from .transports import MPITransport
 
 
-def exchange(res, hdr: tuple, operation: str, local_error: Optional[BaseException] = None,
+def exchange(links, hdr: tuple, operation: str, local_error: Optional[BaseException] = None,
              data: Optional[np.ndarray] = None, dtype: int = 0, op: int = 0) -> np.ndarray:
-    """Checks ``hdr`` against every rank's (``res``: the group's Resources); returns every
+    """Checks ``hdr`` against every rank's (``links``: the group's mpidp.engine.links.Links,
+    its shared-memory context made where the node has one); returns every
     rank's free word, or raises on every rank (``local_error`` on this one, if given). With
     ``data`` (a flat host array, several nodes) also reduces it in place over every rank, the
     same bits everywhere, in the same messages. Collective."""
-    topo, ctx = res.topo, res.shm()
+    topo, ctx = links.topo, links.shm
     if topo.single_node and ctx is not None:  # the check in shared memory, data over MPI
         ok, info = ctx.exchange(hdr, operation)
         header.check(operation, ok, info, topo.rank, local_error)
         if data is not None:
-            doubling.run(_transport(res, topo.comm),
+            doubling.run(_transport(links, topo.comm),
                          doubling.Record(hdr, topo.rank, topo.size, data), host_ops,
                          dtype, op)
         return np.asarray(info, np.int64)
-    if data is not None and res.checked is not None and data.nbytes <= res.checked.max_bytes:
+    if data is not None and links.checked is not None and \
+            data.nbytes <= links.checked.max_bytes:
         # one C call (Note [Chunks after the record] in csrc/checked.c); an array it does
         # not take travels in the same records on the Python path
-        free = res.checked.exchange(hdr, data, dtype, op)
+        free = links.checked.exchange(hdr, data, dtype, op)
         if free is None:
             disagreed(topo, hdr, operation, local_error)
         return np.asarray(free, np.int64)
-    if ctx is None or res.facts.one_per_node:  # every rank in the doubling (a group-wide
+    if ctx is None or links.one_per_node:  # every rank in the doubling (a group-wide
         # fact: with nodes of unequal sizes a node of one rank still goes through its node)
         record = doubling.Record(hdr, topo.rank, topo.size, data)
-        record = doubling.run(_transport(res, topo.comm), record, host_ops, dtype, op)
+        record = doubling.run(_transport(links, topo.comm), record, host_ops, dtype, op)
     else:
-        record = _across_nodes(res, topo, ctx, hdr, operation, data, dtype, op)
+        record = _across_nodes(links, topo, ctx, hdr, operation, data, dtype, op)
     if record.status != doubling.OK:
         disagreed(topo, hdr, operation, local_error)
     return record.free
@@ -59,7 +61,7 @@ def disagreed(topo, hdr: tuple, operation: str, local_error: Optional[BaseExcept
                              "exchange after disagreeing on the first")
 
 
-def _across_nodes(res, topo, ctx, hdr, operation, data, dtype, op) -> doubling.Record:
+def _across_nodes(links, topo, ctx, hdr, operation, data, dtype, op) -> doubling.Record:
     """The node in shared memory, its leader in the doubling, the outcome back to the node.
     The node's sum goes into a copy: a disagreement found across nodes leaves ``data`` as the
     caller passed it."""
@@ -75,7 +77,7 @@ def _across_nodes(res, topo, ctx, hdr, operation, data, dtype, op) -> doubling.R
     elif info is not None:
         record.free[list(topo.node_ranks)] = info
     if topo.leader_comm is not None:
-        record = doubling.run(_transport(res, topo.leader_comm), record, host_ops, dtype,
+        record = doubling.run(_transport(links, topo.leader_comm), record, host_ops, dtype,
                               op)
     words = np.concatenate(([record.status], record.free)).astype(np.int64)
     carry = ok and data is not None and data.nbytes > 0
@@ -126,5 +128,5 @@ def c_context(comm, inline_bytes: int, max_bytes: int, board):
                               max(inline_bytes, max_bytes), CHUNK_BYTES, WINDOW, board)
 
 
-def _transport(res, comm) -> MPITransport:
-    return res.transport(("mpi", id(comm)), lambda: MPITransport(comm))
+def _transport(links, comm) -> MPITransport:
+    return links.transport(("mpi", id(comm)), lambda: MPITransport(comm))

@@ -50,38 +50,38 @@ def _divide(flat, dtype: int, divisor: int) -> None:
 
 # ---- all-reduce ------------------------------------------------------------------------------
 
-def allreduce(g, name: str, hdr: tuple, src, dst, dtype: int, op: int, divisor: int) -> None:
+def allreduce(links, name: str, hdr: tuple, src, dst, dtype: int, op: int, divisor: int) -> None:
     """All-reduces ``src`` into ``dst`` (may be ``src``) with algorithm ``name`` after the
     front published ``hdr``; raises on every rank when the headers disagree."""
     if name == "shm":
-        ok, info = g.resources.shm().allreduce(hdr, src, dst, dtype, op, divisor)
+        ok, info = links.shm.allreduce(hdr, src, dst, dtype, op, divisor)
         if not ok:
-            raise header.mismatch_error("allreduce", info, g.rank)
+            raise header.mismatch_error("allreduce", info, links.rank)
         return
     if name == "doubling":  # the check and the data in the same messages
         if src is not dst:
             dst[...] = src
-        g.resources.exchange(hdr, "allreduce", None, dst, dtype, op)
+        links.exchange(hdr, "allreduce", None, dst, dtype, op)
         _divide(dst, dtype, divisor)
         return
-    g.resources.exchange(hdr, "allreduce")
+    links.exchange(hdr, "allreduce")
     if name == "mpi":
         from mpi4py import MPI  # deferred for cost, as above
         send = MPI.IN_PLACE if src is dst else mpi_buffer(src, dtype)
-        g.comm.Allreduce(send, mpi_buffer(dst, dtype), op=mpi_op(dtype, op))
+        links.comm.Allreduce(send, mpi_buffer(dst, dtype), op=mpi_op(dtype, op))
         _divide(dst, dtype, divisor)
     elif name == "ring":
-        ring(g, g.comm, src, dst, dtype, op, divisor)
+        ring(links, links.comm, src, dst, dtype, op, divisor)
     else:
-        hier(g, hdr, src, dst, dtype, op, divisor)
+        hier(links, hdr, src, dst, dtype, op, divisor)
 
 
-def allreduce_segments(g, hdr: tuple, flats: list, dtype: int, op: int, divisor: int) -> None:
+def allreduce_segments(links, hdr: tuple, flats: list, dtype: int, op: int, divisor: int) -> None:
     """The shared-memory all-reduce of ``flats`` in place, back to back as one buffer, without
     packing them (Note [Zero-copy buckets] in mpidp/comm/buckets.py)."""
-    ok, info = g.resources.shm().allreduce(hdr, flats, None, dtype, op, divisor)
+    ok, info = links.shm.allreduce(hdr, flats, None, dtype, op, divisor)
     if not ok:
-        raise header.mismatch_error("allreduce", info, g.rank)
+        raise header.mismatch_error("allreduce", info, links.rank)
 
 
 def _scratch(dst, piece_count):
@@ -89,77 +89,77 @@ def _scratch(dst, piece_count):
     return (np.empty(n, dst.dtype), np.empty(n, dst.dtype))
 
 
-def _transport(g, comm) -> MPITransport:
-    return g.resources.transport(("mpi", id(comm)), lambda: MPITransport(comm))
+def _transport(links, comm) -> MPITransport:
+    return links.transport(("mpi", id(comm)), lambda: MPITransport(comm))
 
 
-def ring(g, comm, src, dst, dtype, op, divisor) -> None:
+def ring(links, comm, src, dst, dtype, op, divisor) -> None:
     """mpidp.engine.ring's all-reduce over MPI point-to-point on ``comm``."""
     if src is not dst:
         dst[...] = src
     piece = max(1, config.get().ring_piece_bytes // dst.itemsize)
-    ring_allreduce(dst, _scratch(dst, piece), _transport(g, comm), host_ops, dtype, op,
+    ring_allreduce(dst, _scratch(dst, piece), _transport(links, comm), host_ops, dtype, op,
                    divisor, piece)
 
 
-def hier(g, hdr, src, dst, dtype, op, divisor) -> None:
+def hier(links, hdr, src, dst, dtype, op, divisor) -> None:
     """Horovod's hierarchical all-reduce: shm within each node, ring among node leaders,
     broadcast within each node. The headers were checked across nodes already."""
-    ok, _ = g.resources.shm().allreduce(hdr, src, dst, dtype, op, 1)
+    ok, _ = links.shm.allreduce(hdr, src, dst, dtype, op, 1)
     if not ok:  # cannot happen after a successful world-wide handshake
-        raise CommunicationError(g.rank, "allreduce (hier)", "node-local handshake disagreed")
-    if g.leader_comm is not None:
-        ring(g, g.leader_comm, dst, dst, dtype, op, divisor)
-    if g.local_size > 1:
-        g.node_comm.Bcast(mpi_buffer(dst, dtype), root=0)
+        raise CommunicationError(links.rank, "allreduce (hier)", "node-local handshake disagreed")
+    if links.leader_comm is not None:
+        ring(links, links.leader_comm, dst, dst, dtype, op, divisor)
+    if links.local_size > 1:
+        links.node_comm.Bcast(mpi_buffer(dst, dtype), root=0)
 
 
 # ---- the other collectives -------------------------------------------------------------------
 
-def broadcast(g, hdr: tuple, flat, root: int) -> None:
-    g.resources.exchange(hdr, "broadcast")
-    g.comm.Bcast(flat.view(np.uint8), root=root)
+def broadcast(links, hdr: tuple, flat, root: int) -> None:
+    links.exchange(hdr, "broadcast")
+    links.comm.Bcast(flat.view(np.uint8), root=root)
 
 
-def reduce(g, hdr: tuple, flat, dtype: int, op: int, divisor: int, root: int) -> None:
+def reduce(links, hdr: tuple, flat, dtype: int, op: int, divisor: int, root: int) -> None:
     """MPI_Reduce in place at ``root``; the roots travel in the header's free word."""
-    roots = g.resources.exchange(hdr, "reduce")
+    roots = links.exchange(hdr, "reduce")
     if len(set(int(r) for r in roots)) > 1:
         raise header.MismatchError(
-            f"rank {g.rank}: reduce called with different roots: "
+            f"rank {links.rank}: reduce called with different roots: "
             + ", ".join(f"rank {i} root={int(r)}" for i, r in enumerate(roots)))
     from mpi4py import MPI  # deferred for cost, as above
     buf, mop = mpi_buffer(flat, dtype), mpi_op(dtype, op)
-    if g.rank == root:
-        g.comm.Reduce(MPI.IN_PLACE, buf, op=mop, root=root)
+    if links.rank == root:
+        links.comm.Reduce(MPI.IN_PLACE, buf, op=mop, root=root)
         _divide(flat, dtype, divisor)
     else:
-        g.comm.Reduce(buf, None, op=mop, root=root)
+        links.comm.Reduce(buf, None, op=mop, root=root)
 
 
-def allgather(g, src, out_flat, rows: list, row: int) -> None:
+def allgather(links, src, out_flat, rows: list, row: int) -> None:
     """MPI_Allgatherv of every rank's ``rows`` rows of ``row`` elements (after allgather_rows)."""
     counts = [r * row * src.itemsize for r in rows]
     displs = [sum(counts[:i]) for i in range(len(counts))]
-    g.comm.Allgatherv(src.view(np.uint8), [out_flat.view(np.uint8), (counts, displs)])
+    links.comm.Allgatherv(src.view(np.uint8), [out_flat.view(np.uint8), (counts, displs)])
 
 
-def allgather_rows(g, hdr: tuple) -> list:
+def allgather_rows(links, hdr: tuple) -> list:
     """Every rank's first dimension (the header's free word), the headers checked."""
-    return [int(r) for r in g.resources.exchange(hdr, "allgather")]
+    return [int(r) for r in links.exchange(hdr, "allgather")]
 
 
-def reduce_scatter(g, name: str, hdr: tuple, src, out_flat, dtype: int, op: int, divisor: int,
+def reduce_scatter(links, name: str, hdr: tuple, src, out_flat, dtype: int, op: int, divisor: int,
                    chunks: tuple) -> None:
-    g.resources.exchange(hdr, "reduce_scatter")
+    links.exchange(hdr, "reduce_scatter")
     if name == "ring":
         work = src.copy()
         piece = max(1, config.get().ring_piece_bytes // work.itemsize)
-        reduce_scatter_phase(work, _scratch(work, piece), _transport(g, g.comm), host_ops,
+        reduce_scatter_phase(work, _scratch(work, piece), _transport(links, links.comm), host_ops,
                              dtype, op, chunks, piece)
-        offset, count = chunks[g.rank]
+        offset, count = chunks[links.rank]
         out_flat[...] = work[offset:offset + count]
     else:
-        g.comm.Reduce_scatter(mpi_buffer(src, dtype), mpi_buffer(out_flat, dtype),
+        links.comm.Reduce_scatter(mpi_buffer(src, dtype), mpi_buffer(out_flat, dtype),
                               [c for _, c in chunks], op=mpi_op(dtype, op))
     _divide(out_flat, dtype, divisor)

@@ -35,7 +35,8 @@ import numpy as np
 from .. import runtime
 from ..runtime import timeline
 from ..engine.ring import partition
-from ..runtime.watchdog import board_of, collective
+from ..runtime.frame import collective
+from ..runtime.watchdog import board_of
 from .windows import Window, layout
 
 # control words of every server's window, then per-worker pending[W], applied[W], done[W]

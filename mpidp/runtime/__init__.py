@@ -20,7 +20,7 @@ from ..errors import LaunchError, MismatchError, NotInitializedError
 from ..engine.gpu.device import bind_if_visible
 from .resources import Resources
 from .topology import Topology
-from .watchdog import collective
+from .frame import collective
 
 
 class Group(Topology):

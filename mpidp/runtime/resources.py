@@ -1,19 +1,22 @@
 """What collectives use on top of a group's topology: the watchdog's board (and thread), the
-node's shared-memory context, the transports of the ring, and the facts the algorithm choices
-read. Made by ``mpidp.init`` for its group and handed down to every collective."""
+engine's links (the node's shared-memory context, the transports, the header exchange:
+Note [Handed down] in mpidp/engine/links.py), and the facts the algorithm choices read. Made
+by ``mpidp.init`` for its group."""
 from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from ..engine import exchange, header, host_ops
+from ..engine.links import Links
 from .. import config
 from . import timeline
 from ..algorithms import HOST, Facts, choose
 from ..engine.shm import ShmContext
 from .topology import Topology
-from .watchdog import Board, Watchdog, collective
+from .frame import collective
+from .watchdog import Board, Watchdog
 
 
 # Note [Stopping the users first]
@@ -42,7 +45,7 @@ class Resources:
             inline_bytes=min(cfg.shm_inline_bytes, ext.SHM_INLINE_BYTES) if ext else 0,
             max_segments=ext.SHM_MAX_SEGMENTS if ext else 0)
         self._shm: Optional[ShmContext] = None
-        self._transports: dict = {}
+        self.links = Links(topo)  # Note [Handed down] in mpidp/engine/links.py
         self._users: list = []  # Note [Stopping the users first]
         self._stuck = False
         self.watchdog: Optional[Watchdog] = None
@@ -53,7 +56,7 @@ class Resources:
         self.fast_max_bytes = 0  # the largest array it takes
         self._fast_ok = (topo.size > 1 and choose(HOST, "auto", self.facts, 8).name == "shm"
                          and not cfg.debug and not timeline.ON)
-        self.checked = None  # across nodes, one rank per node: csrc/exchange.c's context
+        self.checked = None  # across nodes, one rank per node: csrc/checked.c's context
         if topo.size > 1 and self.facts.one_per_node and not cfg.debug and not timeline.ON \
                 and choose(HOST, "auto", self.facts, 8).name == "doubling":
             self._make_checked(cfg)
@@ -61,7 +64,7 @@ class Resources:
     def _make_checked(self, cfg: config.Config) -> None:
         """The C call across nodes, where every rank could make it (agreed: one collective
         step), taking arrays of any size in chunks between two nodes (Note [Chunks after the
-        record] in csrc/exchange.c; Note [Auto choice] in mpidp/algorithms.py)."""
+        record] in csrc/checked.c; Note [Auto choice] in mpidp/algorithms.py)."""
         from mpi4py import MPI  # deferred for cost, as everywhere
         topo = self.topo
         chunks = topo.size == 2
@@ -73,7 +76,7 @@ class Resources:
             ctx = None
         if not topo.comm.allreduce(int(ctx is not None), op=MPI.MIN):
             return  # a rank without it: the Python path everywhere, alike
-        self.checked = ctx
+        self.checked = self.links.checked = ctx
         self.fast_allreduce = ctx.allreduce_array
         self.fast_max_bytes = sys.maxsize if chunks else inline
         self.facts = self.facts._replace(checked_chunks=chunks)
@@ -92,6 +95,7 @@ class Resources:
                     self._shm = ShmContext(self.topo.node_comm, self.facts.inline_bytes)
             else:
                 self._shm = ShmContext(self.topo.node_comm, self.facts.inline_bytes)
+            self.links.shm = self._shm
             if self._fast_ok:
                 self._shm.c.set_board(self.board)
                 self.fast_allreduce = self._shm.c.allreduce_array
@@ -106,19 +110,18 @@ class Resources:
         if not self.shm().check(done[0], done[1], "allreduce"):
             raise header.mismatch_error("allreduce", done[1], self.topo.rank)
 
+    def links_ready(self) -> Links:
+        """The links to hand to the engine for a collective, the node's shared-memory context
+        made first where there is one (collective then: every rank asks at the same call)."""
+        if self._shm is None and self.facts.shm:
+            self.shm()
+        return self.links
+
     def exchange(self, hdr: tuple, operation: str, local_error: Optional[BaseException] = None,
                  data=None, dtype: int = 0, op: int = 0):
-        """The check every collective starts with (mpidp.engine.exchange.exchange): every rank's free
-        word, or an error raised on every rank. Collective."""
-        return exchange.exchange(self, hdr, operation, local_error, data, dtype, op)
-
-    def transport(self, key: Any, make: Callable[[], Any]) -> Any:
-        """The transport under ``key`` (a communicator's or a device's), made by ``make`` on
-        first use (collective then)."""
-        t = self._transports.get(key)
-        if t is None:
-            t = self._transports[key] = make()
-        return t
+        """The header check every collective starts with (mpidp.engine.exchange.exchange):
+        every rank's free word, or an error raised on every rank. Collective."""
+        return self.links_ready().exchange(hdr, operation, local_error, data, dtype, op)
 
     def add_user(self, stop: Callable[[float], bool]) -> None:
         """Registers a thread that calls collectives on its own (DDP's communication thread):
@@ -147,12 +150,13 @@ class Resources:
                           "at shutdown; mpidp's windows and communicators are left to the "
                           "process's exit", RuntimeWarning, stacklevel=3)
             return False
-        for t in self._transports.values():  # NCCL communicators before MPI goes
+        for t in self.links.transports.values():  # NCCL communicators before MPI goes
             if hasattr(t, "free"):
                 t.free()
-        self._transports.clear()
+        self.links.transports.clear()
         if self._shm is not None:
             self.fast_allreduce = None
+            self.links.shm = None
             with collective(self.topo, "shutdown: freeing the shared-memory windows",
                             check=False):
                 self._shm.free()

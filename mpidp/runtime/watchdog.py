@@ -113,25 +113,6 @@ def board_of(g) -> Board:
     return _IDLE_BOARD if g is None else g.board
 
 
-@contextlib.contextmanager
-def collective(g, name: str, check: bool = True):
-    """Runs its body — an object collective or a barrier on the group's communicator, which
-    every rank of ``g`` enters in the same order — as the group's next collective under the
-    watchdog, named ``name``; in debug mode with ``check`` a header naming it is exchanged
-    first. ``g`` None: runs the body unwatched (communication outside any mpidp group)."""
-    if g is None:
-        yield
-        return
-    b = g.board
-    hdr = b.publish(header.other_header(name))
-    try:
-        if check and b.debug and g.size > 1:
-            g.resources.exchange(hdr, name)
-        yield
-    finally:
-        b.done = b.seq
-
-
 def describe(what, context=None) -> str:
     """A board entry in words: a handshake header, or a format string and its arguments
     (formatted only here, for a report), and what it serves."""

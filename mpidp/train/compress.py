@@ -17,7 +17,7 @@ from ..ddp.compression import bf16_compress_hook, fp16_compress_hook
 from ..engine.dtypes import BF16, F32, flat_host_array
 from ..ddp.powersgd import PowerSGDState, powerSGD_hook
 from ..comm.state_broadcast import gather_bytes
-from ..runtime.watchdog import collective
+from ..runtime.frame import collective
 
 POWERSGD_RANK = 1          # torch's default matrix_approximation_rank
 POWERSGD_START_STEP = 10   # plain averaging first: the gradients' early steps are the largest

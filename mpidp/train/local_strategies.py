@@ -16,7 +16,7 @@ from ..errors import MpidpError
 from ..comm.fusion import grouped_allreduce_
 from ..ddp.distributed import DistributedDataParallel
 from ..comm.state_broadcast import broadcast_state_dict, broadcast_tensors_, gather_bytes
-from ..runtime.watchdog import collective
+from ..runtime.frame import collective
 from .strategy_base import Strategy
 
 # Note [Local steps]

@@ -17,7 +17,7 @@ from .. import runtime
 from ..runtime import timeline
 from ..workloads.data import ShardSampler
 from ..engine.gpu.device import torch_gpu
-from ..runtime.watchdog import collective
+from ..runtime.frame import collective
 from . import async_checkpoint, checkpoint, devices, setup, stragglers
 from .on_signal import StoppedOnSignal, arrive, recorded_signal, recording_signals
 from .metrics import Report, emit

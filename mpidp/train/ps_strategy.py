@@ -15,7 +15,7 @@ from ..workloads.data import ShardSampler, batches
 from ..comm.fingerprint import check_same_model
 from ..comm.state_broadcast import broadcast_tensors_
 from ..modes.ps import ParameterServer, Server, Worker
-from ..runtime.watchdog import collective
+from ..runtime.frame import collective
 from .settings import scaled_lr
 from .ps_state import reshard_optimizer_states
 from .setup import SetupError

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from .. import files
 from ..errors import OutputError
-from ..runtime.watchdog import collective
+from ..runtime.frame import collective
 from . import checkpoint
 from .ps_state import reshard_optimizer_states
 from .settings import TrainSettings

@@ -18,7 +18,7 @@ import numpy as np
 import mpidp
 from mpidp import config
 from mpidp.errors import MismatchError
-from mpidp.runtime.watchdog import collective
+from mpidp.runtime.frame import collective
 
 g = mpidp.init()
 rank, case = g.rank, os.environ["BODY_CASE"]

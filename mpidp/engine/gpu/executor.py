@@ -27,29 +27,31 @@ def view(x: Any, what: str = "x"):
     return as_device_array(x, what)
 
 
-def shares_gpu(g) -> bool:
+def shares_gpu(links) -> bool:
     """True where this node runs more ranks than it has GPUs (ranks bind local_rank % count)."""
-    return g.local_size > device.cupy().cuda.runtime.getDeviceCount()
+    return links.local_size > device.cupy().cuda.runtime.getDeviceCount()
 
 
-_FACTS = weakref.WeakKeyDictionary()  # a group's resources -> its facts with the device's
+_FACTS = weakref.WeakKeyDictionary()  # a group's links -> its facts with the device's
 
 
-def facts(g):
-    """The group's algorithm facts with what the device choices read: NCCL installed, and
-    whether ranks share a GPU (Note [Auto choice on GPU] in mpidp/algorithms.py)."""
-    f = _FACTS.get(g.resources)
+def facts(links, host_facts):
+    """The group's algorithm facts (``host_facts``, mpidp.algorithms.Facts) with what the
+    device choices read: NCCL installed, and whether ranks share a GPU (Note [Auto choice on
+    GPU] in mpidp/algorithms.py). ``links``: the group's (Note [Handed down] in
+    mpidp/engine/links.py)."""
+    f = _FACTS.get(links)
     if f is None:
-        f = _FACTS[g.resources] = g.resources.facts._replace(nccl=device.nccl_available(),
-                                                     shares_gpu=shares_gpu(g))
+        f = _FACTS[links] = host_facts._replace(nccl=device.nccl_available(),
+                                                shares_gpu=shares_gpu(links))
     return f
 
 
-def transport(g) -> NCCLTransport:
-    """The NCCL transport of group ``g`` on the current device (made on first use: every rank
-    makes it together)."""
-    return g.resources.transport(("nccl", device.cupy().cuda.Device().id),
-                                 lambda: NCCLTransport(g.comm))
+def transport(links) -> NCCLTransport:
+    """The NCCL transport of the group of ``links`` on the current device (made on first
+    use: every rank makes it together)."""
+    return links.transport(("nccl", device.cupy().cuda.Device().id),
+                           lambda: NCCLTransport(links.comm))
 
 
 def prepare(a, inplace: bool) -> tuple:
@@ -60,20 +62,20 @@ def prepare(a, inplace: bool) -> tuple:
         return out, dst, producer_stream(a)
 
 
-def allreduce(g, name: str, hdr: tuple, a, prepared: tuple, opc: int, avg: bool) -> None:
+def allreduce(links, name: str, hdr: tuple, a, prepared: tuple, opc: int, avg: bool) -> None:
     """All-reduces device array ``a`` into ``prepared``'s flat view (``prepare``) with
     algorithm ``name`` (ring or nccl) after the front published ``hdr``."""
     with device.cupy().cuda.Device(a.device):  # this thread may have another current device
-        _allreduce_on_device(g, name, hdr, a, prepared, opc, avg)
+        _allreduce_on_device(links, name, hdr, a, prepared, opc, avg)
         if prepared[1] is a.flat:
             write_back(a)
 
 
-def _allreduce_on_device(g, algo: str, hdr: tuple, a, prepared: tuple, opc: int, avg: bool):
+def _allreduce_on_device(links, algo: str, hdr: tuple, a, prepared: tuple, opc: int, avg: bool):
     cp = device.cupy()
     src = a.flat
     _, dst, producer = prepared
-    if g.size == 1 and algo == "ring":  # the reduction of one term is the term
+    if links.size == 1 and algo == "ring":  # the reduction of one term is the term
         if dst is not src:
             with producer:
                 dst[...] = src
@@ -82,9 +84,9 @@ def _allreduce_on_device(g, algo: str, hdr: tuple, a, prepared: tuple, opc: int,
     # Note [Watchdog] in mpidp/runtime/watchdog.py: the host waits in the header exchange, in the NCCL
     # communicator's set-up (first call) and while enqueueing; not for the device's work,
     # which the streams order after this returns
-    if g.size > 1:
-        g.resources.exchange(hdr, "allreduce")
-    t = transport(g)
+    if links.size > 1:
+        links.exchange(hdr, "allreduce")
+    t = transport(links)
     t.enter(producer)
     if algo == "nccl":
         t.allreduce(src, dst, a.dtype, opc, avg)
@@ -96,7 +98,7 @@ def _allreduce_on_device(g, algo: str, hdr: tuple, a, prepared: tuple, opc: int,
             n = max(1, min(piece, len(dst)))
             scratch = (cp.empty(n, dst.dtype), cp.empty(n, dst.dtype))
         ring_allreduce(dst, scratch, t, DeviceOps(t.compute), a.dtype, opc,
-                       g.size if avg else 1, piece)
+                       links.size if avg else 1, piece)
     t.leave(producer)
 
 

@@ -1,0 +1,53 @@
+"""What the engine's executors use of one group, handed down to them (Note [Handed down]):
+its communicators and place, the node's shared-memory context, the transports, and the
+header exchange over them."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from . import exchange
+
+# Note [Handed down]
+# Data flows down the layers, and so do the objects a layer works with: the engine never
+# reaches up into the group that called it. The runtime's Resources own one Links per group
+# and fill it as they make what it holds (the node's shared-memory context on first use, the
+# C context across nodes at init); the collective front (mpidp.comm) asks the runtime for it,
+# ready, once per collective (Resources.links_ready) and hands it to an executor
+# (mpidp.engine.host_executor, mpidp.engine.gpu.executor), which reads its fields and calls
+# only what is defined here, at its own layer or below.
+
+
+class Links:
+    """One group's communicators and place (read from ``topo``: fixed after init), and what
+    the engine made for it. ``shm``: the node's ShmContext once made (None before, or
+    without the C extension); ``checked``: the C context across nodes (csrc/checked.c) or
+    None. Not thread-safe beyond what a group's collectives already serialise."""
+
+    __slots__ = ("topo", "rank", "size", "comm", "node_comm", "leader_comm", "local_size",
+                 "one_per_node", "shm", "checked", "transports", "__weakref__")
+
+    def __init__(self, topo: Any):
+        self.topo = topo
+        self.rank, self.size, self.comm = topo.rank, topo.size, topo.comm
+        self.node_comm, self.leader_comm = topo.node_comm, topo.leader_comm
+        self.local_size = topo.local_size
+        self.one_per_node = topo.node_count == topo.size
+        self.shm = None
+        self.checked = None
+        self.transports: dict = {}
+
+    def transport(self, key: Any, make: Callable[[], Any]) -> Any:
+        """The transport under ``key`` (a communicator's or a device's), made by ``make`` on
+        first use (collective then)."""
+        t = self.transports.get(key)
+        if t is None:
+            t = self.transports[key] = make()
+        return t
+
+    def exchange(self, hdr: tuple, operation: str, local_error: Optional[BaseException] = None,
+                 data: Optional[np.ndarray] = None, dtype: int = 0, op: int = 0) -> np.ndarray:
+        """The header check every collective starts with (mpidp.engine.exchange.exchange):
+        every rank's free word, or an error raised on every rank. Collective."""
+        return exchange.exchange(self, hdr, operation, local_error, data, dtype, op)
