@@ -15,7 +15,12 @@ never takes the zero-copy path: a hook takes one flat tensor. torch's hooks
 ``powerSGD_hook``, ``batched_powerSGD_hook``) communicate through torch.distributed, so they
 need it initialised — on the mpidp backend they run on mpidp's collectives, on a group of
 their own (Note [Sub-groups] in mpidp/runtime.py). A joined rank (Note [Uneven inputs] in
-mpidp/ddp_join.py) calls the hook with a zero buffer, as torch's DDP does."""
+mpidp/ddp_join.py) calls the hook with a zero buffer, as torch's DDP does. Every rank must
+register the same hook with a state that agrees: at the first synchronised backward (or its
+shadow under Join) the ranks compare whether one is registered, then ``describe_hook`` — the
+hook's name, its state's type and what the hook declares of its state
+(``hook.mpidp_describe_state(state)``: PowerSGD's settings) — a MismatchError on every rank
+naming the first difference otherwise, before any bucket is reduced."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -60,6 +65,20 @@ def check_hook(state: Any, hook: Callable) -> None:
     check_state = getattr(hook, "mpidp_check_state", None)  # mpidp's own hooks check theirs
     if check_state is not None:
         check_state(state)
+
+
+def describe_hook(state: Any, hook: Callable) -> list:
+    """(label, value) pairs every rank's registered hook must agree on (Note [Communication
+    hooks]), for fingerprint.check_same."""
+    target = getattr(hook, "func", hook)  # a functools.partial: the function it wraps
+    name = getattr(target, "__qualname__", type(target).__qualname__)
+    out = [("communication hook", f"{getattr(target, '__module__', '')}.{name}"),
+           ("communication hook state", type(state).__qualname__)]
+    describe = getattr(hook, "mpidp_describe_state", None)  # mpidp's own hooks describe theirs
+    if describe is not None:
+        out += [(f"communication hook state: {label}", value) for label, value in
+                describe(state)]
+    return out
 
 
 def run_hook(state: Any, hook: Callable, bucket, sources: Sequence[Any],

@@ -16,14 +16,14 @@ from torch.distributed.algorithms.join import Join
 
 from . import collectives, config, runtime, sync_bn, timeline
 from .audit import ReplicaDivergenceError, checksums, divergence
-from .comm_hooks import check_hook, run_hook
+from .comm_hooks import check_hook, describe_hook, run_hook
 from .compression import fused_wire
 from .zero import reduce_scatter_hook
 from .comm_thread import call_in_order, check_thread_level, communicate, reduce_bucket, stop
 from .ddp_args import agree_audit, validate
 from .ddp_join import JoinSupport
 from .errors import MismatchError, MpidpError
-from .fingerprint import check_same_buckets, check_same_model
+from .fingerprint import check_same, check_same_buckets, check_same_model
 from .buckets import BucketBase
 from .fusion import plan
 from .state_broadcast import broadcast_tensors_
@@ -181,7 +181,8 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
     def _agree_on_hook(self) -> None:
         """At the first synchronised backward (or its shadow under Join): whether a
         communication hook is registered must agree across ranks, or they would reduce their
-        buckets on different groups; a MismatchError on every rank otherwise. Collective."""
+        buckets on different groups, and then which hook with which state (Note
+        [Communication hooks]); a MismatchError on every rank otherwise. Collective."""
         self._hook_agreed = True
         if self._size > 1:
             mine = np.array([[int(self._hook is not None)]], np.int64)
@@ -192,6 +193,9 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
                     "registered on ranks " + ", ".join(str(r) for r, f in enumerate(flags) if f)
                     + " only: call register_comm_hook on every rank (every rank raises this "
                     "error)")
+            if self._hook is not None:  # the same hook and state: Note [Communication hooks]
+                check_same(runtime.group(), describe_hook(*self._hook),
+                           "DistributedDataParallel", "the communication hooks")
 
     def _start_backward(self) -> None:
         self._in_backward = True

@@ -135,11 +135,15 @@ def setup(ctx) -> dict:
     except ValueError as exc:
         out["settings"], out["config_error"] = [], str(exc)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from .. import host_kernels
-        out["kernels"] = "c" if host_kernels.IMPLEMENTATION == "c" else \
-            f"numpy: {host_kernels._import_error}"
+        from .. import host_kernels
+        if "config_error" in out:  # the kernels are not chosen: is the extension built?
+            problem = host_kernels.BUILD_PROBLEM
+            out["kernels"] = f"numpy: {problem}" if problem else "c"
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out["kernels"] = "c" if host_kernels.IMPLEMENTATION == "c" else \
+                    f"numpy: {host_kernels._why}"
     except Exception as exc:
         out["kernels"] = f"numpy: {exc}"
     try:
