@@ -25,7 +25,7 @@ _EXPORTS = {
     "fit": "train", "Trainer": "train", "TrainSettings": "train",
     "MpidpError": "errors", "CommunicationError": "errors", "MismatchError": "errors",
     "NotInitializedError": "errors", "BackendUnavailableError": "errors",
-    "LaunchError": "errors",
+    "LaunchError": "errors", "ConfigError": "errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,4 +1,13 @@
-"""The one reader of ``MPIDP_*`` environment variables: every tunable and its default."""
+"""The one reader of ``MPIDP_*`` environment variables: every tunable and its default.
+
+Note [Settings read at init]
+The settings are read on first use — ``mpidp.init()``, which reads them before anything
+else, or a kernel used before it — never when a module is imported: a bad value is then one
+ConfigError (a ValueError naming the variable, its value and what is accepted) raised by
+``mpidp.init()`` on every rank, which the command-line tools turn into one line and exit
+code 2, instead of a traceback from ``import mpidp`` on every rank. A module that needs a
+setting on its hot path takes it at init (the timeline's ``ON``: Note [Timeline cost] in
+mpidp/runtime/timeline.py) or on first use (the host kernels: mpidp/engine/host_ops.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,10 +15,15 @@ import os
 from typing import Mapping
 
 from .algorithms import HOST, NAMES
+from .errors import ConfigError
 
 ALGORITHMS = NAMES[HOST]
 SHM_PEER_MODES = ("auto", "cma", "window")
 AUDIT_ACTIONS = ("raise", "warn")
+# the control block's inline payload: csrc/shm.h's SHM_INLINE_BYTES (mpidp._ext exports it; a
+# test compares them)
+SHM_INLINE_MAX_BYTES = 4096
+BOOL_SPELLINGS = ("1", "0", "true", "false", "yes", "no", "on", "off")  # any case; "" is off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,27 +73,44 @@ def _parse_bool(name: str, text: str) -> bool:
         return True
     if value in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(f"{name}={text!r}: expected one of 1, 0, true, false, yes, no, on, off")
+    raise ConfigError(name, text, f"expected one of {', '.join(BOOL_SPELLINGS)}")
 
 
-def _parse_int(name: str, text: str, minimum: int) -> int:
+def _parse_int(name: str, text: str, minimum: int, maximum: int | None = None) -> int:
+    accepted = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"{name}={text!r}: expected an integer") from None
-    if value < minimum:
-        raise ValueError(f"{name}={text!r}: must be >= {minimum}")
+        raise ConfigError(name, text, f"expected an integer {accepted}") from None
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ConfigError(name, text, f"must be {accepted}"
+                          + (" (the control block's size)" if maximum is not None else ""))
     return value
 
 
 def _parse_choice(name: str, text: str, choices: tuple[str, ...]) -> str:
     if text not in choices:
-        raise ValueError(f"{name}={text!r}: expected one of {', '.join(choices)}")
+        raise ConfigError(name, text, f"expected one of {', '.join(choices)}")
     return text
 
 
+def _parse_seconds(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(name, text, "expected seconds > 0 (a number)") from None
+    if not 0 < value < float("inf"):
+        raise ConfigError(name, text, "must be > 0 and finite")
+    return value
+
+
+def _timeline(env: Mapping[str, str]) -> str:
+    return env.get("MPIDP_TIMELINE", "").strip()
+
+
 def from_env(env: Mapping[str, str] | None = None) -> Config:
-    """Builds a Config from ``env`` (default ``os.environ``); bad values raise ValueError."""
+    """Builds a Config from ``env`` (default ``os.environ``); a bad value raises ConfigError
+    (a ValueError) naming the variable, its value and what is accepted."""
     env = os.environ if env is None else env
     kw: dict = {}
     get = env.get
@@ -90,7 +121,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
     if (v := get("MPIDP_SHM_CHUNK_BYTES")) is not None:
         kw["shm_chunk_bytes"] = _parse_int("MPIDP_SHM_CHUNK_BYTES", v, 64)
     if (v := get("MPIDP_SHM_INLINE_BYTES")) is not None:
-        kw["shm_inline_bytes"] = _parse_int("MPIDP_SHM_INLINE_BYTES", v, 0)
+        kw["shm_inline_bytes"] = _parse_int("MPIDP_SHM_INLINE_BYTES", v, 0, SHM_INLINE_MAX_BYTES)
     if (v := get("MPIDP_SHM_PEERS")) is not None:
         kw["shm_peers"] = _parse_choice("MPIDP_SHM_PEERS", v, SHM_PEER_MODES)
     if (v := get("MPIDP_HIER_MIN_BYTES")) is not None:
@@ -100,18 +131,12 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
     if (v := get("MPIDP_EMULATE_NODE_SIZE")) is not None:
         kw["emulate_node_size"] = _parse_int("MPIDP_EMULATE_NODE_SIZE", v, 0)
     if (v := get("MPIDP_TIMEOUT_S")) is not None:
-        try:
-            kw["timeout_s"] = float(v)
-        except ValueError:
-            raise ValueError(f"MPIDP_TIMEOUT_S={v!r}: expected seconds") from None
-        if not 0 < kw["timeout_s"] < float("inf"):
-            raise ValueError(f"MPIDP_TIMEOUT_S={v!r}: must be > 0 and finite")
+        kw["timeout_s"] = _parse_seconds("MPIDP_TIMEOUT_S", v)
     if (v := get("MPIDP_DEBUG")) is not None:
         kw["debug"] = _parse_bool("MPIDP_DEBUG", v)
     if (v := get("MPIDP_ABORT_ON_EXCEPTION")) is not None:
         kw["abort_on_exception"] = _parse_bool("MPIDP_ABORT_ON_EXCEPTION", v)
-    if (v := get("MPIDP_TIMELINE")) is not None:
-        kw["timeline"] = v.strip()
+    kw["timeline"] = _timeline(env)
     if (v := get("MPIDP_AUDIT_EVERY")) is not None:
         kw["audit_every"] = _parse_int("MPIDP_AUDIT_EVERY", v, 0)
     if (v := get("MPIDP_AUDIT_ACTION")) is not None:
@@ -130,8 +155,27 @@ _current: Config | None = None
 
 
 def get() -> Config:
-    """The process-wide Config, read from the environment on first use."""
+    """The process-wide Config, read from the environment on first use (Note [Settings read
+    at init]); ConfigError, at every call, while a value is bad."""
     global _current
     if _current is None:
         _current = from_env()
     return _current
+
+
+def check_group_size(cfg: Config, size: int) -> None:
+    """ConfigError where a setting cannot apply to a group of ``size`` ranks: an emulated node
+    larger than the group (the nodes of a k that does not divide it are k ranks each and
+    the last one the rest, as a real cluster's may be). Called by mpidp.init, after the
+    ranks agreed on ``cfg``: every rank raises it."""
+    if cfg.emulate_node_size > size:
+        raise ConfigError(env_name("emulate_node_size"), str(cfg.emulate_node_size),
+                          f"more than the {size} rank(s) of the group: expected 0 (off) or "
+                          f"1 to {size}")
+
+
+def timeline_requested() -> bool:
+    """Whether ``MPIDP_TIMELINE`` names a file, read without the other settings (so it never
+    raises): what mpidp.runtime.timeline's ``traced`` decides by when a module is imported (Note
+    [Timeline cost]); the timeline itself starts with ``mpidp.init()``."""
+    return bool(_timeline(os.environ))

@@ -1,4 +1,5 @@
-"""Exceptions mpidp raises: communication failures, cross-rank mismatches, missing backends."""
+"""Exceptions mpidp raises: communication failures, cross-rank mismatches, bad settings,
+missing backends."""
 from __future__ import annotations
 
 
@@ -20,6 +21,20 @@ class CommunicationError(MpidpError):
 
 class MismatchError(MpidpError, ValueError):
     """Ranks called a collective with inputs that do not agree; raised on every rank."""
+
+
+class ConfigError(MpidpError, ValueError):
+    """An ``MPIDP_*`` variable holds a value mpidp does not accept. ``str()`` is one line
+    naming the variable, its value and what is accepted (docs/configuration.md); ``where``
+    prefixes it ("rank 1: ") where another rank's value was the bad one. Raised by
+    ``mpidp.init()`` on every rank, never by ``import mpidp``."""
+
+    def __init__(self, variable: str, value: str, expected: str, where: str = ""):
+        self.variable, self.value, self.expected = variable, value, expected
+        super().__init__(f"{where}{variable}={value!r}: {expected}")
+
+    def __reduce__(self):  # pickles (its fields, not its message) for another rank
+        return (type(self), (self.variable, self.value, self.expected))
 
 
 class BackendUnavailableError(ImportError):

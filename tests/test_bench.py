@@ -39,6 +39,16 @@ def test_allreduce_sweep_runs_and_counts_no_wrong(tmp_path):
     assert "busbw" in proc.stdout and "#wrong" in proc.stdout
 
 
+def test_a_bad_setting_is_one_line_and_exit_code_2():
+    """Note [Settings read at init] in mpidp/config.py: mpidp.init raises it on every rank."""
+    proc = run(2, ["-m", "mpidp.bench", "allreduce", "-b", "8", "-e", "8"],
+               env={"MPIDP_ABORT_ON_EXCEPTION": "maybe"}, timeout_s=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == ["python -m mpidp.bench: error: "
+                                        "MPIDP_ABORT_ON_EXCEPTION='maybe': expected one of 1, 0, "
+                                        "true, false, yes, no, on, off"], proc.stderr
+
+
 def test_bench_help_lists_nccl_tests_flags():
     proc = run(1, ["-m", "mpidp.bench", "allreduce", "--help"], timeout_s=60)
     for flag in ("-b", "-e", "-f", "-n", "-w", "--dtype", "--op", "--algorithms", "--json", "--plot"):

@@ -1,11 +1,15 @@
 """Tier 1: configuration parsing, the launcher cross-check, and import side effects."""
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from mpidp import config
 from mpidp.runtime import launcher
+from mpidp.errors import ConfigError
+from mpirun import run
 
 
 def test_defaults_and_overrides():
@@ -28,6 +32,83 @@ def test_defaults_and_overrides():
 def test_bad_values_name_the_variable(env, match):
     with pytest.raises(ValueError, match=match):
         config.from_env(env)
+
+
+# a garbage value of every documented variable but MPIDP_TIMELINE (any path names a file; one
+# that cannot be written is refused by mpidp.init) and what the one line says is accepted
+GARBAGE = {
+    "MPIDP_ALGORITHM": ("tree", "expected one of auto, "),
+    "MPIDP_SHM_PEERS": ("shared", "expected one of auto, cma, window"),
+    "MPIDP_SHM_CHUNK_BYTES": ("1e6", "expected an integer >= 64"),
+    "MPIDP_SHM_INLINE_BYTES": ("99999", "must be from 0 to 4096"),
+    "MPIDP_RING_PIECE_BYTES": ("32", "must be >= 64"),
+    "MPIDP_DOUBLING_MAX_BYTES": ("-1", "must be >= 0"),
+    "MPIDP_HIER_MIN_BYTES": ("64k", "expected an integer >= 0"),
+    "MPIDP_EMULATE_NODE_SIZE": ("two", "expected an integer >= 0"),
+    "MPIDP_TIMEOUT_S": ("0", "must be > 0 and finite"),
+    "MPIDP_DEBUG": ("verbose", "expected one of 1, 0, true, false, yes, no, on, off"),
+    "MPIDP_ABORT_ON_EXCEPTION": ("maybe", "expected one of 1, 0, true, false, yes, no, on, off"),
+    "MPIDP_REQUIRE_EXTENSION": ("2", "expected one of 1, 0, true, false, yes, no, on, off"),
+    "MPIDP_EXTENSION": ("c", "expected one of 1, 0, true, false, yes, no, on, off"),
+    "MPIDP_AUDIT_EVERY": ("often", "expected an integer >= 0"),
+    "MPIDP_AUDIT_ACTION": ("stop", "expected one of raise, warn"),
+}
+DOCS = Path(__file__).parent.parent / "docs" / "configuration.md"
+
+
+def documented_variables() -> list:
+    return re.findall(r"^\| `(MPIDP_[A-Z_]+)` \|", DOCS.read_text(), re.M)
+
+
+def test_every_documented_variable_refuses_garbage_in_one_line_naming_what_is_accepted():
+    assert sorted(documented_variables()) == sorted([*GARBAGE, "MPIDP_TIMELINE"])
+    for name, (value, accepted) in GARBAGE.items():
+        with pytest.raises(ConfigError) as caught:
+            config.from_env({name: value})
+        e = caught.value
+        assert isinstance(e, ValueError) and (e.variable, e.value) == (name, value)
+        assert str(e).startswith(f"{name}={value!r}: ") and accepted in str(e), str(e)
+        assert "\n" not in str(e)
+
+
+def test_shm_inline_bytes_maximum_is_the_control_blocks():
+    assert config.from_env({"MPIDP_SHM_INLINE_BYTES": "4096"}).shm_inline_bytes == 4096
+    ext = pytest.importorskip("mpidp._ext")
+    assert config.SHM_INLINE_MAX_BYTES == ext.SHM_INLINE_BYTES
+
+
+def test_switch_spellings_are_accepted_and_documented():
+    for text in ("yes", "On", " TRUE ", "1"):
+        assert config.from_env({"MPIDP_DEBUG": text}).debug is True
+    for text in ("no", "Off", "false", "0", ""):
+        assert config.from_env({"MPIDP_DEBUG": text}).debug is False
+    docs = DOCS.read_text()
+    assert all(f"`{spelling}`" in docs for spelling in config.BOOL_SPELLINGS)
+
+
+def test_emulated_node_larger_than_the_group_is_refused():
+    for k, size in ((0, 2), (1, 2), (2, 2), (2, 3)):  # 2 on 3 ranks: nodes of 2 and 1
+        config.check_group_size(config.from_env({"MPIDP_EMULATE_NODE_SIZE": str(k)}), size)
+    with pytest.raises(ConfigError, match=r"^MPIDP_EMULATE_NODE_SIZE='7': more than the 2 "
+                                          r"rank\(s\) of the group: expected 0 \(off\) or 1 to 2$"):
+        config.check_group_size(config.from_env({"MPIDP_EMULATE_NODE_SIZE": "7"}), 2)
+
+
+def test_import_never_reads_a_bad_value_and_init_raises_it():
+    """Note [Settings read at init]: every mpidp module imports with a garbage value set (the
+    kernels are chosen, and the timeline switched, later); mpidp.init() raises ConfigError."""
+    code = ("import importlib, pkgutil, mpidp\n"
+            "for m in pkgutil.walk_packages(mpidp.__path__, 'mpidp.'):\n"
+            "    if not m.name.endswith('__main__'):\n"
+            "        importlib.import_module(m.name)\n"
+            "try:\n    mpidp.init()\n"
+            "except mpidp.ConfigError as e:\n"
+            "    assert isinstance(e, ValueError); print('init:', e)\n")
+    proc = run(1, ["-c", code], env={"MPIDP_TIMEOUT_S": "0", "MPIDP_TIMELINE": None},
+               timeout_s=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == "init: MPIDP_TIMEOUT_S='0': must be > 0 and finite", \
+        proc.stdout + proc.stderr
 
 
 def test_launcher_views():

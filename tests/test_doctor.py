@@ -3,6 +3,7 @@ of dead jobs against a stand-in directory, and the doctor itself under mpiexec -
 with a check that raises on one rank, a check that hangs, a job launched as independent
 singletons, and a job that aborts and leaves its files behind."""
 import contextlib
+import importlib.util
 import mmap
 import os
 import subprocess
@@ -292,6 +293,18 @@ def test_doctor_under_mpiexec(n):
         assert "launcher variables agree with MPI on every rank (MPICH/Hydra)" in proc.stdout
         assert "cross-memory attach" in proc.stdout or "staging" in proc.stdout
     print(f"doctor n={n}: {time.monotonic() - t0:.1f} s")
+
+
+def test_a_bad_setting_is_one_fail_naming_it_and_nothing_about_the_extension():
+    """A garbage MPIDP_* value: the mpidp check FAILs naming it (once, not again for the
+    init it stops), and the C extension is judged by whether it is built, not by the error."""
+    proc = doctor(1, env={"MPIDP_TIMEOUT_S": "0"})
+    out = proc.stdout
+    assert proc.returncode == 1, f"exit {proc.returncode}:\n{out}\n{proc.stderr[-3000:]}"
+    assert [l for l in out.splitlines() if l.startswith("  FAIL")] == \
+        ["  FAIL  rank 0: MPIDP_TIMEOUT_S='0': must be > 0 and finite"], out
+    built = importlib.util.find_spec("mpidp._ext") is not None
+    assert ("C extension loaded" in out) == built and "Traceback" not in out + proc.stderr
 
 
 def test_a_check_that_raises_on_one_rank_is_a_fail_and_the_rest_still_runs():

@@ -364,6 +364,38 @@ def test_corrupt_checkpoint_is_reported_and_the_previous_one_used(tmp_path):
     assert s["parameters_sha256"] == reference["parameters_sha256"]
 
 
+def test_retention_keeps_the_resumed_and_written_checkpoints_past_damaged_and_planted_files(
+        tmp_path, tmp_path_factory):
+    """Note [Checkpoint retention], the reported case: the uninterrupted 2-rank run's last
+    checkpoints (50, 60, 69), the newest damaged and a symlink planted at 999, resumed on 3
+    ranks keeping 1 (checkpoints at 62, 64, 66): the resume passes over 999 and 69 and
+    continues from 60; each save deletes only this run's older usable checkpoints (50, 62,
+    64), never the one resumed from nor the one written; 999 and 69 are left and named once;
+    the last line's checkpoint exists and the next resume takes it."""
+    reference = uninterrupted(2, "mirrored", tmp_path_factory)
+    d = tmp_path / "ck"
+    d.mkdir(mode=0o700)
+    for old in Path(reference["checkpoint"]).parent.glob("ckpt-*.pt"):
+        (d / old.name).write_bytes(old.read_bytes())
+    assert sorted(p.name for p in d.iterdir()) == [f"ckpt-0000000{s}.pt" for s in (50, 60, 69)]
+    flip_bytes_in_a_tensor(d / "ckpt-000000069.pt")
+    (d / "ckpt-000000999.pt").symlink_to(d / "ckpt-000000060.pt")
+    proc = train(3, *RESUMABLE, "--checkpoint-every", 2, "--keep-checkpoints", 1,
+                 "--checkpoint-dir", d, "--resume", env=USER)
+    s = summary_of(proc)
+    assert s["resumed_from"] == str(d / "ckpt-000000060.pt") and s["global_step"] == 66
+    assert proc.stdout.splitlines()[-1].endswith(f"; checkpoint {d}/ckpt-000000066.pt")
+    assert sorted(p.name for p in d.iterdir()) == [f"ckpt-000000{s}.pt" for s in
+                                                   ("060", "066", "069", "999")]
+    left = [l for l in proc.stdout.splitlines() if "left in place" in l]
+    end = "; left in place, not counted toward --keep-checkpoints"
+    assert left == [f"checkpoint {d}/ckpt-000000{s}.pt is ahead of this run (step {int(s)}; "
+                    f"this run has written step 62){end}" for s in ("999", "069")], proc.stdout
+    skipped = []
+    again = checkpoint.load_latest(d, skipped.append, checkpoint.KEYS)
+    assert again.path == d / "ckpt-000000066.pt" and len(skipped) == 2, skipped
+
+
 def test_a_full_disk_ends_the_job_with_one_line(tmp_path):
     """The second checkpoint does not fit: one line names the file and the cause, the job
     ends (exit code 1, as for any failure after set-up), no temporary is left, and the first
@@ -390,6 +422,8 @@ BAD = [
     (2, ("--resume",), "--resume needs --checkpoint-dir"),
     (3, ("--dataset", "synthetic", "--synthetic-samples", 2), "3 ranks but only 2 training"),
     (2, ("--strategy", "ps", "--num-ps", 2), "--num-ps 2 needs at least 3 ranks"),
+    (1, ("--strategy", "ps", "--checkpoint-dir", "{tmp}/used", "--resume"),
+     "--num-ps 1 needs at least 2 ranks"),
     (3, ("--strategy", "ps", "--staleness", -1), "--staleness must be an integer >= 0"),
     (2, ("--num-ps", 1), "--num-ps only apply to --strategy ps, not mirrored"),
     pytest.param(2, ("--device", "cuda", "--checkpoint-dir", "{tmp}/new"), "--device cuda: rank "
@@ -438,6 +472,24 @@ def test_bad_input_is_one_line_and_exit_code_2(n, flags, message, tmp_path):
         message.replace("{tmp}", str(tmp_path)) in errors[0], errors[0]
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not (tmp_path / "new").exists()  # nothing created by a command that fails
+    assert "worker(s)" not in proc.stdout  # a ps job is refused before its banner counts them
+
+
+@pytest.mark.parametrize("variable,value,message", [
+    ("MPIDP_TIMEOUT_S", "0", "must be > 0 and finite"),
+    ("MPIDP_SHM_INLINE_BYTES", "99999", "must be from 0 to 4096"),
+    ("MPIDP_EMULATE_NODE_SIZE", "7", "more than the 2 rank(s) of the group"),
+])
+def test_a_bad_setting_is_one_line_and_exit_code_2(variable, value, message):
+    """Note [Settings read at init] in mpidp/config.py: mpidp.init reads them, not an import
+    (every variable's parsing: tests/test_config_launcher.py; the node size needs the group)."""
+    proc = train(2, "--epochs", 1, env={variable: value}, timeout_s=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(errors) == 1, proc.stderr  # one line, from rank 0 only
+    assert errors[0].startswith(f"mpidp.train: error: {variable}={value!r}: ") and \
+        message in errors[0], errors[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
 
 
 def test_a_terminal_gets_whole_lines_in_order(tmp_path):
@@ -618,6 +670,36 @@ def test_local_strategies_resume_between_meetings_exactly(flags, tmp_path):
         saved = torch.load(other["checkpoint"], weights_only=True)
         assert saved["optimizer"]["outer"]["param_groups"][0]["lr"] == 0.2
         assert other["parameters_sha256"] != whole["parameters_sha256"]
+
+
+def test_resume_says_what_changed_and_meets_when_overdue(tmp_path):
+    """Note [What a resume may change] in setup.py: a localsgd checkpoint 7 steps past its last
+    meeting (--sync-every 8), resumed with --sync-every 4 and another --lr, --lr-scaling and
+    --amp: one line per changed setting and one for the meeting, from rank 0 only, none for the
+    checkpointing flags; the ranks meet at once, then every 4 steps (each step's checkpoint
+    holds the steps since the last meeting: 1, 2, 3, none at a meeting)."""
+    base = ("--strategy", "localsgd", "--epochs", 1, "--no-progress", "--checkpoint-dir",
+            tmp_path)
+    summary_of(train(2, *base, "--sync-every", 8, "--checkpoint-every", 7,
+                     "--keep-checkpoints", 9))
+    for later in ("ckpt-000000014.pt", "ckpt-000000021.pt", "ckpt-000000023.pt"):
+        (tmp_path / later).unlink()
+    assert checkpoint.load(tmp_path / "ckpt-000000007.pt")["comm_hook"]["since"] == 7
+    proc = train(2, *base, "--sync-every", 4, "--lr", 0.02, "--lr-scaling", "sqrt",
+                 "--amp", "bf16", "--checkpoint-every", 1, "--keep-checkpoints", 30, "--resume")
+    assert summary_of(proc)["resumed_from"] == str(tmp_path / "ckpt-000000007.pt")
+    lines = proc.stdout.splitlines()
+    said = [l for l in lines if l.startswith("resuming with") or "meet" in l]
+    assert said == [
+        "resuming with --lr 0.02 (the checkpoint was trained with 0.05)",
+        "resuming with --lr-scaling sqrt (the checkpoint was trained with linear)",
+        "resuming with --sync-every 4 (the checkpoint was trained with 8)",
+        "resuming with --amp bf16 (the checkpoint was trained with off)",
+        "--strategy localsgd: the checkpoint is 7 steps past the ranks' last meeting and "
+        "--sync-every is 4: they meet now"], proc.stdout
+    since = [checkpoint.load(tmp_path / f"ckpt-{s:09d}.pt").get("comm_hook", {}).get("since")
+             for s in range(8, 24)]
+    assert since == [1, 2, 3, None] * 4, since
 
 
 def test_a_parameter_trained_on_some_ranks_only_is_named_at_the_meeting():

@@ -62,6 +62,24 @@ def test_on_records_spans_instants_and_threads(recording):
     assert backward[5] == {"step": 1} and timeline._threads[recording[3][4]] == "comm"
 
 
+def test_init_switches_recording_and_traced_follows_it(monkeypatch):
+    """Note [Timeline cost]: ON is mpidp.init's to set; a function traced where the timeline
+    was asked for at import records only while ON; asked for only later, init warns."""
+    monkeypatch.setattr(timeline, "_events", [])
+    monkeypatch.setattr(timeline, "_threads", {})
+    monkeypatch.setattr(timeline, "ON", False)
+    monkeypatch.setattr(timeline, "_WRAP", True)
+    double = timeline.traced("double")(lambda x: 2 * x)
+    assert double(1) == 2 and timeline._events == []
+    timeline.switch(True)
+    assert double(2) == 4 and [e[1] for e in timeline._events] == ["double"]
+    monkeypatch.setattr(timeline, "_WRAP", False)
+    with pytest.warns(RuntimeWarning, match="MPIDP_TIMELINE was set after"):
+        timeline.switch(True)
+    timeline.switch(False)
+    assert not timeline.ON
+
+
 def test_estimate_offset_takes_the_shortest_round_trip():
     # remote clock = local + 1000 ns; the slow round trip would suggest another offset
     samples = [(0, 1900, 2000), (5000, 6000 + 1000, 5100), (10_000, 12_500, 14_000)]

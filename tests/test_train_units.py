@@ -299,6 +299,94 @@ def test_a_symlink_at_a_checkpoint_name_is_not_loaded(tmp_path):
         warnings[0]
 
 
+def test_retention_plan_counts_only_this_run_s_usable_checkpoints():
+    """Note [Checkpoint retention] as a pure rule: a run resumed from step 46 has written 61;
+    files ahead of it (69, 999) and a damaged one (40) are left and named, never counted; of
+    the usable ones the newest K are kept, and the one resumed from besides."""
+    p = {s: checkpoint.path_for(Path("ck"), s) for s in (999, 69, 61, 53, 46, 40, 23)}
+    listing = [(s, p[s], "checkpoint ck/ckpt-000000040.pt is corrupt" if s == 40 else None)
+               for s in p]
+    protected = {p[61], p[46]}
+    delete, left = checkpoint.retention_plan(listing, 1, 61, protected)
+    assert delete == [p[53], p[23]]
+    assert left == [(p[999], "checkpoint ck/ckpt-000000999.pt is ahead of this run (step 999; "
+                              "this run has written step 61)"),
+                    (p[69], "checkpoint ck/ckpt-000000069.pt is ahead of this run (step 69; "
+                             "this run has written step 61)"),
+                    (p[40], "checkpoint ck/ckpt-000000040.pt is corrupt")]
+    assert checkpoint.retention_plan(listing, 2, 61, protected)[0] == [p[23]]
+    assert checkpoint.retention_plan(listing, 3, 61, protected)[0] == [p[23]]
+    assert checkpoint.retention_plan(listing, 4, 61, protected)[0] == []
+    # the reported case: the damaged newest was passed over, the run takes fewer steps
+    bad = [(69, p[69], "corrupt"), (61, p[61], None), (46, p[46], None)]
+    assert checkpoint.retention_plan(bad, 1, 61, protected)[0] == []
+    assert checkpoint.retention_plan(bad, 1, 61, {p[61]})[0] == [p[46]]
+
+
+def test_save_keeps_the_run_s_checkpoints_past_damaged_planted_and_ahead_files(tmp_path,
+                                                                                monkeypatch):
+    """Note [Checkpoint retention]: a run resumed from 46 (69 damaged, a symlink planted at
+    999, junk at 30) saves 53 and 61 keeping 1: its own usable checkpoints rotate, the one
+    resumed from stays, every other file is left and named once; each file is hashed once
+    (those written, never) until it changes: junk replaced by a good checkpoint then counts."""
+    d = tmp_path / "ck"
+    for step in (23, 46, 69):
+        checkpoint.save(d, _state(step), step, keep=3)
+    damaged = checkpoint.path_for(d, 69)
+    damaged.write_bytes(damaged.read_bytes()[:-1])
+    elsewhere = checkpoint.save(tmp_path / "elsewhere", _state(999), 999, keep=1)
+    checkpoint.path_for(d, 999).symlink_to(elsewhere)
+    checkpoint.path_for(d, 30).write_bytes(b"not a checkpoint")
+    hashed, verify = [], checkpoint._verify
+    monkeypatch.setattr(checkpoint, "_verify",
+                        lambda f, path: hashed.append(path.name[5:14]) or verify(f, path))
+    notes = []
+    retention = checkpoint.Retention(notes.append)
+    resumed = str(checkpoint.path_for(d, 46))
+    for step in (53, 61):
+        checkpoint.save(d, _state(step), step, 1, retention, resumed)
+    assert sorted(p.name[5:14] for p in d.iterdir()) == \
+        ["000000030", "000000046", "000000061", "000000069", "000000999"]
+    assert hashed == ["000000046", "000000030", "000000023"]
+    end = "; left in place, not counted toward --keep-checkpoints"
+    assert notes == [
+        f"checkpoint {d}/ckpt-000000999.pt is ahead of this run (step 999; this run has "
+        f"written step 53){end}",
+        f"checkpoint {d}/ckpt-000000069.pt is ahead of this run (step 69; this run has "
+        f"written step 53){end}",
+        f"checkpoint {d}/ckpt-000000030.pt is corrupt or truncated: too short for an mpidp "
+        f"digest{end}"]
+    warnings = []
+    assert checkpoint.load_latest(d, warnings.append, ())[1]["epoch"] == 61
+    assert len(warnings) == 2  # 999 (a link), 69 (truncated): a resume still finds 61
+    os.replace(checkpoint.save(tmp_path / "other", _state(30), 30, keep=1),
+               checkpoint.path_for(d, 30))
+    del hashed[:]
+    checkpoint.save(d, _state(65), 65, 1, retention, resumed)
+    assert hashed == ["000000030"] and len(notes) == 3
+    assert sorted(p.name[5:14] for p in d.iterdir()) == \
+        ["000000046", "000000065", "000000069", "000000999"]
+
+
+def test_an_async_writer_prints_retention_lines_in_the_training_thread(tmp_path):
+    """Note [Asynchronous checkpoints]: the background write keeps the checkpoint resumed from
+    and leaves a planted symlink, whose line waits for the training thread's next wait."""
+    from mpidp.train.async_checkpoint import Writer
+    resumed = checkpoint.save(tmp_path, _state(1), 1, keep=1)
+    checkpoint.path_for(tmp_path, 999).symlink_to(resumed)
+    notes = []
+    writer = Writer(str(tmp_path), keep=1, note=notes.append)
+    for step in (2, 3):
+        writer.submit(_state(step), step, str(resumed))
+        assert notes == [] or step == 3
+        writer.wait()
+    assert notes == [f"checkpoint {tmp_path}/ckpt-000000999.pt is ahead of this run (step "
+                     "999; this run has written step 2); left in place, not counted toward "
+                     "--keep-checkpoints"]
+    assert [p.name for p in checkpoint.existing(tmp_path)] == \
+        ["ckpt-000000999.pt", "ckpt-000000003.pt", "ckpt-000000001.pt"]
+
+
 def test_the_json_log_is_never_written_through_a_link(tmp_path):
     from mpidp.train.metrics import Report
     victim, log = tmp_path / "victim", tmp_path / "log.jsonl"
@@ -501,6 +589,75 @@ def test_resume_checks_the_checkpoint_fits_this_run(tmp_path):
                           models.build("mlp", (1, 4, 4), 10), 100, fail)
     with pytest.raises(ValueError, match="no usable checkpoint"):
         find_resume_point(_resume_settings(tmp_path / "none"), 2, model, 100, fail)
+
+
+def test_every_setting_has_one_rule_on_resume():
+    """Note [What a resume may change]: a new setting must be given a rule."""
+    from mpidp.train import setup
+    fields = [f.name for f in dataclasses.fields(TrainSettings)]
+    assert sorted(setup.RESUME_RULES) == sorted(fields)
+    assert set(setup.RESUME_RULES.values()) == {setup.MUST_MATCH, setup.REPORTED,
+                                                setup.RESHAPED, setup.QUIET}
+    assert setup.RESUME_MUST_MATCH == ("strategy", "batch_size", "seed", "dataset",
+                                       "synthetic_samples", "model", "optimizer")
+
+
+def test_a_resume_says_each_changed_setting_in_one_line():
+    """Note [What a resume may change]: one line per REPORTED setting that differs, in the
+    order of TrainSettings; unset values count as their defaults; QUIET ones say nothing."""
+    from mpidp.train.setup import changed_settings, resume_lines
+    saved = dataclasses.asdict(TrainSettings(lr=0.01).check())
+    assert changed_settings(saved, TrainSettings(lr=0.01).check()) == []
+    quiet = dict(checkpoint_dir="/elsewhere", checkpoint_every=5, keep_checkpoints=9,
+                 resume=True, device="cpu", algorithm="ring", bucket_mb=1.0, eval_every=3,
+                 log_json="/tmp/x.jsonl", progress=False, verbose=True, threads_per_rank=1,
+                 straggler="1:2", async_checkpoint=True, checkpoint_on_signal=True)
+    assert changed_settings(saved, TrainSettings(lr=0.01, **quiet).check()) == []
+    now = TrainSettings(lr=0.05, lr_scaling="sqrt", warmup_epochs=1.5, epochs=22, zero=True,
+                        amp="bf16").check()
+    assert changed_settings(saved, now) == [
+        "resuming with --epochs 22 (the checkpoint was trained with 20)",
+        "resuming with --lr 0.05 (the checkpoint was trained with 0.01)",
+        "resuming with --lr-scaling sqrt (the checkpoint was trained with linear)",
+        "resuming with --warmup-epochs 1.5 (the checkpoint was trained with 0.0)",
+        "resuming with --zero (the checkpoint was trained without it)",
+        "resuming with --amp bf16 (the checkpoint was trained with off)"]
+    assert changed_settings(dataclasses.asdict(now), TrainSettings(
+        lr=0.05, lr_scaling="sqrt", warmup_epochs=1.5, epochs=22, amp="bf16").check()) == [
+        "resuming without --zero (the checkpoint was trained with it)"]
+    del saved["lr"]  # a setting the checkpoint does not record is passed over
+    assert changed_settings(saved, TrainSettings(lr=0.02).check()) == []
+    # PowerSGD's own settings count where both runs use it; unset is the default rank 1
+    power = dataclasses.asdict(TrainSettings(compression="powersgd", powersgd_rank=2).check())
+    assert changed_settings(power, TrainSettings(compression="powersgd",
+                                                 powersgd_rank=2).check()) == []
+    assert changed_settings(power, TrainSettings(compression="powersgd").check()) == [
+        "resuming with --powersgd-rank 1 (the checkpoint was trained with 2)"]
+    assert changed_settings(power, TrainSettings().check()) == [
+        "resuming with --compression none (the checkpoint was trained with powersgd)"]
+    # a parameter server's: unset staleness (asynchronous), the lookahead on unless turned off
+    ps = dataclasses.asdict(TrainSettings(strategy="ps", staleness=2).check())
+    assert changed_settings(ps, TrainSettings(strategy="ps", staleness=2,
+                                              ps_lookahead=True).check()) == []
+    assert changed_settings(ps, TrainSettings(strategy="ps", ps_lookahead=False,
+                                              staleness_lr=True, num_ps=2).check()) == [
+        "resuming without --staleness (the checkpoint was trained with 2)",
+        "resuming with --staleness-lr (the checkpoint was trained without it)",
+        "resuming without --ps-lookahead (the checkpoint was trained with it)"]
+    diloco = dataclasses.asdict(TrainSettings(strategy="diloco").check())
+    assert changed_settings(diloco, TrainSettings(strategy="diloco", sync_every=4,
+                                                  outer_momentum=0.0).check()) == [
+        "resuming with --sync-every 4 (the checkpoint was trained with 8)",
+        "resuming with --outer-momentum 0.0 (the checkpoint was trained with 0.5)"]
+    # then the line of another number of ranks, in one list
+    state = {"settings": dataclasses.asdict(TrainSettings(lr=0.01).check()), "world_size": 2,
+             "step_in_epoch": 0, "data_order": {"cursor": 0}}
+    assert resume_lines(state, TrainSettings(lr=0.02).check(), 2, 2, 100) == [
+        "resuming with --lr 0.02 (the checkpoint was trained with 0.01)"]
+    assert resume_lines(state, TrainSettings(lr=0.02).check(), 3, 3, 100) == [
+        "resuming with --lr 0.02 (the checkpoint was trained with 0.01)",
+        "the checkpoint was written by 2 ranks, this run has 3: epochs sharded over 3; "
+        "--lr-scaling linear now counts 3 ranks; rank 2 starts its generator from --seed"]
 
 
 def test_outputs_are_checked_before_training(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..errors import ConfigError
 from ..runtime.helpformat import DefaultsHelpFormatter, Parser
 
 
@@ -29,8 +30,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
-    return args.run(args)
+    """Runs the benchmark the command line names; a bad MPIDP_* value (mpidp.init raises it
+    on every rank: Note [Settings read at init] in mpidp/config.py) is one line from rank 0
+    and exit code 2."""
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        return args.run(args)
+    except ConfigError as exc:
+        p.exit(2, f"{p.prog}: error: {exc}\n")
 
 
 if __name__ == "__main__":

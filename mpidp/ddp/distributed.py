@@ -19,12 +19,12 @@ from .. import config, runtime
 from . import sync_bn
 from ..runtime import timeline
 from .audit import ReplicaDivergenceError, checksums, divergence
-from .hooks import attach, check_hook, fused_wire, reduce_scatters, run_hook
+from .hooks import attach, check_hook, describe_hook, fused_wire, reduce_scatters, run_hook
 from .comm_thread import call_in_order, check_thread_level, communicate, reduce_bucket, stop
 from .args import agree_audit, validate
 from .join import JoinSupport
 from ..errors import MismatchError, MpidpError
-from ..comm.fingerprint import check_same_buckets, check_same_model
+from ..comm.fingerprint import check_same, check_same_buckets, check_same_model
 from ..comm.buckets import BucketBase
 from ..comm.fusion import plan
 from ..comm.state_broadcast import broadcast_tensors_
@@ -181,7 +181,8 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
     def _agree_on_hook(self) -> None:
         """At the first synchronised backward (or its shadow under Join): whether a
         communication hook is registered must agree across ranks, or they would reduce their
-        buckets on different groups; a MismatchError on every rank otherwise. Collective."""
+        buckets on different groups, and then which hook with which state (Note
+        [Communication hooks]); a MismatchError on every rank otherwise. Collective."""
         self._hook_agreed = True
         if self._size > 1:
             mine = np.array([[int(self._hook is not None)]], np.int64)
@@ -192,6 +193,9 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
                     "registered on ranks " + ", ".join(str(r) for r, f in enumerate(flags) if f)
                     + " only: call register_comm_hook on every rank (every rank raises this "
                     "error)")
+            if self._hook is not None:  # the same hook and state: Note [Communication hooks]
+                check_same(runtime.group(), describe_hook(*self._hook),
+                           "DistributedDataParallel", "the communication hooks")
 
     def _start_backward(self) -> None:
         self._in_backward = True

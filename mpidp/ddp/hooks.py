@@ -15,7 +15,12 @@ never takes the zero-copy path: a hook takes one flat tensor. torch's hooks
 ``powerSGD_hook``, ``batched_powerSGD_hook``) communicate through torch.distributed, so they
 need it initialised — on the mpidp backend they run on mpidp's collectives, on a group of
 their own (Note [Sub-groups] in mpidp/runtime.py). A joined rank (Note [Uneven inputs] in
-mpidp/ddp/join.py) calls the hook with a zero buffer, as torch's DDP does."""
+mpidp/ddp/join.py) calls the hook with a zero buffer, as torch's DDP does. Every rank must
+register the same hook with a state that agrees: at the first synchronised backward (or its
+shadow under Join) the ranks compare whether one is registered, then ``describe_hook`` — the
+hook's name, its state's type and what the hook declares of its state
+(``hook.mpidp_describe_state(state)``: PowerSGD's settings) — a MismatchError on every rank
+naming the first difference otherwise, before any bucket is reduced."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
@@ -27,13 +32,15 @@ from ..engine.dtypes import F32
 # Note [Hook capabilities]
 # DistributedDataParallel knows a communication hook by what the hook declares, never by
 # importing it and comparing: a hook function may carry
-#   mpidp_check_state(state)  checks the state it is registered with (register_comm_hook);
-#   mpidp_attach(state, ddp)  is called once at registration (ZeRO attaches to the model);
-#   mpidp_wire                a 16-bit dtype code: float32 buckets go over mpidp's fused
-#                             cast-and-reduce path in that dtype (Note [Compressed buckets] in
-#                             mpidp/ddp/compression.py) instead of calling the hook;
-#   mpidp_reduce_scatter      True: each bucket is reduce-scattered, every rank keeping its
-#                             block of the average (Note [ZeRO] in mpidp/ddp/zero.py).
+#   mpidp_check_state(state)     checks the state it is registered with (register_comm_hook);
+#   mpidp_describe_state(state)  what of its state every rank must hold alike (PowerSGD's
+#                                settings), compared at the first synchronised backward;
+#   mpidp_attach(state, ddp)     called once at registration (ZeRO attaches to the model);
+#   mpidp_wire                   a 16-bit dtype code: float32 buckets go over mpidp's fused
+#                                cast-and-reduce path in that dtype (Note [Compressed buckets]
+#                                in mpidp/ddp/compression.py) instead of calling the hook;
+#   mpidp_reduce_scatter         True: each bucket is reduce-scattered, every rank keeping its
+#                                block of the average (Note [ZeRO] in mpidp/ddp/zero.py).
 # torch's hooks and users' declare none of these and are called as torch's contract says.
 
 
@@ -74,6 +81,20 @@ def check_hook(state: Any, hook: Callable) -> None:
     check_state = getattr(hook, "mpidp_check_state", None)  # mpidp's own hooks check theirs
     if check_state is not None:
         check_state(state)
+
+
+def describe_hook(state: Any, hook: Callable) -> list:
+    """(label, value) pairs every rank's registered hook must agree on (Note [Communication
+    hooks]), for fingerprint.check_same."""
+    target = getattr(hook, "func", hook)  # a functools.partial: the function it wraps
+    name = getattr(target, "__qualname__", type(target).__qualname__)
+    out = [("communication hook", f"{getattr(target, '__module__', '')}.{name}"),
+           ("communication hook state", type(state).__qualname__)]
+    describe = getattr(hook, "mpidp_describe_state", None)  # mpidp's own hooks describe theirs
+    if describe is not None:
+        out += [(f"communication hook state: {label}", value) for label, value in
+                describe(state)]
+    return out
 
 
 def run_hook(state: Any, hook: Callable, bucket, sources: Sequence[Any],

@@ -11,6 +11,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from ..comm import collectives
 from .. import runtime
 from ..dist import process_group_for_join
+from ..comm.fingerprint import check_same
 from ..comm.state_broadcast import broadcast_tensors_
 from .hooks import reduce_scatters
 
@@ -25,7 +26,10 @@ from .hooks import reduce_scatters
 # with zero gradients (so the average stays over the initial world size, torch's
 # divide_by_initial_world_size=True), the used-parameter count (every parameter counted as
 # used) and, once, the bucket rebuild. At the end the last rank to join broadcasts its
-# parameters and buffers, so every rank ends with the same model, as torch's DDP does.
+# parameters and buffers, so every rank ends with the same model, as torch's DDP does. What
+# Join refuses (divide_by_initial_world_size=False, the audit, an attached ZeRO, SyncBatchNorm)
+# is refused on every rank: each rank's refusal is exchanged when the Join is built (join_hook,
+# which every rank calls), so a rank that refuses never leaves the others waiting in a forward.
 
 
 
@@ -39,14 +43,25 @@ class JoinSupport(Joinable):
         """torch's ``DistributedDataParallel.join``: ``with model.join(): <training loop>``
         lets ranks with fewer batches finish (Note [Uneven inputs]). Only
         ``divide_by_initial_world_size=True`` (torch's default) is supported."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        """torch's; collective: what one rank refuses every rank refuses (Note [Uneven
+        inputs])."""
+        try:
+            self._check_joinable(kwargs.get("divide_by_initial_world_size", True))
+            failed = None
+        except ValueError as exc:
+            failed = exc
+        check_same(runtime.group(), [], "Join", "the Join settings", failed)
+        return _JoinHook(self)
+
+    def _check_joinable(self, divide_by_initial_world_size: bool) -> None:
+        """ValueError for what Join cannot shadow (Note [Uneven inputs])."""
         if not divide_by_initial_world_size:
             raise ValueError("divide_by_initial_world_size=False is not supported: mpidp "
                              "averages over the initial world size while ranks join")
-        return Join([self], enable, throw_on_early_termination)
-
-    def join_hook(self, **kwargs) -> JoinHook:
-        if not kwargs.get("divide_by_initial_world_size", True):
-            raise ValueError("divide_by_initial_world_size=False is not supported")
         if self.audit_every:
             raise ValueError("Join: the replica audit (audit_every) would compare the "
                              "models of ranks that stopped stepping; turn it off under Join")
@@ -58,7 +73,6 @@ class JoinSupport(Joinable):
             raise ValueError(f"Join: the SyncBatchNorm layers {self.sync_batchnorm_layers} "
                              "cannot be shadowed by a rank without a batch; give every rank "
                              "the same number of batches instead")
-        return _JoinHook(self)
 
     @property
     def join_device(self) -> torch.device:

@@ -132,7 +132,18 @@ def powerSGD_hook(state: PowerSGDState, bucket) -> torch.futures.Future:
     return future
 
 
+def _describe_state(state: PowerSGDState) -> list:
+    """The settings and step every rank's state must share (compared at the first
+    synchronised backward: Note [Communication hooks] in mpidp/ddp/hooks.py): with another
+    rank, seed or schedule the ranks' P and Q would differ, or pair different all-reduces."""
+    return [(name, getattr(state, name)) for name in (
+        "matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate",
+        "use_error_feedback", "warm_start", "orthogonalization_epsilon", "random_seed",
+        "iter")]
+
+
 powerSGD_hook.mpidp_check_state = _check_state  # type: ignore[attr-defined]
+powerSGD_hook.mpidp_describe_state = _describe_state  # type: ignore[attr-defined]
 
 
 def _compress(state: PowerSGDState, buffer: torch.Tensor, grads: list, params: list) -> None:

@@ -20,7 +20,11 @@ usual) is reduce-scattered, and the averaged block is written back into the buck
 elsewhere, so what is done to .grad before ``step`` (scaling, unscaling) acts on what is
 stepped — but a norm over the whole .grad (clip_grad_norm_) would mix the two. Beside DDP's
 all-reduce, or on one rank (nothing reduced), .grad is the average. The layout is fixed at the
-first ``step`` (``add_param_group`` only before it); a ``load_state_dict`` before it waits for
+first ``step`` (``add_param_group`` only before it). Every rank must pass the same parameters
+(dtypes and shapes, in order) in the same groups with the same hyper-parameters — each shard is
+stepped with its owner's — so the constructor and ``add_param_group`` compare them across
+ranks (fingerprint.check_same): a MismatchError on every rank names the first difference, and
+an input one rank refuses is refused on every rank. A ``load_state_dict`` before it waits for
 it, and ``consolidate_state_dict`` before it gives what was loaded. Refused under Join: a joined
 rank does not step, and every step all-gathers. ``consolidate_state_dict(to)`` gathers every
 rank's slices (as bytes, not pickled) into one state_dict in torch's format for the parameters
@@ -37,17 +41,32 @@ import torch
 
 from ..comm import collectives
 from .. import runtime
+from ..comm.fingerprint import check_same
 from ..engine.ring import partition
+
+WHAT = "the parameters or their groups"  # what check_same compares (Note [ZeRO])
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     """torch's ``ZeroRedundancyOptimizer(params, optimizer_class, **defaults)`` on mpidp's
     ranks (Note [ZeRO]); ``process_group`` must be None, ``parameters_as_bucket_view`` and
-    ``overlap_with_ddp`` are not offered (overlap: ``reduce_scatter_hook``)."""
+    ``overlap_with_ddp`` are not offered (overlap: ``reduce_scatter_hook``). Collective:
+    every rank constructs it with the same parameters and groups (Note [ZeRO])."""
 
     def __init__(self, params: Any, optimizer_class: type, process_group: Any = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
                  **defaults: Any):
+        g = runtime.group()
+        try:
+            self._setup(params, optimizer_class, process_group, parameters_as_bucket_view,
+                        overlap_with_ddp, defaults)
+            mine, failed = self._description(), None
+        except (TypeError, ValueError) as exc:  # refused on every rank: none waits
+            mine, failed = [], exc
+        check_same(g, mine, "ZeroRedundancyOptimizer", WHAT, failed)
+
+    def _setup(self, params: Any, optimizer_class: type, process_group: Any,
+               parameters_as_bucket_view: bool, overlap_with_ddp: bool, defaults: dict) -> None:
         if not (isinstance(optimizer_class, type) and
                 issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer class, got "
@@ -61,10 +80,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         # as the unsharded optimizer's
         full = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults).defaults
         super().__init__(params, dict(full))
-        self._all = [p for group in self.param_groups for p in group["params"]]
-        for k, p in enumerate(self._all):
-            if not p.is_contiguous():
-                raise ValueError(f"ZeroRedundancyOptimizer: parameter {k} is not contiguous")
+        self._collect()
         self.optimizer_class, self._defaults = optimizer_class, dict(defaults)
         self._ddp: Any = None
         self._local: Optional[torch.optim.Optimizer] = None
@@ -75,14 +91,51 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._per_element: dict = {}  # param group -> keys of its per-element state
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's, before the first step (the layout is fixed then); RuntimeError after."""
-        if getattr(self, "_local", None) is not None or getattr(self, "_ddp", None) is not None:
-            raise RuntimeError("ZeroRedundancyOptimizer.add_param_group after the first step "
-                               "or once attached to a DistributedDataParallel: the parameters "
-                               "are already partitioned")
-        super().add_param_group(param_group)
-        if hasattr(self, "_all"):  # not from torch's __init__, which sets them up after
+        """torch's, before the first step (the layout is fixed then); RuntimeError after.
+        Collective: the groups are compared across ranks as the constructor's are, and a
+        group refused (on any rank) is added on none."""
+        if not hasattr(self, "_all"):  # from torch's __init__, which checks them after
+            super().add_param_group(param_group)
+            return
+        before = len(self.param_groups)
+        try:
+            if self._local is not None or self._ddp is not None:
+                raise RuntimeError("ZeroRedundancyOptimizer.add_param_group after the first "
+                                   "step or once attached to a DistributedDataParallel: the "
+                                   "parameters are already partitioned")
+            super().add_param_group(param_group)
+            self._collect()
+            mine, failed = self._description(), None
+        except (TypeError, ValueError, RuntimeError) as exc:
+            mine, failed = [], exc
+        try:
+            check_same(runtime.group(), mine, "ZeroRedundancyOptimizer.add_param_group", WHAT,
+                       failed)
+        except BaseException:
+            del self.param_groups[before:]
             self._all = [p for group in self.param_groups for p in group["params"]]
+            raise
+
+    def _collect(self) -> None:
+        """Every parameter in group order; ValueError for one that is not contiguous."""
+        self._all = [p for group in self.param_groups for p in group["params"]]
+        for k, p in enumerate(self._all):
+            if not p.is_contiguous():
+                raise ValueError(f"ZeroRedundancyOptimizer: parameter {k} is not contiguous")
+
+    def _description(self) -> list:
+        """What every rank must hold alike (Note [ZeRO]), for fingerprint.check_same: the
+        number of groups, then each group's parameters (dtype and shape, numbered in group
+        order) and its other entries."""
+        out, k = [("param groups", len(self.param_groups))], 0
+        for i, group in enumerate(self.param_groups):
+            out.append((f"param group {i}: parameters", len(group["params"])))
+            for p in group["params"]:
+                out.append((f"param group {i}: parameter {k}", f"{p.dtype}{list(p.shape)}"))
+                k += 1
+            out += [(f"param group {i}: {key}", value) for key, value in
+                    sorted(group.items()) if key != "params"]
+        return out
 
     # ---- the layout ----------------------------------------------------------------------
 

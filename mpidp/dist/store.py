@@ -9,10 +9,25 @@ each other, so this one is served on a duplicate of mpidp's communicator. A requ
 message to rank 0 with tag REQUEST: int64 words (operation, reply tag, number of fields, each
 field's length) and the fields' bytes; the answer comes back on the reply tag the client chose,
 so a client that gave up waiting (its timeout) never takes a later answer for another request.
-``get`` and ``wait`` for keys not yet set are answered when a ``set``, ``add`` or
-``compare_set`` makes them. Rank 0's thread polls with sleeps that grow to SERVER_IDLE_S while
-nothing comes (MPICH's blocking MPI_Probe would spin a core for the whole job); it ends at
-mpidp's shutdown (Note [Stopping the users first] in mpidp/runtime/resources.py)."""
+``get``, ``multi_get`` and ``wait`` for keys not yet set are answered when a ``set``, ``add``,
+``compare_set``, ``append`` or ``multi_set`` makes them. Rank 0's thread polls with sleeps that
+grow to SERVER_IDLE_S while nothing comes (MPICH's blocking MPI_Probe would spin a core for the
+whole job); it ends at mpidp's shutdown (Note [Stopping the users first] in mpidp/runtime/resources.py).
+
+Note [What torch calls on a store written in Python]
+torch reaches a Python subclass of ``dist.Store`` through its C++ trampoline (PythonStore in
+torch/csrc/distributed/c10d/init.cpp), and every call through the PrefixStore that
+init_process_group puts in front of this one goes that way. The trampoline looks methods up by
+name, and not always by the Python binding's name: ``deleteKey`` and ``getNumKeys`` (the C++
+names) serve ``delete_key`` and ``num_keys``; ``set``, ``get``, ``add``, ``compare_set``,
+``check``, ``wait`` (with and without a timeout), ``clone``, ``append``, ``multi_get``,
+``multi_set`` and ``has_extended_api`` go by their Python names. The timeout is not forwarded:
+``timeout`` and ``set_timeout`` are C++'s own (the PrefixStore forwards them to this store's C++
+part), so the store keeps its timeout there, and every request reads it from there. torch's
+``barrier`` without a timeout on a PrefixStore takes the PrefixStore's own (5 minutes), whatever
+the store's is. Queues and ``list_keys`` are never forwarded to Python (torch raises its own
+NotImplementedError through a PrefixStore); called on this store directly they raise one naming
+mpidp. Checked at every world size by tests/mpi/body_dist.py."""
 from __future__ import annotations
 
 import itertools
@@ -24,11 +39,18 @@ from typing import Optional
 import numpy as np
 import torch.distributed as dist
 
-SET, GET, ADD, COMPARE_SET, CHECK, WAIT, DELETE, NUM_KEYS, STOP = range(9)
+(SET, GET, ADD, COMPARE_SET, CHECK, WAIT, DELETE, NUM_KEYS, APPEND, MULTI_GET, MULTI_SET,
+ STOP) = range(12)
+CHANGES = (SET, ADD, COMPARE_SET, APPEND, MULTI_SET)  # requests that may answer waiting ones
 REQUEST = 1
 ERROR = b"\0mpidp-store-error:"  # an answer starting so is an error for the client to raise
 POLL_S = 0.0005       # a waiting client's poll interval
 SERVER_IDLE_S = 0.01  # the longest sleep of an idle server between polls
+
+
+class StoreTimeoutError(dist.DistStoreError, TimeoutError):
+    """A request to the store got no answer within its timeout: torch's DistStoreError (what
+    torch's own code catches, as from its TCPStore) and Python's TimeoutError."""
 
 
 def _encode(op: int, reply_tag: int, fields) -> np.ndarray:
@@ -55,7 +77,7 @@ class MPIStore(dist.Store):
         super().__init__()
         from mpi4py import MPI  # deferred for cost, as everywhere in mpidp
         self.comm = comm
-        self._timeout_s = timeout.total_seconds()
+        self.set_timeout(timeout)  # C++'s (Note [What torch calls on a store written in Python])
         self._tags = itertools.cycle(range(REQUEST + 1, MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)))
         self._lock = threading.Lock()
         self._server = None
@@ -71,13 +93,13 @@ class MPIStore(dist.Store):
         with self._lock:
             tag = next(self._tags)
         self.comm.Send(_encode(op, tag, fields), dest=0, tag=REQUEST)
-        limit = self._timeout_s if timeout_s is None else timeout_s
+        limit = self.timeout.total_seconds() if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
         status = MPI.Status()
         while not self.comm.Iprobe(source=0, tag=tag, status=status):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"mpidp store: no answer to {_NAMES[op]} "
-                                   f"{[bytes(f) for f in fields][:3]} within {limit:g} s")
+                raise StoreTimeoutError(f"mpidp store: no answer to {_NAMES[op]} "
+                                        f"{[bytes(f) for f in fields][:3]} within {limit:g} s")
             time.sleep(POLL_S)
         answer = bytearray(status.Get_count(MPI.BYTE))
         self.comm.Recv([answer, MPI.BYTE], source=0, tag=tag)
@@ -111,12 +133,43 @@ class MPIStore(dist.Store):
     def num_keys(self) -> int:
         return int(self._ask(NUM_KEYS, []))
 
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._timeout_s = timeout.total_seconds()
+    # the names torch's C++ side calls (Note [What torch calls on a store written in Python])
+    deleteKey = delete_key
+    getNumKeys = num_keys
 
-    @property
-    def timeout(self) -> timedelta:
-        return timedelta(seconds=self._timeout_s)
+    def append(self, key, value) -> None:
+        self._ask(APPEND, [_key(key), _value(value)])
+
+    def multi_get(self, keys) -> list:
+        """The values of ``keys``, waiting (up to the store's timeout) until all are set."""
+        return _decode(np.frombuffer(self._ask(MULTI_GET, [_key(k) for k in keys]), np.uint8))[2]
+
+    def multi_set(self, keys, values) -> None:
+        keys, values = list(keys), list(values)
+        if len(keys) != len(values):
+            raise ValueError(f"mpidp store: multi_set of {len(keys)} keys and {len(values)} "
+                             "values; give one value per key")
+        self._ask(MULTI_SET, [f for k, v in zip(keys, values) for f in (_key(k), _value(v))])
+
+    def has_extended_api(self) -> bool:
+        return True  # append, multi_get and multi_set are served in one request each
+
+    def clone(self) -> "MPIStore":
+        """This store: a client is safe to share between threads (a reply tag per request,
+        MPI_THREAD_MULTIPLE), so a clone needs nothing of its own."""
+        return self
+
+    def queue_push(self, key, value) -> None:
+        raise _unsupported("queue_push")
+
+    def queue_pop(self, key, block: bool = True) -> bytes:
+        raise _unsupported("queue_pop")
+
+    def queue_len(self, key) -> int:
+        raise _unsupported("queue_len")
+
+    def list_keys(self) -> list:
+        raise _unsupported("list_keys")
 
     def close(self, timeout_s: float = 10.0) -> bool:
         """Ends rank 0's serving thread (this rank only); True once it has ended."""
@@ -127,7 +180,13 @@ class MPIStore(dist.Store):
         return not self._server.is_alive()
 
 
-_NAMES = ("set", "get", "add", "compare_set", "check", "wait", "delete_key", "num_keys", "stop")
+_NAMES = ("set", "get", "add", "compare_set", "check", "wait", "delete_key", "num_keys",
+          "append", "multi_get", "multi_set", "stop")
+
+
+def _unsupported(name: str) -> NotImplementedError:
+    return NotImplementedError(f"mpidp's store does not support {name} (torch forwards no "
+                               "queues nor list_keys to a store written in Python)")
 
 
 def _key(key) -> bytes:
@@ -172,7 +231,7 @@ def _serve(comm) -> None:
             pending.append((source, tag, op, fields))
         else:
             answer_to(source, tag, answer)
-        if op in (SET, ADD, COMPARE_SET) and pending:
+        if op in CHANGES and pending:
             still = []
             for source, tag, op, fields in pending:
                 answer = _apply(keys, op, fields)
@@ -207,4 +266,14 @@ def _apply(keys: dict, op: int, fields: list) -> Optional[bytes]:
         return b"" if all(k in keys for k in fields) else None
     if op == DELETE:
         return b"1" if keys.pop(fields[0], None) is not None else b"0"
+    if op == APPEND:
+        keys[fields[0]] = keys.get(fields[0], b"") + fields[1]
+        return b""
+    if op == MULTI_GET:
+        if not all(k in keys for k in fields):
+            return None
+        return _encode(0, 0, [keys[k] for k in fields]).tobytes()
+    if op == MULTI_SET:
+        keys.update(zip(fields[0::2], fields[1::2]))
+        return b""
     return str(len(keys)).encode()  # NUM_KEYS

@@ -135,11 +135,15 @@ def setup(ctx) -> dict:
     except ValueError as exc:
         out["settings"], out["config_error"] = [], str(exc)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from ..engine import host_ops
-        out["kernels"] = "c" if host_ops.IMPLEMENTATION == "c" else \
-            f"numpy: {host_ops._import_error}"
+        from ..engine import host_ops
+        if "config_error" in out:  # the kernels are not chosen: is the extension built?
+            problem = host_ops.BUILD_PROBLEM
+            out["kernels"] = f"numpy: {problem}" if problem else "c"
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out["kernels"] = "c" if host_ops.IMPLEMENTATION == "c" else \
+                    f"numpy: {host_ops._why}"
     except Exception as exc:
         out["kernels"] = f"numpy: {exc}"
     try:

@@ -11,44 +11,73 @@ from .. import config
 from ..errors import BackendUnavailableError
 
 try:
-    from .. import _ext
+    from .. import _ext as _built
 except ImportError as exc:  # pragma: no cover - exercised by an install without a compiler
-    _ext = None
-    _why = str(exc)
+    _built, BUILD_PROBLEM = None, str(exc)
 else:
-    _why = ""
-if _ext is not None and not config.get().extension:
-    _ext, _why = None, "disabled by MPIDP_EXTENSION=0"
+    BUILD_PROBLEM = ""  # why the extension could not be imported ("": it is built)
+
+# Which implementation runs depends on MPIDP_EXTENSION and MPIDP_REQUIRE_EXTENSION, so it is
+# chosen on first use (mpidp.init, or a kernel called before it), not at import (Note
+# [Settings read at init] in mpidp/config.py): until then the names below come from the
+# module's __getattr__ (and reduce_into's _impl from _Unchosen), which chooses and binds them
+# as plain module globals, so that later calls cost nothing more.
+_CHOSEN = ("EXTENSION", "IMPLEMENTATION", "divide", "pack", "unpack", "cast_segments")
+
+
+def _choose() -> None:
+    """Binds the kernels: the C extension, or its numpy twin where the extension is missing
+    or disabled (a warning), or BackendUnavailableError where it is required."""
+    cfg = config.get()
+    ext, why = _built, BUILD_PROBLEM
+    if ext is not None and not cfg.extension:
+        ext, why = None, "disabled by MPIDP_EXTENSION=0"
+    if ext is None:
+        if cfg.require_extension and cfg.extension:
+            raise _unavailable(why)
+        warnings.warn(f"mpidp: C extension unavailable ({why}): reductions use its numpy "
+                      "twin, and one-node collectives run over MPI instead of shared memory",
+                      RuntimeWarning, stacklevel=3)
+        from . import host_ops_numpy as impl  # only where the extension is missing
+    else:
+        impl = ext
+    globals().update(_ext=ext, _why=why, _impl=impl, EXTENSION=ext,  # None: missing or disabled
+                     IMPLEMENTATION="c" if impl is ext else "numpy", divide=impl.divide,
+                     pack=impl.pack, unpack=impl.unpack, cast_segments=impl.cast_segments)
+
+
+def __getattr__(name: str):
+    if name in _CHOSEN:
+        _choose()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _Unchosen:
+    """``_impl`` until the kernels are chosen: its first attribute chooses them."""
+
+    def __getattr__(self, name: str):
+        _choose()
+        return getattr(_impl, name)
+
+
+_impl = _Unchosen()
+
+
+def _unavailable(why: str) -> BackendUnavailableError:
+    return BackendUnavailableError(
+        f"mpidp's C extension is not available ({why}); reinstall with a C compiler "
+        "present: pip install -e . (or pip install mpidp)")
 
 
 def extension():
-    """The compiled ``mpidp._ext`` module, or BackendUnavailableError saying how to build it."""
+    """The compiled ``mpidp._ext`` module, or BackendUnavailableError saying how to build it
+    (where it is missing, or disabled by MPIDP_EXTENSION=0)."""
+    if "_ext" not in globals():
+        _choose()
     if _ext is None:
-        raise BackendUnavailableError(
-            f"mpidp's C extension is not available ({_why}); reinstall with a C compiler "
-            "present: pip install -e . (or pip install mpidp)")
+        raise _unavailable(_why)
     return _ext
-
-
-def _select():
-    if _ext is not None:
-        return _ext
-    if config.get().require_extension and config.get().extension:
-        extension()
-    warnings.warn(f"mpidp: C extension unavailable ({_why}): reductions use its numpy twin, "
-                  "and one-node collectives run over MPI instead of shared memory",
-                  RuntimeWarning, stacklevel=3)
-    from . import host_ops_numpy  # only where the extension is missing
-    return host_ops_numpy
-
-
-EXTENSION = _ext  # None where the extension is missing or disabled
-_impl = _select()
-divide = _impl.divide
-pack = _impl.pack
-unpack = _impl.unpack
-cast_segments = _impl.cast_segments
-IMPLEMENTATION = "c" if _impl is _ext else "numpy"
 
 
 def reduce_into(dst, src, dtype: int, op: int, divisor: int = 1) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from .. import config
 from . import launcher, timeline
 from .abort import abort_job
-from ..errors import LaunchError, MismatchError, NotInitializedError
+from ..errors import ConfigError, LaunchError, MismatchError, NotInitializedError
 from ..engine.gpu.device import bind_if_visible
 from .resources import Resources
 from .topology import Topology
@@ -42,13 +42,36 @@ class Group(Topology):
             super().free()
 
 
-def _check_agreed_settings(comm: Any, cfg: config.Config) -> None:
-    """MismatchError on every rank of ``comm`` where ranks started with different settings
-    of the algorithms (MPIDP_* variables that must agree: config.AGREED). Runs first in init,
-    before any collective those settings shape (the node split among them)."""
-    if comm.Get_size() == 1:
-        return
-    everyone = comm.allgather(config.agreed(cfg))
+def _agreed_settings(comm: Any) -> config.Config:
+    """This rank's settings (config.get) once every rank of ``comm`` has read its own: on
+    every rank, a ConfigError where some rank's MPIDP_* value is bad (Note [Settings read at
+    init] in mpidp/config.py: this rank's own, else the first bad rank's, "rank r: " before
+    it), a MismatchError where ranks started with different settings of the algorithms
+    (config.AGREED), a ConfigError where one cannot apply to a group of this size. Runs first
+    in init, before any collective those settings shape (the node split among them); every
+    rank of ``comm`` calls it, in one exchange, so that no rank waits for one that raised."""
+    try:
+        cfg, bad = config.get(), None
+    except ConfigError as exc:
+        cfg, bad = None, exc
+    if comm.Get_size() > 1:
+        mine = (None, config.agreed(cfg)) if bad is None else \
+            ((bad.variable, bad.value, bad.expected), None)
+        everyone = comm.allgather(mine)
+        if bad is None:
+            for r, (fields, _) in enumerate(everyone):
+                if fields is not None:
+                    raise ConfigError(*fields, where=f"rank {r}: ")
+            _check_agreement(comm, [agreed for _, agreed in everyone])
+    if bad is not None:
+        raise bad
+    config.check_group_size(cfg, comm.Get_size())
+    return cfg
+
+
+def _check_agreement(comm: Any, everyone: list) -> None:
+    """MismatchError (on every rank: each has ``everyone``) naming each rank's value of every
+    setting of config.AGREED where ranks differ."""
     differ = [name for k, name in enumerate(config.AGREED)
               if len({e[k] for e in everyone}) > 1]
     if differ:
@@ -83,8 +106,9 @@ def init(comm: Any = None) -> Group:
     COMM_WORLD; a sub-communicator combines data parallelism with the user's own model
     parallelism). Idempotent: later calls return the same group; a different ``comm`` after
     the first is a ValueError. LaunchError when a launcher started this process as one of N
-    independent singletons (pass ``MPI.COMM_SELF`` to run one alone on purpose). Every rank of
-    ``comm`` must call it."""
+    independent singletons (pass ``MPI.COMM_SELF`` to run one alone on purpose). ConfigError
+    (a ValueError) on every rank where a rank's MPIDP_* value is bad, MismatchError where
+    ranks' settings differ (``_agreed_settings``). Every rank of ``comm`` must call it."""
     global _group
     with _lock:
         launcher.prepare_mpi_start()  # Note [PMI-1 lines under srun] in mpidp/runtime/launcher.py
@@ -102,8 +126,8 @@ def init(comm: Any = None) -> Group:
             reason = launcher.independent_singletons(comm.Get_size())
             if reason is not None:
                 raise LaunchError(f"mpidp: {reason}")
-        cfg = config.get()
-        _check_agreed_settings(comm, cfg)
+        cfg = _agreed_settings(comm)
+        timeline.switch(bool(cfg.timeline))  # Note [Timeline cost]
         group = Group(comm, cfg)
         if cfg.abort_on_exception:
             _install_abort_hooks(group)
@@ -117,6 +141,7 @@ def init(comm: Any = None) -> Group:
                 with collective(group, "init: starting the timeline", check=False):
                     timeline.start(group.comm)
             except BaseException:  # raised on every rank: nothing of this group survives
+                timeline.switch(False)
                 group.free()
                 raise
         _group = group

@@ -5,10 +5,15 @@ chrome://tracing and https://ui.perfetto.dev open: one process track per rank ("
 thread track per thread (main, the DDP communication thread).
 
 Note [Timeline cost]
-Whether the timeline records is decided once, from ``mpidp.config`` (``ON``), when this module
-is first imported. Off, ``traced`` returns the function itself (no cost at all), ``span``
-returns one shared no-op context manager and ``instant`` returns at once (tens of
-nanoseconds a call; bench/timeline_overhead.py measures both). On, an event is one tuple
+Whether the timeline records (``ON``) is decided by ``mpidp.init()`` from ``mpidp.config``
+(``switch``), not at import, where a bad MPIDP_* value must not raise (Note [Settings read at
+init] in mpidp/config.py). ``traced`` decides when it decorates, at import: it wraps only
+where MPIDP_TIMELINE is set then (``config.timeline_requested``, which reads that variable
+alone and cannot fail), and the wrapper records while ON. Off, ``traced`` returns the
+function itself (no cost at all), ``span`` returns one shared no-op context manager and
+``instant`` returns at once (tens of nanoseconds a call; bench/timeline_overhead.py measures
+both); so MPIDP_TIMELINE set only after mpidp's modules were imported records the spans but
+not the traced functions (``mpidp.init`` warns). On, an event is one tuple
 appended to a list (about a microsecond), nothing is written until shutdown, and a rank keeps
 at most ``MAX_EVENTS`` events (the rest are counted as dropped).
 
@@ -32,11 +37,13 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from typing import Callable, Optional, Sequence
 
 from .. import config, files
 
-ON = bool(config.get().timeline)  # Note [Timeline cost]
+ON = False  # set by mpidp.init (``switch``): Note [Timeline cost]
+_WRAP = config.timeline_requested()  # what ``traced`` decides by: Note [Timeline cost]
 MAX_EVENTS = 1_000_000            # per rank
 PING_PONG_ROUNDS = 8
 _TAG = 7177
@@ -111,14 +118,30 @@ def span(name: str, args: Optional[dict] = None):
     return _Span(name, args) if ON else _NO_SPAN
 
 
+def switch(on: bool) -> None:
+    """Turns recording on or off (``mpidp.init``, from MPIDP_TIMELINE): Note [Timeline cost].
+    Warns where it turns it on but ``traced`` did not wrap (the variable was set after the
+    import)."""
+    global ON
+    ON = on
+    if on and not _WRAP:
+        warnings.warn("mpidp: MPIDP_TIMELINE was set after mpidp's modules were imported: the "
+                      "timeline records spans but not the traced functions (collectives, "
+                      "pack, unpack); set it before starting Python", RuntimeWarning,
+                      stacklevel=3)
+
+
 def traced(name: str) -> Callable:
-    """Decorator: every call of the function is a span ``name``; off, the function itself."""
+    """Decorator: every call of the function while ON is a span ``name``; where the timeline
+    was not asked for at import, the function itself (Note [Timeline cost])."""
     def decorate(fn: Callable) -> Callable:
-        if not ON:
+        if not (_WRAP or ON):
             return fn
 
         @functools.wraps(fn)
         def recorded(*args, **kwargs):
+            if not ON:
+                return fn(*args, **kwargs)
             t0 = _clock()
             try:
                 return fn(*args, **kwargs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -19,9 +19,10 @@ from . import checkpoint
 # and optimizer.state_dict() hand out the live tensors the next step changes) to fresh host
 # memory, pinned for a CUDA tensor with one synchronisation after the copies, and hands the
 # copy to a background thread, which writes it exactly as a synchronous checkpoint is
-# written (checkpoint.save: a temporary file, its digest, fsync, rename, the oldest beyond
-# --keep-checkpoints removed). At most one write is in flight: a checkpoint due while the
-# previous one is still being written waits for it first. The seconds training waited (the
+# written (checkpoint.save: a temporary file, its digest, fsync, rename, then Note
+# [Checkpoint retention], whose log lines the training thread prints when it next meets the
+# writer: one stream, whole lines). At most one write is in flight: a checkpoint due while
+# the previous one is still being written waits for it first. The seconds training waited (the
 # copy, and any such wait) are added up and reported in the summary as
 # checkpoint_wait_s, with checkpoint_write_s, the writing itself. A write that fails is
 # raised at the next checkpoint or at the end of the run, on rank 0, as a synchronous one
@@ -59,28 +60,36 @@ def host_copy(obj: Any) -> Any:
 class Writer:
     """Rank 0's background checkpoint writer: ``submit`` waits for the write in flight,
     copies the state and starts writing it; ``wait`` waits for the write in flight and
-    raises what it raised. ``write_s`` adds up the writer's seconds writing."""
+    raises what it raised. ``write_s`` adds up the writer's seconds writing. ``note``: where
+    the lines of Note [Checkpoint retention] go, called in the thread that submits or
+    waits."""
 
-    def __init__(self, directory: str, keep: int):
-        self.directory, self.keep = directory, keep
+    def __init__(self, directory: str, keep: int,
+                 note: Optional[Callable[[str], None]] = None):
+        self.directory, self.keep, self.note = directory, keep, note
         self.write_s = 0.0  # the background thread's seconds writing
+        self._notes: list = []  # the retention's lines, until the training thread prints them
+        self._retention = checkpoint.Retention(self._notes.append)
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
-    def submit(self, state: dict, global_step: int) -> Path:
-        """Starts writing ``state`` as the checkpoint of ``global_step``; returns its path
-        (written once ``wait`` returns)."""
+    def submit(self, state: dict, global_step: int, resumed_from=None) -> Path:
+        """Starts writing ``state`` as the checkpoint of ``global_step`` (``resumed_from``:
+        the checkpoint the run resumed from, kept); returns its path (written once ``wait``
+        returns)."""
         self._join()
         copy = host_copy(state)
-        self._thread = threading.Thread(target=self._write, args=(copy, global_step),
+        self._thread = threading.Thread(target=self._write,
+                                        args=(copy, global_step, resumed_from),
                                         name="mpidp-checkpoint-writer")
         self._thread.start()
         return checkpoint.path_for(Path(self.directory), global_step)
 
-    def _write(self, state: dict, global_step: int) -> None:
+    def _write(self, state: dict, global_step: int, resumed_from) -> None:
         t0 = time.perf_counter()
         try:
-            checkpoint.save(self.directory, state, global_step, self.keep)
+            checkpoint.save(self.directory, state, global_step, self.keep, self._retention,
+                            resumed_from)
         except BaseException as exc:  # raised in the training thread by wait()
             self._error = exc
         self.write_s += time.perf_counter() - t0
@@ -100,6 +109,9 @@ class Writer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        for line in self._notes if self.note is not None else ():  # no write in flight
+            self.note(line)
+        self._notes.clear()
         if self._error is not None:
             error, self._error = self._error, None
             raise error

@@ -1,9 +1,10 @@
 """Checkpoints that lose nothing and prove themselves: written atomically and readable by
 the owner only (Note [Writing a file] in mpidp/files.py), each carrying a SHA-256 digest of
-its contents (Note [Checkpoint digest]), the last K kept, loaded with
-``torch.load(weights_only=True)`` without following a symlink; a corrupt, truncated, foreign
-or incomplete one reported by name and passed over for the previous good one. A directory
-other users can write to is refused (Note [Checkpoint directory])."""
+its contents (Note [Checkpoint digest]), the run's newest K kept (Note [Checkpoint
+retention]), loaded with ``torch.load(weights_only=True)`` without following a symlink; a
+corrupt, truncated, foreign or incomplete one reported by name and passed over for the
+previous good one. A directory other users can write to is refused (Note [Checkpoint
+directory])."""
 from __future__ import annotations
 
 import errno
@@ -62,6 +63,27 @@ _CHUNK_BYTES = 1 << 22
 # accepts it. A directory mpidp creates is created 0700. Checkpoints are created 0600, never
 # through a symlink (Note [Writing a file]), and read without following one.
 
+# Note [Checkpoint retention]
+# After each write ``save`` keeps the newest ``keep`` usable checkpoints and deletes the older
+# usable ones (``retention_plan``, a pure rule). Usable: a regular file owned by us (not a
+# symlink) whose digest checks (Note [Checkpoint digest]), at a step no higher than the one
+# just written. Counted toward ``keep`` and deleted is only what we verified as ours; every
+# other file named like a checkpoint is left in place, not counted, and named once in the
+# log (``Retention.note``: one line each, not again at later saves):
+# - a file that is not usable: damaged, truncated, not mpidp's, another user's, a symlink
+#   (a planted ckpt-000000999.pt must not hold a slot for ever), not a regular file;
+# - a file ahead of this run (a step higher than the one just written: what a resume passed
+#   over, or a run on another number of ranks, fewer steps an epoch, never reaches): not
+#   read at all.
+# Never deleted either: the checkpoint just written (the newest usable one, since nothing
+# counted is ahead of it) and the one the run resumed from, for the whole run: the run can
+# always go back to where it started, so at most keep + 1 of its files are kept. Cost: a
+# digest reads the whole file, so a ``Retention`` (one per run, rank 0's) remembers each file
+# it wrote or checked by path and identity (device, inode, size, mtime, ctime: a rewrite
+# changes one of them, and ctime cannot be set back): a file is hashed at most once per run
+# (one an earlier run left, at the first save; one this process wrote, never), and a later
+# save costs a directory listing and an lstat a file.
+
 
 class Checkpoint(NamedTuple):
     """A checkpoint read and checked: where, its state, and its digest (hex)."""
@@ -93,12 +115,15 @@ def shared_directory_problem(directory: Path) -> Optional[str]:
     return None
 
 
-def save(directory: Path, state: dict, global_step: int, keep: int) -> Path:
+def save(directory: Path, state: dict, global_step: int, keep: int,
+         retention: Optional["Retention"] = None, resumed_from=None) -> Path:
     """Writes ``state`` as the checkpoint of ``global_step``, with its digest (Note
-    [Checkpoint digest]), and deletes all but the newest ``keep``. The file appears complete
-    or not at all (Note [Writing a file]): a crash or a failed write at any point leaves every
-    earlier checkpoint as it was. OutputError names the file and the cause of a failed
-    write."""
+    [Checkpoint digest]), then keeps the newest ``keep`` usable ones (Note [Checkpoint
+    retention]; ``retention``: the run's memory of the files checked, a fresh one if None;
+    ``resumed_from``: the checkpoint the run resumed from, never deleted). The file appears
+    complete or not at all (Note [Writing a file]): a crash or a failed write at any point
+    leaves every earlier checkpoint as it was. OutputError names the file and the cause of a
+    failed write. Not collective (rank 0 calls it)."""
     directory = Path(directory)
     final = path_for(directory, global_step)
     try:
@@ -107,10 +132,97 @@ def save(directory: Path, state: dict, global_step: int, keep: int) -> Path:
         raise OutputError("checkpoint", final, exc) from exc
     files.write_atomically(final, lambda f: _write_archive(f, dict(state, format=FORMAT)),
                            what="checkpoint", mode=MODE)
-    for old in existing(directory)[keep:]:
-        old.unlink(missing_ok=True)
+    retention = retention if retention is not None else Retention()
+    retention.written(final)
+    retention.apply(directory, global_step, keep, (final.name, resumed_from and
+                                                   Path(resumed_from).name))
     files.remove_abandoned(directory)  # left by a process killed mid-write
     return final
+
+
+def retention_plan(listing: list, keep: int, written_step: int, protected=()) -> tuple:
+    """Note [Checkpoint retention] as a pure rule. ``listing``: (step, path, problem) of each
+    file named like a checkpoint, ``problem`` None for a usable checkpoint of ours, else one
+    line saying what is wrong (a file ahead of ``written_step`` need not have been checked);
+    ``protected``: paths never deleted. Returns (the paths to delete, oldest last; (path, why)
+    of each file left in place and not counted)."""
+    assert keep >= 1, keep
+    usable = sorted(((s, p) for s, p, problem in listing
+                     if s <= written_step and problem is None), reverse=True)
+    delete = [p for _, p in usable[keep:] if p not in protected]
+    left = [(p, f"checkpoint {p} is ahead of this run (step {s}; this run has written step "
+                f"{written_step})" if s > written_step else problem)
+            for s, p, problem in sorted(listing, reverse=True)
+            if s > written_step or problem is not None]
+    return delete, left
+
+
+class Retention:
+    """One run's memory for Note [Checkpoint retention]: the files named like a checkpoint it
+    wrote or checked, by path and identity, whether each is usable, and those already named
+    through ``note`` (one line each; None: named nowhere)."""
+
+    def __init__(self, note: Optional[Callable[[str], None]] = None):
+        self.note = note
+        self._checked: dict = {}  # path -> (its _identity, problem or None)
+        self._named: set = set()
+
+    def written(self, path: Path) -> None:
+        """``path`` was just written by ``save``: ours and usable, without reading it."""
+        self._checked[path] = (_identity(os.lstat(path)), None)
+
+    def apply(self, directory: Path, written_step: int, keep: int, protected_names) -> None:
+        """Deletes what ``retention_plan`` says in ``directory``; names each file left."""
+        listing = []
+        for path in existing(directory):
+            step = int(_NAME.match(path.name).group(1))
+            listing.append((step, path, None if step > written_step else self._problem(path)))
+        protected = {directory / n for n in protected_names if n}
+        delete, left = retention_plan(listing, keep, written_step, protected)
+        for path in delete:
+            path.unlink(missing_ok=True)
+            self._checked.pop(path, None)
+        for path, why in left:
+            if path not in self._named:
+                self._named.add(path)
+                if self.note is not None:
+                    self.note(f"{why}; left in place, not counted toward --keep-checkpoints")
+
+    def _problem(self, path: Path) -> Optional[str]:
+        """What makes ``path`` unusable, or None: remembered while the file stays the same."""
+        try:
+            identity = _identity(os.lstat(path))
+        except OSError as exc:
+            return f"checkpoint {path} cannot be read: {exc.strerror}"
+        known = self._checked.get(path)
+        if known is None or known[0] != identity:
+            known = self._checked[path] = (identity, _check_ours(path))
+        return known[1]
+
+
+def _identity(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _check_ours(path: Path) -> Optional[str]:
+    """Why ``path`` is not a usable checkpoint of ours (a regular file we own, not followed
+    through a symlink, its digest checked: Note [Checkpoint retention]), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        return (f"checkpoint {path} is a symbolic link" if exc.errno == errno.ELOOP else
+                f"checkpoint {path} cannot be read: {exc.strerror}")
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return f"checkpoint {path} is not a regular file"
+        if st.st_uid != os.geteuid():
+            return f"checkpoint {path} is owned by another user (uid {st.st_uid})"
+        try:
+            _verify(f, path)
+        except _Bad as exc:
+            return str(exc)
+    return None
 
 
 class _Hashing:

@@ -20,7 +20,7 @@ from .. import algorithms
 from ..workloads import data, models
 from .. import runtime
 from ..runtime.abort import FORWARD_S, abort_job
-from ..errors import LaunchError, OutputError
+from ..errors import ConfigError, LaunchError, MismatchError, OutputError
 from ..runtime.helpformat import DefaultsHelpFormatter, Parser
 from . import checkpoint
 from .interrupts import PROG, end_while_starting, launcher_rank, raise_interrupted, signal_of
@@ -28,7 +28,7 @@ from .loop import Trainer
 from .on_signal import StoppedOnSignal, recording_signals
 from .metrics import emit
 from .devices import AMPS, DEVICES
-from .settings import COMPRESSIONS, LR_SCALINGS, OPTIMIZERS, STRATEGIES, TrainSettings
+from .settings import COMPRESSIONS, LR_SCALINGS, OPTIMIZERS, STRATEGIES, TrainSettings, check_world
 from .setup import SetupError, agree
 
 USAGE_ERROR = 2
@@ -268,9 +268,12 @@ def _run(settings: TrainSettings, argv: Sequence[str]) -> int:
         g = runtime.init()
     except LaunchError as exc:
         fail(str(exc).removeprefix("mpidp: "))
+    except (ConfigError, MismatchError) as exc:  # MPIDP_* settings, raised on every rank
+        fail(str(exc))
     except KeyboardInterrupt as exc:  # MPI may be half started: every rank ends on its own
         end_while_starting(exc)
     try:
+        agree(g, lambda: check_world(settings, g.size))  # before the banner names the ranks
         model, sets = agree(g, lambda: build(settings))
         if g.rank == 0:
             servers = settings.num_ps or 1

@@ -43,7 +43,10 @@ from .strategy_base import Strategy
 # Inner steps use the one-rank learning rate in diloco (its outer step averages deltas, not a
 # larger batch's gradient; a log line says so when --lr-scaling or --warmup-epochs is given),
 # --lr-scaling's in localsgd (after warm-up as during it). On resume, DiLoCo's outer optimizer
-# takes this run's --outer-lr and --outer-momentum (a momentum of 0 drops its buffers).
+# takes this run's --outer-lr and --outer-momentum (a momentum of 0 drops its buffers), and a
+# checkpoint more steps past its last meeting than this run's --sync-every (a smaller one)
+# meets at once, before the first step, saying so in one line: its meeting is overdue, and
+# counting on from there would not meet again before the epoch's end.
 
 
 class _Meeting(Strategy):
@@ -170,6 +173,11 @@ class _Meeting(Strategy):
     def resume_at(self, global_step: int) -> None:
         self.steps = global_step
         self.ddp.broadcast_buffers = self.steps < self.warmup
+        if self.since >= self.every:  # a smaller --sync-every: Note [Local steps]
+            self.notes.append(f"--strategy {self.name}: the checkpoint is {self.since} steps "
+                              f"past the ranks' last meeting and --sync-every is {self.every}: "
+                              "they meet now")
+            self.meet()
 
 
 class LocalSGD(_Meeting):

@@ -148,8 +148,10 @@ class _Run:
         self.straggling: Optional[int] = None  # the rank last reported as the straggler
         self._agreement = np.zeros(1, np.int64)
         self.device = next(model.parameters()).device
-        self.writer = async_checkpoint.Writer(s.checkpoint_dir, s.keep_checkpoints) \
+        self.writer = async_checkpoint.Writer(s.checkpoint_dir, s.keep_checkpoints,
+                                              report.line) \
             if s.async_checkpoint and g.rank == 0 else None
+        self.retention = checkpoint.Retention(report.line)  # Note [Checkpoint retention]
         self.checkpoint_wait_s = 0.0  # rank 0's seconds of training spent on checkpoints
 
     # ---- before the first epoch ---------------------------------------------------------
@@ -157,8 +159,9 @@ class _Run:
     def resume(self, resumed: Optional[checkpoint.Checkpoint]) -> tuple:
         """Every rank takes up the checkpoint rank 0 found (``resumed``, on rank 0): the
         optimizer state, each rank's RNG state, the position; rank 0 says which checkpoint,
-        with its digest, and what changed with the number of ranks (Note [Resuming on another
-        number of ranks]). Returns (epoch, its sample cursor: Note [Sample cursor])."""
+        with its digest, and what changed: settings (Note [What a resume may change]), the
+        number of ranks (Note [Resuming on another number of ranks]). Returns (epoch, its
+        sample cursor: Note [Sample cursor])."""
         g = self.g
         path, state, digest = resumed if g.rank == 0 else (None, None, None)
         self.strategy.load_optimizer(state["optimizer"] if state else None)
@@ -170,10 +173,11 @@ class _Run:
             if scaler:
                 self.strategy.scaler.load_state_dict(scaler)
         where = (str(path), state["epoch"], state["step_in_epoch"], state["global_step"],
-                 checkpoint.cursor_of(state, self.settings.batch_size), state["world_size"],
-                 state["settings"].get("num_ps") or 1) if state else None
+                 checkpoint.cursor_of(state, self.settings.batch_size),
+                 setup.resume_lines(state, self.settings, g.size, self.lr_ranks,
+                                    len(self.train_data))) if state else None
         with collective(g, "resume: scattering the checkpoint's RNG states"):
-            self.checkpoint, epoch, step, self.global_step, cursor, saved_size, servers = \
+            self.checkpoint, epoch, step, self.global_step, cursor, changes = \
                 g.comm.bcast(where, root=0) if g.size > 1 else where
             rngs = checkpoint.rng_states_for(state["rng"], g.size) if state else None
             rng = g.comm.scatter(rngs, root=0) if g.size > 1 else rngs[0]
@@ -185,11 +189,8 @@ class _Run:
         self.report.line(f"resuming from {which}: epoch {epoch + 1}, step {step}"
                          if epoch < self.settings.epochs else
                          f"{which} is the end of the run: nothing left to train")
-        if saved_size != g.size or (self.settings.strategy == "ps" and
-                                    servers != (self.settings.num_ps or 1)):
-            self.report.line(setup.resized_line(saved_size, g.size, self.settings,
-                                                self.lr_ranks, cursor, len(self.train_data),
-                                                servers))
+        for line in changes:  # Note [What a resume may change] in setup.py
+            self.report.line(line)
         return epoch, cursor
 
     def start_clocks(self) -> float:
@@ -358,10 +359,11 @@ class _Run:
         assert set(checkpoint.KEYS) <= set(state) | {"format"}, "resume reads checkpoint.KEYS"
         t0 = time.perf_counter()
         if self.writer is not None:  # Note [Asynchronous checkpoints]
-            self.checkpoint = self.writer.submit(state, self.global_step)
+            self.checkpoint = self.writer.submit(state, self.global_step, self.resumed_from)
         else:
             self.checkpoint = checkpoint.save(s.checkpoint_dir, state, self.global_step,
-                                              s.keep_checkpoints)
+                                              s.keep_checkpoints, self.retention,
+                                              self.resumed_from)
         self.checkpoint_wait_s += time.perf_counter() - t0
 
     def _stop(self) -> None:

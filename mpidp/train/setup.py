@@ -11,14 +11,44 @@ from typing import Any, Callable
 from .. import files
 from ..errors import OutputError
 from ..runtime.frame import collective
-from . import checkpoint
+from . import checkpoint, compress
 from .ps_state import reshard_optimizer_states
 from .settings import TrainSettings
 
-# settings a resumed run must share with the run that wrote the checkpoint: they decide the
-# data order, the step count and the shapes of model and optimizer state
-RESUME_MUST_MATCH = ("strategy", "batch_size", "seed", "dataset", "synthetic_samples", "model",
-                     "optimizer")
+# Note [What a resume may change]
+# Every setting has one rule on --resume, in RESUME_RULES (a unit test checks that each field
+# of TrainSettings has one):
+# - MUST_MATCH: a resume with another value is refused in one line; they decide the data
+#   order, the step count and the shapes of model and optimizer state.
+# - REPORTED: this run's value is taken, and rank 0 says so in one line per setting that
+#   differs from the checkpoint's ("resuming with --lr 0.02 (the checkpoint was trained with
+#   0.05)"; ``changed_settings``): they change the training from the checkpoint on. A setting
+#   left at its default counts as that default (--ps-lookahead's None is on); PowerSGD's own
+#   settings count only where both runs compress with it (the --compression line says the
+#   rest).
+# - RESHAPED: --num-ps, said by the line of Note [Resuming on another number of ranks].
+# - QUIET: where and how the same training runs (device, collective algorithm, buckets,
+#   threads: its rounding at most), is checkpointed, scored and logged.
+# Both kinds of line come from ``resume_lines``, on rank 0, after the "resuming from" line.
+MUST_MATCH, REPORTED, RESHAPED, QUIET = "must match", "reported", "reshaped", "quiet"
+RESUME_RULES = {
+    **dict.fromkeys(("strategy", "batch_size", "seed", "dataset", "synthetic_samples", "model",
+                     "optimizer"), MUST_MATCH),
+    **dict.fromkeys(("epochs", "lr", "lr_scaling", "warmup_epochs", "amp", "zero",
+                     "compression", "powersgd_rank", "powersgd_start_step", "sync_every",
+                     "local_sgd_warmup_steps", "outer_lr", "outer_momentum", "staleness",
+                     "staleness_lr", "ps_lookahead"), REPORTED),
+    "num_ps": RESHAPED,
+    **dict.fromkeys(("device", "algorithm", "bucket_mb", "threads_per_rank", "straggler",
+                     "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume",
+                     "allow_shared_checkpoint_dir", "checkpoint_on_signal", "async_checkpoint",
+                     "eval_every", "log_json", "progress", "verbose"), QUIET),
+}
+RESUME_MUST_MATCH = tuple(k for k, rule in RESUME_RULES.items() if rule == MUST_MATCH)
+# what a setting left unset (None) means, where it means a value
+_UNSET_MEANS = {"ps_lookahead": True, "local_sgd_warmup_steps": 0, "num_ps": 1,
+                "powersgd_rank": compress.POWERSGD_RANK,
+                "powersgd_start_step": compress.POWERSGD_START_STEP}
 
 # Note [Resuming on another number of ranks]
 # A checkpoint written by N ranks resumes on M. What moves, and how:
@@ -169,6 +199,52 @@ def default_threads(local_size: int) -> int:
     if allowed < (os.cpu_count() or allowed):
         return allowed
     return max(1, allowed // max(local_size, 1))
+
+
+def changed_settings(saved: dict, settings: TrainSettings) -> list:
+    """One log line per REPORTED setting (Note [What a resume may change]) whose value in
+    ``settings`` differs from ``saved`` (the checkpoint's settings, as a dict), in the order
+    of TrainSettings; a setting the checkpoint does not record is passed over."""
+    mine = dataclasses.asdict(settings)
+    lines = []
+    for name in mine:
+        if RESUME_RULES[name] != REPORTED or name not in saved:
+            continue
+        if name.startswith("powersgd_") and \
+                not saved.get("compression") == mine["compression"] == "powersgd":
+            continue
+        then, now = (_UNSET_MEANS.get(name) if v is None else v for v in (saved[name],
+                                                                         mine[name]))
+        if then != now:
+            lines.append(_changed_line("--" + name.replace("_", "-"), then, now))
+    return lines
+
+
+def _changed_line(flag: str, then, now) -> str:
+    """"resuming with --lr 0.02 (the checkpoint was trained with 0.05)"; a switch (True,
+    False) or an unset value (None) is said as with or without the flag."""
+    if now is None or now is False:
+        this = f"without {flag}"
+    else:
+        this = f"with {flag}" if now is True else f"with {flag} {now}"
+    that = "without it" if then is None or then is False else \
+        "with it" if then is True else f"with {then}"
+    return f"resuming {this} (the checkpoint was trained {that})"
+
+
+def resume_lines(state: dict, settings: TrainSettings, size: int, lr_ranks: int,
+                 train_samples: int) -> list:
+    """On rank 0: what a resume from the checkpoint ``state`` on ``size`` ranks says after
+    its "resuming from" line: one line per changed setting (``changed_settings``), then, on
+    another number of ranks or servers, ``resized_line``."""
+    saved = state["settings"]
+    lines = changed_settings(saved, settings)
+    saved_size, servers = int(state["world_size"]), saved.get("num_ps") or 1
+    if saved_size != size or (settings.strategy == "ps" and servers != (settings.num_ps or 1)):
+        lines.append(resized_line(saved_size, size, settings, lr_ranks,
+                                  checkpoint.cursor_of(state, settings.batch_size),
+                                  train_samples, servers))
+    return lines
 
 
 def resized_line(saved_size: int, size: int, settings: TrainSettings, lr_ranks: int,

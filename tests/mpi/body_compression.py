@@ -9,6 +9,8 @@ Note [PowerSGD] in mpidp/ddp/powersgd.py).
 - PowerSGD: plain averaging before start_powerSGD_iter; a rank-1 gradient reproduced; error
   feedback telescopes (the sum of what was applied plus the ranks' mean error is the sum of
   the true averages); every rank ends with the same bits; state_dict resumes bit for bit.
+- at n >= 2, another hook or PowerSGD setting on one rank is refused on every rank at the first
+  backward, naming it, and training goes on.
 Prints 'ok <rank>'."""
 import torch
 from torch import nn
@@ -95,6 +97,31 @@ for hook, state, says in ((fp16_compress_hook, "group", "takes no state"),
         expect(False, f"{hook.__name__} accepted the state {state!r}")
     except TypeError as exc:
         expect(says in str(exc), f"{hook.__name__}'s state error says: {exc}")
+
+
+# every rank must register the same hook with the same state (Note [Communication hooks])
+last = rank == n - 1
+for hook, state, says in (
+        (bf16_compress_hook if last else fp16_compress_hook, None,
+         f"rank {n - 1}: communication hook = mpidp.ddp.compression.bf16_compress_hook where rank "
+         "0 has mpidp.ddp.compression.fp16_compress_hook"),
+        (powerSGD_hook, PowerSGDState(matrix_approximation_rank=1 + last),
+         f"rank {n - 1}: communication hook state: matrix_approximation_rank = 2 where rank 0 "
+         "has 1"),
+        (powerSGD_hook, PowerSGDState(random_seed=7 if last else 0),
+         f"rank {n - 1}: communication hook state: random_seed = 7 where rank 0 has 0"),
+        (powerSGD_hook, PowerSGDState(orthogonalization_epsilon=1e-8 if last else 0),
+         f"rank {n - 1}: communication hook state: orthogonalization_epsilon = 1e-08 where "
+         "rank 0 has 0.0")):
+    if n == 1:
+        break
+    ddp = mpidp.DistributedDataParallel(Probe())
+    ddp.register_comm_hook(state, hook)
+    try:
+        ddp(g_of(rank, 0)).backward()
+        expect(False, f"{says}: accepted")
+    except mpidp.MismatchError as exc:
+        expect(says in str(exc) and "every rank raises" in str(exc), f"hooks differ: {exc}")
 
 
 # ---- PowerSGD ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@ Prints 'ok <rank>'."""
 import os
 import sys
 import tempfile
+import time
 from datetime import timedelta
 
 import torch
@@ -70,6 +71,74 @@ raises(ValueError, lambda: store.add(f"key{rank}", 1), "add to a value that is n
 if rank == 0:
     expect(store.compare_set("cas", "", "first") == b"first", "compare_set on a missing key")
     expect(store.compare_set("cas", "other", "second") == b"first", "compare_set refused")
+dist.barrier()
+
+# every method torch's Store has, through the PrefixStore torch puts in front (Note [What torch
+# calls on a store written in Python] in mpidp/dist/store.py) and on mpidp's store directly
+mine = store
+while isinstance(mine, dist.PrefixStore):
+    mine = mine.underlying_store
+expect(type(mine).__name__ == "MPIStore", f"the store under the prefix: {type(mine).__name__}")
+expect(store.timeout == dist.distributed_c10d.default_pg_timeout == mine.timeout,
+       f"store timeout {store.timeout}, {mine.timeout}: expected the group's")
+store.set(f"del{rank}", "x")
+expect(store.delete_key(f"del{rank}") is True, "delete_key of a key")
+expect(store.delete_key(f"del{rank}") is False, "delete_key of a deleted key")
+expect(not store.check([f"del{rank}"]), "check after delete_key")
+expect(mine.delete_key(f"nothing{rank}") is False, "delete_key on mpidp's store directly")
+dist.barrier()
+before = store.num_keys()
+expect(before == mine.num_keys() and before >= n + 3, f"num_keys {before}")
+dist.barrier()
+if rank == 0:
+    store.set("counted1", "1")
+    store.set("counted2", "2")
+dist.barrier()
+expect(store.num_keys() == before + 2, f"num_keys after 2 sets: {store.num_keys()} - {before}")
+dist.barrier()
+if rank == 0:
+    store.delete_key("counted1")
+dist.barrier()
+expect(store.num_keys() == before + 1, f"num_keys after delete: {store.num_keys()} - {before}")
+store.append(f"app{rank}", "ab")
+store.append(f"app{rank}", b"cd")
+mine.append(f"app{rank}", "e")
+expect(mine.get(f"app{rank}") == b"e", "append on mpidp's store directly")
+store.multi_set([f"m{rank}a", f"m{rank}b"], ["1", b"22"])
+dist.barrier()
+peer = (rank + 1) % n
+expect(store.get(f"app{peer}") == b"abcd", "append through the prefix")
+expect(store.multi_get([f"m{peer}b", f"m{peer}a"]) == [b"22", b"1"], "multi_get")
+expect(mine.multi_get([]) == [], "multi_get of no keys")
+raises(ValueError, lambda: mine.multi_set(["a"], []), "multi_set of unequal lists", "1 keys")
+expect(store.has_extended_api() and mine.has_extended_api(), "has_extended_api")
+store.wait([f"key{r}" for r in range(n)])  # no timeout: the store's
+expect(mine.clone() is mine, "clone of mpidp's store")
+twin = store.clone()
+expect(twin.get(f"key{peer}") == f"value{peer}".encode(), "get through a clone")
+store.barrier("store-barrier", n, timedelta(seconds=60))
+store.barrier("store-barrier-default", n)
+for name, call in (("queue_push", lambda s: s.queue_push("q", "1")),
+                   ("queue_pop", lambda s: s.queue_pop("q", False)),
+                   ("queue_len", lambda s: s.queue_len("q")),
+                   ("list_keys", lambda s: s.list_keys())):
+    raises(NotImplementedError, lambda: call(store), f"{name} via the prefix", "not implemented")
+    raises(NotImplementedError, lambda: call(mine), name, f"mpidp's store does not support {name}")
+# the timeout: set_timeout changes what torch reports and what waits use
+dist.barrier()
+store.set_timeout(timedelta(seconds=1))
+expect(store.timeout == mine.timeout == timedelta(seconds=1), f"set_timeout: {store.timeout}")
+started = time.monotonic()
+exc = raises(dist.DistStoreError, lambda: store.wait([f"missing{rank}"]), "wait past the timeout",
+             "within 1 s")
+expect(isinstance(exc, TimeoutError), f"a wait past the timeout raised {exc!r}")
+raises(dist.DistStoreError, lambda: store.get(f"missing{rank}"), "get past the timeout", "1 s")
+expect(time.monotonic() - started < 60, "waits took the old timeout, not the one set")
+mine.set_timeout(timedelta(seconds=2))
+expect(store.timeout == timedelta(seconds=2), f"set_timeout on the store directly: {store.timeout}")
+raises(dist.DistStoreError, lambda: store.wait([f"missing{rank}"], timedelta(seconds=1)),
+       "wait with a timeout of its own", "within 1 s")
+store.set_timeout(dist.distributed_c10d.default_pg_timeout)
 dist.barrier()
 
 # ---- all_reduce: every op that has a meaning for the dtype ---------------------------------

@@ -1,7 +1,8 @@
 """Run under mpiexec at any world size, rank r with r + 1 batches (uneven inputs): mpidp's
 DistributedDataParallel under ``with model.join():`` and torch's DDP on the "mpidp" backend
 under ``with Join([model]):`` end with the same parameters as torch's DDP with Join on gloo
-(the reference), on every rank. Prints 'ok <rank>'."""
+(the reference), on every rank. A Join one rank refuses (divide_by_initial_world_size=False
+there) is refused on every rank, and the job goes on. Prints 'ok <rank>'."""
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,23 @@ for what, got, reference in (
     everyone = [torch.empty_like(flat) for _ in range(n)]
     dist.all_gather(everyone, flat)
     expect(all(torch.equal(e, flat) for e in everyone), f"{what}: ranks differ")
+
+if n > 1:  # refused on the last rank only: every rank raises, none waits in a forward
+    model = mpidp.DistributedDataParallel(net())
+    try:
+        model.join(divide_by_initial_world_size=rank != n - 1)
+        expect(False, "a Join refused on the last rank was accepted")
+    except mpidp.MismatchError as exc:
+        expect(rank != n - 1 and f"rank {n - 1}: ValueError: divide_by_initial_world_size="
+               "False is not supported" in str(exc), f"Join refused there says: {exc}")
+    except ValueError as exc:
+        expect(rank == n - 1 and "divide_by_initial_world_size=False" in str(exc),
+               f"Join refused here says: {exc}")
+    again = train(model, model.join())
+    flat = torch.cat([p.reshape(-1) for p in again])
+    everyone = [torch.empty_like(flat) for _ in range(n)]
+    dist.all_gather(everyone, flat)
+    expect(all(torch.equal(e, flat) for e in everyone), "after a refused Join: ranks differ")
 
 dist.destroy_process_group()
 finish(rank)

@@ -6,13 +6,20 @@ mpidp/ddp/zero.py) against the unsharded optimizer, with SGD-momentum and Adam:
   the ranks in the ring's order, the all-reduce in the node's: within float rounding;
 - consolidate_state_dict + state_dict give the unsharded optimizer's state_dict; a state_dict
   of either loads into the other and training continues as if uninterrupted;
-- each rank holds about 1/n of the optimizer state; errors at the public boundary.
+- each rank holds about 1/n of the optimizer state; errors at the public boundary;
+- at n >= 2 the parameters and groups are compared across ranks (at construction and at
+  add_param_group): reversed parameters, other groups, another lr (float or tensor) on one
+  rank, or an input one rank refuses, raise on every rank naming the difference, and the
+  next collective (ZeRO's step) works; a Join one rank refuses is refused on every rank.
 Prints 'ok <rank>'."""
+import math
+
 import torch
 from torch import nn
 
 import mpidp
 from bodykit import expect, finish
+from mpidp.errors import MismatchError
 from mpidp.ddp.zero import ZeroRedundancyOptimizer, reduce_scatter_hook
 
 torch.set_num_threads(1)
@@ -214,4 +221,76 @@ try:
     expect(False, "step before the first backward of the attached DDP")
 except RuntimeError as exc:
     expect("before the first backward" in str(exc), f"says {exc}")
+
+
+# ---- every rank's parameters and groups compared: refused on every rank, the job goes on -----
+def refused(build, says, what, own=None):
+    """``build()`` raises on every rank: a MismatchError whose text has ``says`` — on a rank
+    whose own input was refused, its own exception of type ``own`` — and then a collective
+    (an all-reduce) still pairs across the ranks."""
+    try:
+        build()
+        expect(False, f"{what}: accepted")
+    except MismatchError as exc:
+        expect(own is None and says in str(exc) and "every rank raises" in str(exc),
+               f"{what}: says {exc}")
+    except Exception as exc:  # noqa: BLE001 (the refusing rank's own error)
+        expect(own is not None and isinstance(exc, own), f"{what}: raised {exc!r}")
+    total = mpidp.allreduce(torch.full((3,), float(rank + 1)))
+    expect(torch.equal(total, torch.full((3,), n * (n + 1) / 2)), f"{what}: then {total}")
+
+
+if n > 1:
+    params = list(net().parameters())
+    one = 1 if rank == 1 else 0  # the rank that differs
+    refused(lambda: ZeroRedundancyOptimizer(params[::-1] if one else params, torch.optim.SGD,
+                                            lr=0.1),
+            "rank 1: param group 0: parameter 0 = torch.float32[3] where rank 0 has "
+            "torch.float32[16, 7]", "parameters reversed on rank 1")
+    refused(lambda: ZeroRedundancyOptimizer(
+        [{"params": params[:2]}, {"params": params[2:]}] if one else params, torch.optim.SGD,
+        lr=0.1), "rank 1: param groups = 2 where rank 0 has 1", "two groups on rank 1")
+    refused(lambda: ZeroRedundancyOptimizer(
+        [{"params": params[:4 if one else 2]}, {"params": params[4 if one else 2:]}],
+        torch.optim.SGD, lr=0.1), "rank 1: param group 0: parameters = 4 where rank 0 has 2",
+        "groups split differently on rank 1")
+    for lr, says in ((0.5 if one else 0.1, "lr = 0.5 where rank 0 has 0.1"),
+                     (math.nextafter(0.1, 1) if one else 0.1,
+                      "lr = 0.10000000000000002 where rank 0 has 0.1"),
+                     (torch.tensor(0.25 if one else 0.5), "lr = tensor(0.25, dtype=torch.float32) "
+                      "where rank 0 has tensor(0.5, dtype=torch.float32)")):
+        refused(lambda: ZeroRedundancyOptimizer(params, torch.optim.Adam, lr=lr),
+                f"rank 1: param group 0: {says}", f"lr {lr} on rank {rank}")
+    refused(lambda: ZeroRedundancyOptimizer(params if rank != n - 1 else [], torch.optim.SGD,
+                                            lr=0.1),
+            f"rank {n - 1}: ValueError: optimizer got an empty parameter list",
+            "no parameters on the last rank", own=ValueError if rank == n - 1 else None)
+    # add_param_group: a group that differs is added on no rank, the same one on every rank
+    model = mpidp.DistributedDataParallel(net(), bucket_cap_mb=0.001)
+    head = list(model.parameters())
+    zero = ZeroRedundancyOptimizer(head[:4], torch.optim.SGD, lr=0.1, momentum=0.9)
+    refused(lambda: zero.add_param_group({"params": head[4:], "lr": 0.5 if one else 0.05}),
+            "rank 1: param group 1: lr = 0.5 where rank 0 has 0.05", "add_param_group lr")
+    expect(len(zero.param_groups) == 1 and len(zero._all) == 4,
+           f"a refused group stays out: {len(zero.param_groups)} groups")
+    zero.add_param_group({"params": head[4:], "lr": 0.05})
+    mirror = mpidp.DistributedDataParallel(net(), bucket_cap_mb=0.001)
+    _, mirror_opt = run("momentum", "plain", model=mirror, opt=torch.optim.SGD(
+        [{"params": list(mirror.parameters())[:4]},
+         {"params": list(mirror.parameters())[4:], "lr": 0.05}], lr=0.1, momentum=0.9))
+    run("momentum", "zero", model=model, opt=zero)
+    same(mirror, model, "ZeRO after refused constructions and add_param_group", True)
+    # Join refused on one rank (a ZeroRedundancyOptimizer attached there only): on every rank
+    model = mpidp.DistributedDataParallel(net())
+    if rank == 0:
+        model.register_comm_hook(ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD,
+                                                         lr=1), reduce_scatter_hook)
+    else:
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=1)  # collective
+
+    def join():
+        with model.join():
+            pass
+    refused(join, "rank 0: ValueError: Join: a ZeroRedundancyOptimizer all-gathers",
+            "Join refused on rank 0", own=ValueError if rank == 0 else None)
 finish(rank)
