@@ -16,7 +16,7 @@ from ..engine import host_ops
 from .. import runtime
 from ..runtime import timeline
 from ..engine.planner import DEVICE, HOST, plan_bucket
-from ..engine.ring import partition
+from ..engine.blocks import partition
 from ..engine.dtypes import F16, NUMPY_STORAGE, as_host_array, flat_host_array, write_back
 
 

@@ -29,7 +29,7 @@ from ..algorithms import DEVICE, HOST, TABLE, check_name, choose
 from ..engine.dtypes import FLOATING, OP_CODES, OPS, as_host_array, empty_like, write_back
 from ..engine.gpu import is_device_array
 from ..engine.header import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, op_word
-from ..engine.ring import partition
+from ..engine.blocks import partition
 
 _HOST_CODES = {a.name: a.code for a in TABLE if a.where == HOST}
 _NUMPY_TORCH = frozenset(("torch.float16", "torch.float32", "torch.float64", "torch.int32",

@@ -12,14 +12,7 @@ import torch
 
 from ..engine.dtypes import DTYPE_NAMES
 from ..errors import MismatchError
-from ..runtime.frame import collective
-
-
-def _everyone(g, mine: Any, name: str) -> list:
-    """Every rank's ``mine``, in rank order: one object all-gather on ``g`` named ``name``
-    (one rank: no exchange). Every rank calls it."""
-    with collective(g, name):
-        return g.comm.allgather(mine) if g.size > 1 else [mine]
+from . import objects
 
 
 def check_same_model(g, module: Any, who: str) -> None:
@@ -29,7 +22,7 @@ def check_same_model(g, module: Any, who: str) -> None:
     mine = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad)
             for n, p in module.named_parameters()]
     mine += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
-    everyone = _everyone(g, mine, f"{who}: model check")
+    everyone = objects.allgather(g, mine, f"{who}: model check")
 
     def text(entry):
         kind, name, shape, dtype, grad = entry
@@ -57,7 +50,7 @@ def check_same_buckets(g, buckets: Sequence[Any], who: str) -> None:
     rank that differs and its first differing bucket otherwise, on every rank. Every rank
     calls it when it builds buckets."""
     mine = [(b.dtype, len(b.counts), sum(b.counts)) for b in buckets]
-    everyone = _everyone(g, mine, f"{who}: bucket layout check")
+    everyone = objects.allgather(g, mine, f"{who}: bucket layout check")
 
     def text(layout, k):
         if k >= len(layout):
@@ -96,7 +89,7 @@ def check_same(g, entries: Sequence[tuple], who: str, what: str,
     Every rank calls it, once, where the thing is built."""
     mine = [(str(label), _key(value), _shown(value)) for label, value in entries]
     refusal = None if failed is None else f"{type(failed).__name__}: {failed}"
-    everyone = _everyone(g, (refusal, mine), f"{who}: check of {what}")
+    everyone = objects.allgather(g, (refusal, mine), f"{who}: check of {what}")
     if failed is not None:
         raise failed
     refused = [f"  rank {r}: {err}" for r, (err, _) in enumerate(everyone) if err is not None]

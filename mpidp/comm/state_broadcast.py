@@ -20,6 +20,7 @@ from ..engine.dtypes import I64, flat_host_array
 from .fusion import assign_buckets, tensor_list, writable_view
 from ..engine.gpu import is_device_array
 from ..runtime.frame import collective
+from . import objects
 
 
 def _byte_view(t: Any) -> np.ndarray:
@@ -146,8 +147,8 @@ def broadcast_state_dict(state: Any, root: int = 0) -> dict:
                      "param_groups": state["param_groups"]}
     if g.size == 1:
         return state
-    with collective(g, "broadcast_optimizer_state: the state's structure"):
-        structure = g.comm.bcast(structure, root=root)
+    structure = objects.bcast(g, structure, "broadcast_optimizer_state: the state's structure",
+                              root)
     if g.rank != root:
 
         def fill(value):

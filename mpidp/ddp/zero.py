@@ -41,8 +41,9 @@ import torch
 
 from ..comm import collectives
 from .. import runtime
+from ..comm import objects
 from ..comm.fingerprint import check_same
-from ..engine.ring import partition
+from ..engine.blocks import partition
 
 WHAT = "the parameters or their groups"  # what check_same compares (Note [ZeRO])
 
@@ -278,8 +279,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 chunks += [state[key].detach().cpu().contiguous().view(torch.uint8).numpy()
                            for key in keys]
         mine = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
-        everyone = g.comm.gather(entries, root=to) if g.size > 1 else [entries]  # metadata
-        counts = g.comm.gather(len(mine), root=to) if g.size > 1 else [len(mine)]
+        gathered = objects.gather(g, (entries, len(mine)),  # metadata; None off the root
+                                  "ZeRO: consolidating the state's metadata", to)
+        everyone = [e for e, _ in gathered] if g.rank == to else None
+        counts = [c for _, c in gathered] if g.rank == to else None
         data = np.empty(sum(counts), np.uint8) if g.rank == to else None
         if g.size > 1:
             g.comm.Gatherv(mine, (data, counts) if g.rank == to else None, root=to)

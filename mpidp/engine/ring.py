@@ -7,31 +7,14 @@ two seams so every device runs the same schedule:
   by ``divisor`` when it is > 1, in one pass where the device can) and ``divide(buf, dtype,
   n)`` on flat 1-D buffers that slice like numpy arrays (numpy, CuPy).
 
-Planning is pure data (``partition``, ``ring_schedule``, ``pieces``); the executor walks it.
+Planning is pure data (``partition`` from mpidp.engine.blocks, ``ring_schedule``, ``pieces``);
+the executor walks it.
 The ring knows neither MPI nor CUDA."""
 from __future__ import annotations
 
 from typing import Any, Sequence, Tuple
 
-Span = Tuple[int, int]  # (offset, count) in elements
-
-
-def partition(count: int, parts: int, unit: int = 1) -> Tuple[Span, ...]:
-    """Splits ``count`` elements into ``parts`` spans as ``numpy.array_split`` splits
-    ``count // unit`` rows of ``unit`` elements: the first ``rows % parts`` spans get one row
-    more."""
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts}")
-    if unit < 1 or count % unit:
-        raise ValueError(f"count {count} is not a multiple of unit {unit}")
-    rows = count // unit
-    base, extra = divmod(rows, parts)
-    spans, offset = [], 0
-    for i in range(parts):
-        n = (base + (i < extra)) * unit
-        spans.append((offset, n))
-        offset += n
-    return tuple(spans)
+from .blocks import Span, partition
 
 
 def ring_schedule(rank: int, size: int) -> Tuple[Tuple[Tuple[int, int], ...], Tuple[Tuple[int, int], ...]]:

@@ -34,7 +34,7 @@ import numpy as np
 
 from .. import runtime
 from ..runtime import timeline
-from ..engine.ring import partition
+from ..engine.blocks import partition
 from ..runtime.frame import collective
 from ..runtime.watchdog import board_of
 from .windows import Window, layout

@@ -17,7 +17,7 @@ from ..ddp.compression import bf16_compress_hook, fp16_compress_hook
 from ..engine.dtypes import BF16, F32, flat_host_array
 from ..ddp.powersgd import PowerSGDState, powerSGD_hook
 from ..comm.state_broadcast import gather_bytes
-from ..runtime.frame import collective
+from ..comm import objects
 
 POWERSGD_RANK = 1          # torch's default matrix_approximation_rank
 POWERSGD_START_STEP = 10   # plain averaging first: the gradients' early steps are the largest
@@ -120,9 +120,7 @@ def scatter_state(saved: Optional[dict], state: PowerSGDState, params: list) -> 
     if saved is not None:
         header = (int(saved["iter"]), {int(k): tuple(v.shape) for k, v in saved["q"].items()},
                   {int(k): tuple(v.shape) for k, v in saved["errors"].items()})
-    if g.size > 1:
-        with collective(g, "resume: PowerSGD's state header"):
-            header = g.comm.bcast(header, root=0)  # integers only
+    header = objects.bcast(g, header, "resume: PowerSGD's state header")  # integers only
     if header is None:
         return "the checkpoint holds no PowerSGD state: its errors and Q's start afresh"
     iteration, q_shapes, error_shapes = header

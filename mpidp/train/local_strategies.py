@@ -16,7 +16,7 @@ from ..errors import MpidpError
 from ..comm.fusion import grouped_allreduce_
 from ..ddp.distributed import DistributedDataParallel
 from ..comm.state_broadcast import broadcast_state_dict, broadcast_tensors_, gather_bytes
-from ..runtime.frame import collective
+from ..comm import objects
 from .strategy_base import Strategy
 
 # Note [Local steps]
@@ -149,8 +149,7 @@ class _Meeting(Strategy):
     def load_comm_state(self, state: Optional[dict]) -> None:
         g = runtime.group()
         since = int(state["since"]) if state is not None else 0
-        with collective(g, f"resume: every rank's {self.name} state"):
-            since = int(g.comm.bcast(since, root=0))
+        since = int(objects.bcast(g, since, f"resume: every rank's {self.name} state"))
         if since == 0:
             return
         own = self._own()

@@ -18,6 +18,7 @@ from ..runtime import timeline
 from ..workloads.data import ShardSampler
 from ..engine.gpu.device import torch_gpu
 from ..runtime.frame import collective
+from ..comm import objects
 from . import async_checkpoint, checkpoint, devices, setup, stragglers
 from .on_signal import StoppedOnSignal, arrive, recorded_signal, recording_signals
 from .metrics import Report, emit
@@ -51,8 +52,7 @@ class Trainer:
         setup.same_everywhere(g, setup.fingerprint(s, train_data, test_data))
         sampler = setup.agree(g, lambda: ShardSampler(len(train_data), g.rank, g.size, s.seed))
         mine = torch_gpu(g.local_rank)
-        with collective(g, "set-up: every rank's GPU"):
-            gpus = g.comm.allgather(mine) if g.size > 1 else [mine]
+        gpus = objects.allgather(g, mine, "set-up: every rank's GPU")
         kind, why = setup.agree(g, lambda: devices.decide(s.device, s.strategy, gpus))
         # last of the checks, as it creates the checkpoint directory
         setup.agree(g, lambda: setup.check_outputs(s) if g.rank == 0 else None, name_rank=False)
@@ -167,9 +167,8 @@ class _Run:
         self.strategy.load_optimizer(state["optimizer"] if state else None)
         self.strategy.load_comm_state(state.get("comm_hook") if state else None)
         if self.strategy.scaler is not None:  # the same on every rank: Note [Training device]
-            with collective(g, "resume: broadcasting the gradient scaler's state"):
-                scaler = state.get("amp_scaler") if state else None
-                scaler = g.comm.bcast(scaler, root=0) if g.size > 1 else scaler
+            scaler = objects.bcast(g, state.get("amp_scaler") if state else None,
+                                   "resume: broadcasting the gradient scaler's state")
             if scaler:
                 self.strategy.scaler.load_state_dict(scaler)
         where = (str(path), state["epoch"], state["step_in_epoch"], state["global_step"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.ring import partition
+from ..engine.blocks import partition
 
 
 def reshard_optimizer_states(states: list, servers: int, total: int) -> list:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from .. import files
 from ..errors import OutputError
-from ..runtime.frame import collective
+from ..comm import objects
 from . import checkpoint, compress
 from .ps_state import reshard_optimizer_states
 from .settings import TrainSettings
@@ -82,8 +82,7 @@ def agree(g, check: Callable[[], Any], name_rank: bool = True) -> Any:
         result, message = check(), None
     except ValueError as exc:
         result, message = None, str(exc)
-    with collective(g, "set-up: agreeing on a check's outcome"):
-        messages = g.comm.allgather(message) if g.size > 1 else [message]
+    messages = objects.allgather(g, message, "set-up: agreeing on a check's outcome")
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
     if failed:
         r, m = failed[0]
@@ -94,8 +93,7 @@ def agree(g, check: Callable[[], Any], name_rank: bool = True) -> Any:
 def same_everywhere(g, fingerprint: dict) -> None:
     """SetupError on every rank unless every rank passed the same ``fingerprint`` (the inputs
     that decide which collectives a run calls), naming the first rank and field that differ."""
-    with collective(g, "set-up: comparing settings and data set sizes"):
-        everyone = g.comm.allgather(fingerprint) if g.size > 1 else [fingerprint]
+    everyone = objects.allgather(g, fingerprint, "set-up: comparing settings and data set sizes")
     for r, theirs in enumerate(everyone[1:], start=1):
         for key, value in everyone[0].items():
             if theirs.get(key) != value:
