@@ -5,7 +5,7 @@ setup(
     ext_modules=[
         Extension(
             "mpidp._ext",
-            sources=["csrc/module.c", "csrc/context.c", "csrc/small.c", "csrc/checked.c",
+            sources=["csrc/module.c", "csrc/context.c", "csrc/small.c", "csrc/exchange.c",
                      "csrc/kernels.c", "csrc/fusion.c", "csrc/shm.c"],
             depends=["csrc/kernels.h", "csrc/fusion.h", "csrc/shm.h", "csrc/binding.h",
                      "csrc/context.h", "csrc/small.h"],

@@ -17,7 +17,7 @@ Py_ssize_t mp_get_segments(PyObject *seq, int writable, size_t isz, Py_buffer **
 void mp_release_segments(Py_buffer *views, mp_segment *segs, Py_ssize_t n);
 /* Adds the ShmContext type (context.c) to module `m`; -1 on error. */
 int mp_add_shm_context_type(PyObject *m);
-/* Adds the CheckedContext type (checked.c) to module `m`; -1 on error. */
+/* Adds the CheckedContext type (exchange.c) to module `m`; -1 on error. */
 int mp_add_checked_type(PyObject *m);
 
 #endif

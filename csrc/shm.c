@@ -23,7 +23,7 @@
  * Peers are reached by cross-memory attach (process_vm_readv/writev) or, where the kernel
  * forbids it, through staging segments in a shared window.
  * A rank may also hand in its data as a list of segments (many tensors, reduced in place
- * without packing them into one buffer: Note [Zero-copy buckets] in mpidp/comm/fusion.py); its
+ * without packing them into one buffer: Note [Zero-copy buckets] in mpidp/comm/buckets.py); its
  * record then carries the segment table in the payload, and whoever touches its bytes maps
  * offsets through that table. Ranks choose independently; only the byte count must agree. A second barrier (arrive2)
  * orders the writes into a rank's output before that rank returns; each rank's status is

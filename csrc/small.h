@@ -1,4 +1,4 @@
-/* What every one-call small all-reduce shares (csrc/small.c on one node, csrc/checked.c
+/* What every one-call small all-reduce shares (csrc/small.c on one node, csrc/exchange.c
  * across nodes): the array's dtype and the op as header codes, the shape's hash as Python
  * computes it, and the watchdog's board (Note [Small all-reduce in one call] in small.c). */
 #ifndef MPIDP_SMALL_H

@@ -24,7 +24,7 @@ class Facts(NamedTuple):
     doubling_max_bytes: int = 64 << 10  # MPIDP_DOUBLING_MAX_BYTES
     one_per_node: bool = False  # every node holds one rank of the group
     checked_chunks: bool = False  # two nodes of one rank, every rank with the C call of
-    # csrc/checked.c: doubling at any size, the data in chunks after the record
+    # csrc/exchange.c: doubling at any size, the data in chunks after the record
     nccl: bool = False        # device arrays: NCCL is installed
     shares_gpu: bool = False  # device arrays: this node has more ranks than GPUs
 
@@ -44,7 +44,7 @@ class Algorithm(NamedTuple):
 # MPI_Allreduce after the check moves half the bytes of doubling per rank on more nodes.
 # Two nodes of one rank each, with the C call on every rank (Facts.checked_chunks): doubling
 # at every size, its data above 64 KiB in pipelined chunks after the records (Note [Chunks
-# after the record] in csrc/checked.c), ahead of MPI_Allreduce from 128 KiB to 32 MiB there
+# after the record] in csrc/exchange.c), ahead of MPI_Allreduce from 128 KiB to 32 MiB there
 # (bench/RESULTS.md). On more nodes each rank would send log2(p) whole arrays against the
 # ring's 2(p-1)/p (unmeasured: 4 nodes of one rank do not fit this machine's 2 cores), so
 # there doubling stays below 64 KiB. With several ranks on a node, hier from

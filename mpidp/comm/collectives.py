@@ -2,14 +2,16 @@
 ``broadcast_``, ``reduce_``, ``allgather``, ``reduce_scatter`` on numpy arrays, torch
 tensors (CPU or CUDA) and CuPy arrays.
 
-Every call passes through one frame: the input is viewed and checked here, at the public
-boundary, before the call counts as a collective; a rank whose input is bad — any exception,
-of any type — joins the header exchange with an error code instead (``refuse``), so every
-rank raises and none waits or pairs with the wrong call. A good input's header (one builder:
-mpidp.engine.header) is published on the watchdog's board, the backend — mpidp.engine.host_executor, or
-mpidp.engine.gpu.executor for device arrays — exchanges it and moves the data, and the board is
-cleared whatever happens (Note [Watchdog] in mpidp/runtime/watchdog.py). Device arrays take the
-host path through ``staged`` where the device backend has no algorithm of its own.
+Every call passes through the collective frame (Note [The collective frame] in
+mpidp/runtime/frame.py): the input is viewed and checked here, at the public boundary, before
+the call counts as a collective; a rank whose input is bad — any exception, of any type —
+joins the header exchange with an error code instead (``Frame.refuse``), so every rank raises
+and none waits or pairs with the wrong call. A good input's header (one builder:
+mpidp.engine.header) is published on the watchdog's board, an executor —
+mpidp.engine.host_executor, or mpidp.engine.gpu.executor for device arrays, handed the group's
+links (Note [Handed down] in mpidp/engine/links.py) — exchanges it and moves the data, and the
+board marks it done whatever happens. Device arrays take the host path through ``staged``
+where the GPU executor has no algorithm of its own.
 
 Every function here is a synchronisation point: every rank of the group must call it, in the
 same order, all with host arrays or all with device arrays."""
@@ -24,7 +26,7 @@ from ..engine import header, host_executor
 from .. import runtime
 from ..runtime import timeline
 from ..runtime.frame import Frame
-from ..engine.gpu import executor as device_backend  # imports no CuPy until a device array arrives
+from ..engine.gpu import executor as gpu_executor  # imports no CuPy until a device array arrives
 from ..algorithms import DEVICE, HOST, TABLE, check_name, choose
 from ..engine.dtypes import FLOATING, OP_CODES, OPS, as_host_array, empty_like, write_back
 from ..engine.gpu import is_device_array
@@ -61,7 +63,7 @@ def check_algorithm(algorithm: Any, on_device: bool) -> str:
 def facts(g, on_device: bool):
     """What the algorithm choices read for group ``g`` (mpidp.algorithms.Facts), with the
     device's facts for device arrays."""
-    return device_backend.facts(g.resources.links, g.resources.facts) if on_device else \
+    return gpu_executor.facts(g.resources.links, g.resources.facts) if on_device else \
         g.resources.facts
 
 
@@ -124,7 +126,7 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
 def allreduce_in(g, x: Any, op: str = "sum", algorithm: str = "auto", inplace: bool = False):
     """``allreduce`` (``allreduce_`` with ``inplace``) over group ``g``."""
     if algorithm == "auto":
-        fast = g.resources.fast_allreduce  # one C call: csrc/small.c, csrc/checked.c
+        fast = g.resources.fast_allreduce  # one C call: csrc/small.c, csrc/exchange.c
         if fast is not None and inplace:
             view = x if type(x) is np.ndarray else _numpy_view(x)
             if view is not None and _one_call(g, view, op):
@@ -141,10 +143,10 @@ def allreduce_in(g, x: Any, op: str = "sum", algorithm: str = "auto", inplace: b
 
 def _one_call(g, view: np.ndarray, op: str) -> bool:
     """The in-place all-reduce of ``view`` as one C call (csrc/small.c on one node,
-    csrc/checked.c across nodes): True when done, False when it declined (nothing done);
+    csrc/exchange.c across nodes): True when done, False when it declined (nothing done);
     raises on every rank when the ranks' inputs disagree. A strided array goes through a
     contiguous copy, not the general path: only what every rank's header shows (dtype, op,
-    size) may send a rank there (Note [Chunks after the record] in csrc/checked.c)."""
+    size) may send a rank there (Note [Chunks after the record] in csrc/exchange.c)."""
     done = g.resources.fast_allreduce(view, op)
     if done is view:
         return True
@@ -215,7 +217,7 @@ def allreduce_segments_(g, flats: list, dtype: int, op: str) -> None:
 
 
 def _device_allreduce(g, x, op, algorithm, inplace):
-    dev = device_backend
+    dev = gpu_executor
     try:
         a = dev.view(x)
         opc, avg = _op_codes(op, a.dtype)
@@ -238,14 +240,14 @@ def _device_allreduce(g, x, op, algorithm, inplace):
 def _staged(g, x, inplace: bool, kind: int, host_call):
     """Runs ``host_call`` on a host copy of device array ``x`` and returns its result on x's
     device (in place into ``x`` with ``inplace``): the path without NCCL, and the one of the
-    collectives the device backend does not have. ``kind``: the collective, for a refusal."""
+    collectives the GPU executor does not have. ``kind``: the collective, for a refusal."""
     try:
-        a = device_backend.view(x)
-        host = device_backend.to_host(a)
+        a = gpu_executor.view(x)
+        host = gpu_executor.to_host(a)
     except Exception as exc:
         refuse(g, kind, exc)
         raise
-    out = device_backend.from_host(host_call(host), a, inplace)
+    out = gpu_executor.from_host(host_call(host), a, inplace)
     if inplace:
         bump_version(a)
     return out

@@ -13,7 +13,7 @@ from ..errors import MpidpError
 # Note [Communication thread]
 # One thread per DistributedDataParallel reduces the buckets one after another — on one node
 # a zero-copy all-reduce of the gradients where they lie (Note [Zero-copy buckets] in
-# fusion.py), elsewhere pack -> all-reduce (sum) -> unpack with the division by the number of
+# mpidp/comm/buckets.py), elsewhere pack -> all-reduce (sum) -> unpack with the division by the number of
 # ranks fused into the unpack — while autograd goes on computing gradients in the main
 # thread; the C calls release the GIL. Only that thread calls MPI while backward runs, and the
 # main thread waits for it before it calls MPI again, so MPI_THREAD_SERIALIZED suffices

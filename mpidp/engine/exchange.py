@@ -1,5 +1,6 @@
-"""The check every collective starts with, wherever its ranks are, and across nodes the small
-all-reduce that travels in the same messages (Note [Checked in the message] in
+"""The header exchange (the check every collective starts with: headers built by
+mpidp.engine.header), wherever a group's ranks are, and across nodes the small all-reduce that
+travels in the same messages (Note [Checked in the message] in
 mpidp/engine/doubling.py): on one node through the shared-memory control block; across nodes the
 node first (shared memory), then its leaders by recursive doubling over MPI point-to-point,
 then the outcome to the node's other ranks. A disagreement found anywhere reaches every rank,
@@ -35,7 +36,7 @@ def exchange(links, hdr: tuple, operation: str, local_error: Optional[BaseExcept
         return np.asarray(info, np.int64)
     if data is not None and links.checked is not None and \
             data.nbytes <= links.checked.max_bytes:
-        # one C call (Note [Chunks after the record] in csrc/checked.c); an array it does
+        # one C call (Note [Chunks after the record] in csrc/exchange.c); an array it does
         # not take travels in the same records on the Python path
         free = links.checked.exchange(hdr, data, dtype, op)
         if free is None:
@@ -94,15 +95,15 @@ def _across_nodes(links, topo, ctx, hdr, operation, data, dtype, op) -> doubling
     return record
 
 
-CHUNK_BYTES, WINDOW = 32 << 10, 8  # Note [Chunks after the record] in csrc/checked.c
+CHUNK_BYTES, WINDOW = 32 << 10, 8  # Note [Chunks after the record] in csrc/exchange.c
 
 
 def c_context(comm, inline_bytes: int, max_bytes: int, board):
-    """The all-reduce across nodes in one C call (csrc/checked.c, one rank per node) of
+    """The all-reduce across nodes in one C call (csrc/exchange.c, one rank per node) of
     arrays up to ``max_bytes`` (their data in the records up to ``inline_bytes``), or None
     where it cannot be made: no C extension, MPI handles that are not C ints, MPI errors that
     abort rather than return, or the MPI library not found (Note [MPI from C] in
-    csrc/checked.c). Not collective."""
+    csrc/exchange.c). Not collective."""
     import ctypes
     from mpi4py import MPI  # deferred for cost: import mpidp starts no MPI
     ext = host_ops.EXTENSION

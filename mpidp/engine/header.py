@@ -1,11 +1,13 @@
-"""The check every collective starts with: each rank publishes a fixed-size header (which
-collective, algorithm, op, dtype, count, shape, local error), every rank sees every header,
-and a disagreement is reported on every rank instead of corrupting data or hanging.
+"""The collective header: the fixed 8 words (which collective, algorithm, op, dtype, count,
+shape, local error, a free word) every rank publishes for every collective, built here and only
+here, and what a disagreement of headers means in words (``describe``, ``mismatch_error``).
 
-On one node the headers travel through the shared-memory control block (and the shm
-all-reduce carries its data in the same call); across nodes by recursive doubling with a small
-all-reduce's data in the same messages (mpidp.engine.exchange; Note [Checked in the message] in
-mpidp/engine/doubling.py), and, after a disagreement, in one MPI_Allgather to name who called what.
+The check itself — every rank sees every header, and a disagreement is raised on every rank
+instead of corrupting data or hanging — is the exchange (mpidp.engine.exchange: on one node
+through the shared-memory control block, across nodes by recursive doubling with a small
+all-reduce's data in the same messages, Note [Checked in the message] in
+mpidp/engine/doubling.py); after a disagreement one MPI_Allgather (``exchange_mpi``, here) names
+who called what.
 
 Note [Debug fingerprints]
 The header covers what a collective's data depends on: which collective, algorithm, op,

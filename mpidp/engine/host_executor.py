@@ -1,4 +1,4 @@
-"""The host backend: collectives on flat numpy buffers once the front (mpidp.comm.collectives)
+"""The host executor: collectives on flat numpy buffers once the front (mpidp.comm.collectives)
 has checked them and published their header — the all-reduce algorithms of mpidp.algorithms'
 table (shm, ring, hier, MPI's own) and MPI's broadcast, reduce, allgather and reduce-scatter.
 Each function here exchanges the header with the other ranks (or lets the shared-memory call

@@ -22,7 +22,7 @@ from . import exchange
 class Links:
     """One group's communicators and place (read from ``topo``: fixed after init), and what
     the engine made for it. ``shm``: the node's ShmContext once made (None before, or
-    without the C extension); ``checked``: the C context across nodes (csrc/checked.c) or
+    without the C extension); ``checked``: the C context across nodes (csrc/exchange.c) or
     None. Not thread-safe beyond what a group's collectives already serialise."""
 
     __slots__ = ("topo", "rank", "size", "comm", "node_comm", "leader_comm", "local_size",

@@ -19,7 +19,7 @@ from ..engine import header
 #   4. the data moves (an engine executor, or MPI's own object collectives), and whatever
 #      happens the board marks the collective done.
 # ``Frame`` is steps 2-4's bookkeeping; its users write step 1 and the data's move. The C
-# fast path (csrc/small.c, csrc/checked.c: Note [Small all-reduce in one call]) keeps its own
+# fast path (csrc/small.c, csrc/exchange.c: Note [Small all-reduce in one call]) keeps its own
 # protocol for speed, and is the same frame: it publishes the header on the same board,
 # carries a refused input as an error header, and marks the collective done.
 

@@ -56,7 +56,7 @@ class Resources:
         self.fast_max_bytes = 0  # the largest array it takes
         self._fast_ok = (topo.size > 1 and choose(HOST, "auto", self.facts, 8).name == "shm"
                          and not cfg.debug and not timeline.ON)
-        self.checked = None  # across nodes, one rank per node: csrc/checked.c's context
+        self.checked = None  # across nodes, one rank per node: csrc/exchange.c's context
         if topo.size > 1 and self.facts.one_per_node and not cfg.debug and not timeline.ON \
                 and choose(HOST, "auto", self.facts, 8).name == "doubling":
             self._make_checked(cfg)
@@ -64,7 +64,7 @@ class Resources:
     def _make_checked(self, cfg: config.Config) -> None:
         """The C call across nodes, where every rank could make it (agreed: one collective
         step), taking arrays of any size in chunks between two nodes (Note [Chunks after the
-        record] in csrc/checked.c; Note [Auto choice] in mpidp/algorithms.py)."""
+        record] in csrc/exchange.c; Note [Auto choice] in mpidp/algorithms.py)."""
         from mpi4py import MPI  # deferred for cost, as everywhere
         topo = self.topo
         chunks = topo.size == 2

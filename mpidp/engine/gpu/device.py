@@ -1,4 +1,5 @@
-"""CuPy and NCCL as optional backends, and the binding of each rank to its GPU."""
+"""CuPy and NCCL as optional libraries (an ImportError naming the pip install where one is
+missing), and the binding of each rank to its GPU."""
 from __future__ import annotations
 
 import socket

@@ -1,4 +1,4 @@
-"""The device backend: collectives on device arrays (CuPy arrays, torch CUDA tensors) once
+"""The GPU executor: collectives on device arrays (CuPy arrays, torch CUDA tensors) once
 the front (mpidp.comm.collectives) has checked them and published their header. It knows nothing
 of the host collectives.
 

@@ -344,7 +344,7 @@ static PyTypeObject CheckedContextType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "CheckedContext((sendrecv, send, recv, isend, irecv, wait), comm, byte, rank, "
               "size, inline_bytes, max_bytes, chunk_bytes, window, board): the all-reduce "
-              "across nodes in one call (csrc/checked.c)",
+              "across nodes in one call (csrc/exchange.c)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)checked_init,
     .tp_dealloc = (destructor)checked_dealloc,
