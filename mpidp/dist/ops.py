@@ -69,7 +69,7 @@ def _dtype_word(t: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
-def checked(g, name: str, t=None, count: int = 0, root=None, validate=None):
+def operation(g, name: str, t=None, count: int = 0, root=None, validate=None):
     """The body of operation ``name`` as the group's next collective under the watchdog,
     after the header check (Note [Operations beyond mpidp's collectives]); ``validate()``
     runs first, and an exception it raises is raised on this rank, a MismatchError on the
@@ -175,7 +175,7 @@ def all_reduce(g, t: torch.Tensor, op) -> None:
         collectives.allreduce_in(g, np.from_dlpack(t.detach()) if plain else t.detach(),
                                  _MPIDP_OPS[kind], "auto", True)
         return
-    with checked(g, f"all_reduce {name}", t, t.numel(),
+    with operation(g, f"all_reduce {name}", t, t.numel(),
                  validate=lambda: (reduce_name(op), _check_op_dtype(kind, t))):
         staged = Staged(t)
         result = _stacked_reduce(_gathered(g, staged), kind) if g.size > 1 else staged.host
@@ -190,7 +190,7 @@ def reduce(g, t: torch.Tensor, root: int, op) -> None:
     if _native(kind, t):
         collectives.reduce_in(g, t.detach(), root, _MPIDP_OPS[kind])
         return
-    with checked(g, f"reduce {name}", t, t.numel(), root,
+    with operation(g, f"reduce {name}", t, t.numel(), root,
                  validate=lambda: (reduce_name(op), collectives.check_root(root, g.size),
                                    _check_op_dtype(kind, t))):
         staged = Staged(t)
@@ -232,7 +232,7 @@ def reduce_scatter_tensor(g, out: torch.Tensor, x: torch.Tensor, op) -> None:
         with torch.no_grad():
             out.copy_(block.reshape(out.shape))
         return
-    with checked(g, f"reduce_scatter_tensor {name}", x, x.numel(), validate=validate):
+    with operation(g, f"reduce_scatter_tensor {name}", x, x.numel(), validate=validate):
         staged = Staged(x)
         stack = _gathered(g, staged).reshape(g.size, g.size, -1)[:, g.rank]
         with torch.no_grad():
@@ -241,7 +241,7 @@ def reduce_scatter_tensor(g, out: torch.Tensor, x: torch.Tensor, op) -> None:
 
 def broadcast(g, t: torch.Tensor, root: int) -> None:
     """torch.distributed.broadcast: every rank's ``t`` holds root's afterwards."""
-    with checked(g, "broadcast", t, t.numel(), root,
+    with operation(g, "broadcast", t, t.numel(), root,
                  validate=lambda: collectives.check_root(root, g.size)):
         staged = Staged(t, read=g.rank == root)
         g.comm.Bcast(staged.bytes, root=root)
@@ -258,7 +258,7 @@ def all_gather_into_tensor(g, out: torch.Tensor, x: torch.Tensor) -> None:
                              f"elements) must hold the group's {g.size} inputs of {x.dtype}, "
                              f"{x.numel()} elements")
 
-    with checked(g, "all_gather_into_tensor", x, x.numel(), validate=validate):
+    with operation(g, "all_gather_into_tensor", x, x.numel(), validate=validate):
         src, dst = Staged(x), Staged(out, read=False)
         g.comm.Allgather(src.bytes, dst.bytes)
         dst.done()
@@ -266,7 +266,7 @@ def all_gather_into_tensor(g, out: torch.Tensor, x: torch.Tensor) -> None:
 
 def gather_all(g, outs, x: torch.Tensor) -> None:
     """torch.distributed.all_gather: ``outs[r]`` holds rank r's ``x``."""
-    with checked(g, "all_gather", x, x.numel(),
+    with operation(g, "all_gather", x, x.numel(),
                  validate=lambda: _check_list("all_gather", outs, x, g.size)):
         everyone = _gathered(g, Staged(x))
         with torch.no_grad():
@@ -280,7 +280,7 @@ def reduce_scatter_list(g, out: torch.Tensor, ins, op) -> None:
     try:
         _check_list("reduce_scatter", ins, out, g.size)
     except Exception as exc:
-        with checked(g, "reduce_scatter", out, validate=functools.partial(_raise, exc)):
+        with operation(g, "reduce_scatter", out, validate=functools.partial(_raise, exc)):
             pass
     reduce_scatter_tensor(g, out, torch.stack([i.detach().reshape(out.shape) for i in ins]),
                           op)
@@ -297,7 +297,7 @@ def gather(g, outs, x: torch.Tensor, root: int) -> None:
         if g.rank == root:
             _check_list("gather", outs, x, g.size)
 
-    with checked(g, "gather", x, x.numel(), root, validate=validate):
+    with operation(g, "gather", x, x.numel(), root, validate=validate):
         src = Staged(x)
         everyone = torch.empty((g.size,) + tuple(src.host.shape), dtype=x.dtype) \
             if g.rank == root else None
@@ -315,7 +315,7 @@ def scatter(g, out: torch.Tensor, ins, root: int) -> None:
         if g.rank == root:
             _check_list("scatter", ins, out, g.size)
 
-    with checked(g, "scatter", out, out.numel(), root, validate=validate):
+    with operation(g, "scatter", out, out.numel(), root, validate=validate):
         dst = Staged(out, read=False)
         send = torch.stack([i.detach().to("cpu").reshape(-1) for i in ins]) \
             if g.rank == root else None
@@ -360,7 +360,7 @@ def all_to_all_single(g, out: torch.Tensor, x: torch.Tensor, out_splits, in_spli
                 raise ValueError(f"all_to_all_single: the {what}'s {n} rows do not split "
                                  f"evenly among {g.size} ranks; pass split sizes")
 
-    with checked(g, "all_to_all_single", x, validate=validate):
+    with operation(g, "all_to_all_single", x, validate=validate):
         def counts(t, splits):
             n = t.shape[0] if t.dim() else 1
             rows = list(splits) if splits else [n // g.size] * g.size
@@ -379,7 +379,7 @@ def all_to_all(g, outs, ins) -> None:
         if len({t.dtype for t in list(outs) + list(ins)}) > 1:
             raise TypeError("all_to_all: the tensors' dtypes differ")
 
-    with checked(g, "all_to_all", ins[0] if len(ins) else None, validate=validate):
+    with operation(g, "all_to_all", ins[0] if len(ins) else None, validate=validate):
         src = Staged(torch.cat([t.detach().to("cpu").reshape(-1) for t in ins]))
         dst = Staged(torch.empty(sum(t.numel() for t in outs), dtype=outs[0].dtype),
                       read=False)
@@ -417,5 +417,5 @@ def _alltoallv(g, src: Staged, send: list, dst: Staged, recv: list) -> None:
 def barrier(g) -> None:
     """torch.distributed.barrier: the header exchange is itself a barrier (every rank hears
     every rank's header before any leaves)."""
-    with checked(g, "barrier"):
+    with operation(g, "barrier"):
         pass

@@ -34,11 +34,11 @@ def exchange(links, hdr: tuple, operation: str, local_error: Optional[BaseExcept
                          doubling.Record(hdr, topo.rank, topo.size, data), host_ops,
                          dtype, op)
         return np.asarray(info, np.int64)
-    if data is not None and links.checked is not None and \
-            data.nbytes <= links.checked.max_bytes:
+    if data is not None and links.c_exchange is not None and \
+            data.nbytes <= links.c_exchange.max_bytes:
         # one C call (Note [Chunks after the record] in csrc/exchange.c); an array it does
         # not take travels in the same records on the Python path
-        free = links.checked.exchange(hdr, data, dtype, op)
+        free = links.c_exchange.exchange(hdr, data, dtype, op)
         if free is None:
             disagreed(topo, hdr, operation, local_error)
         return np.asarray(free, np.int64)

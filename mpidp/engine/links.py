@@ -22,11 +22,11 @@ from . import exchange
 class Links:
     """One group's communicators and place (read from ``topo``: fixed after init), and what
     the engine made for it. ``shm``: the node's ShmContext once made (None before, or
-    without the C extension); ``checked``: the C context across nodes (csrc/exchange.c) or
+    without the C extension); ``c_exchange``: the C context across nodes (csrc/exchange.c) or
     None. Not thread-safe beyond what a group's collectives already serialise."""
 
     __slots__ = ("topo", "rank", "size", "comm", "node_comm", "leader_comm", "local_size",
-                 "one_per_node", "shm", "checked", "transports", "__weakref__")
+                 "one_per_node", "shm", "c_exchange", "transports", "__weakref__")
 
     def __init__(self, topo: Any):
         self.topo = topo
@@ -35,7 +35,7 @@ class Links:
         self.local_size = topo.local_size
         self.one_per_node = topo.node_count == topo.size
         self.shm = None
-        self.checked = None
+        self.c_exchange = None
         self.transports: dict = {}
 
     def transport(self, key: Any, make: Callable[[], Any]) -> Any:

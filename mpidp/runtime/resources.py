@@ -56,12 +56,12 @@ class Resources:
         self.fast_max_bytes = 0  # the largest array it takes
         self._fast_ok = (topo.size > 1 and choose(HOST, "auto", self.facts, 8).name == "shm"
                          and not cfg.debug and not timeline.ON)
-        self.checked = None  # across nodes, one rank per node: csrc/exchange.c's context
+        self.c_exchange = None  # across nodes, one rank per node: csrc/exchange.c's context
         if topo.size > 1 and self.facts.one_per_node and not cfg.debug and not timeline.ON \
                 and choose(HOST, "auto", self.facts, 8).name == "doubling":
-            self._make_checked(cfg)
+            self._make_c_exchange(cfg)
 
-    def _make_checked(self, cfg: config.Config) -> None:
+    def _make_c_exchange(self, cfg: config.Config) -> None:
         """The C call across nodes, where every rank could make it (agreed: one collective
         step), taking arrays of any size in chunks between two nodes (Note [Chunks after the
         record] in csrc/exchange.c; Note [Auto choice] in mpidp/algorithms.py)."""
@@ -76,7 +76,7 @@ class Resources:
             ctx = None
         if not topo.comm.allreduce(int(ctx is not None), op=MPI.MIN):
             return  # a rank without it: the Python path everywhere, alike
-        self.checked = self.links.checked = ctx
+        self.c_exchange = self.links.c_exchange = ctx
         self.fast_allreduce = ctx.allreduce_array
         self.fast_max_bytes = sys.maxsize if chunks else inline
         self.facts = self.facts._replace(checked_chunks=chunks)
@@ -105,7 +105,7 @@ class Resources:
     def fast_disagreed(self, done) -> None:
         """Raises on every rank after ``fast_allreduce`` found that the ranks' inputs disagree
         (``done``: what it returned)."""
-        if self.checked is not None:
+        if self.c_exchange is not None:
             exchange.disagreed(self.topo, done[1], "allreduce", None)
         if not self.shm().check(done[0], done[1], "allreduce"):
             raise header.mismatch_error("allreduce", done[1], self.topo.rank)
