@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The compression figures in bench/RESULTS.md ("Compression", issue 17).
 # 1. Step time and communication: `python -m mpidp.bench train` on an emulated cluster
-#    (tests/multinode/cluster.py, root) of 2 nodes x 1 rank, unshaped and with every link
+#    (tests/harness/multinode_cluster.py, root) of 2 nodes x 1 rank, unshaped and with every link
 #    shaped to 1 Gbit/s: mpidp's DDP with no hook, fp16, bf16 and PowerSGD ranks 1, 2, 4
 #    (from the first step), and no all-reduce (the bound); the training benchmark's MLP, CNN
 #    and small transformer; 1 thread per rank, medians of REPEATS.
@@ -17,7 +17,7 @@ mkdir -p bench/out
 for rate in none 1gbit; do
   shape=()
   [ "$rate" != none ] && shape=(--rate "$rate")
-  "$PY" tests/multinode/cluster.py --nodes 2 "${shape[@]}" -- \
+  "$PY" tests/harness/multinode_cluster.py --nodes 2 "${shape[@]}" -- \
     "$MPIEXEC" -n 2 -ppn 1 "$PY" -m mpidp.bench train --models mlp,cnn,transformer \
     --modes "$MODES" --steps "${STEPS:-10}" --warmup 3 --repeats "${REPEATS:-3}" \
     --json "bench/out/compression_2x1_$rate.json" | tee "bench/out/compression_2x1_$rate.txt"

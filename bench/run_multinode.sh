@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The cross-node all-reduce figures in bench/RESULTS.md ("Across nodes"): an emulated cluster
-# (tests/multinode/cluster.py, root) of 2 nodes with 1 rank each, unshaped and with every link
-# shaped to 1 Gbit/s, and 2 nodes with 2 ranks each, unshaped and at 1 Gbit/s (4 ranks on 2
+# (tests/harness/multinode_cluster.py, root) of 2 nodes with 1 rank each, unshaped and with every
+# link shaped to 1 Gbit/s, and 2 nodes with 2 ranks each, unshaped and at 1 Gbit/s (4 ranks on 2
 # cores: correctness-grade timing below the link-bound sizes);
 # every algorithm and MPI_Allreduce and gloo side by side in one run, medians of 3 repeats.
 # Then the scale model calibrated from these sweeps. Writes bench/out/.
@@ -14,7 +14,7 @@ mkdir -p bench/out
 sweep() {  # name nodes per-node rate max-size iters
   local rate=()
   [ "$4" != none ] && rate=(--rate "$4")
-  "$PY" tests/multinode/cluster.py --nodes "$2" "${rate[@]}" -- \
+  "$PY" tests/harness/multinode_cluster.py --nodes "$2" "${rate[@]}" -- \
     "$MPIEXEC" -n $(($2 * $3)) -ppn "$3" "$PY" -m mpidp.bench allreduce -b 8 -e "$5" -f 4 \
     -n "$6" -w 3 -r 3 --algorithms "$ALGOS" --json "bench/out/$1.json" \
     --plot "bench/out/$1.png" | tee "bench/out/$1.txt"

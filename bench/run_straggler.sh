@@ -4,9 +4,9 @@
 # worker, 20 epochs, an accuracy score after every epoch) under mirrored, localsgd (H = 4, 16),
 # diloco (H = 16, 64) and ps (2 workers + 1 server, against 2 ranks for the others), in three
 # conditions: one machine; one machine with --straggler 1:2 (rank 1 computes 2x slower); and
-# the emulated cluster (tests/multinode/cluster.py, root) with every link shaped to 1 Gbit/s,
-# one rank per node, and the straggler. REPEATS times, interleaved; each run's JSON log goes
-# to bench/out/straggler/, and bench/summarize_straggler.py makes the table and the plot
+# the emulated cluster (tests/harness/multinode_cluster.py, root) with every link shaped to
+# 1 Gbit/s, one rank per node, and the straggler. REPEATS times, interleaved; each run's JSON log
+# goes to bench/out/straggler/, and bench/summarize_straggler.py makes the table and the plot
 # (samples/s, seconds to TARGET held-out accuracy, final accuracy).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +32,7 @@ run() {  # condition, config, repetition
   local cmd=("$MPIEXEC" -n "$n" "$PY" -m mpidp.train "${JOB[@]}" ${FLAGS[$config]}
              "${extra[@]}" --log-json "$log")
   if [ "$condition" = cluster ]; then
-    "$PY" tests/multinode/cluster.py --nodes "$n" --rate 1gbit -- \
+    "$PY" tests/harness/multinode_cluster.py --nodes "$n" --rate 1gbit -- \
       "${cmd[0]}" -ppn 1 "${cmd[@]:1}" > /dev/null
   else
     "${cmd[@]}" > /dev/null

@@ -28,7 +28,12 @@ _EXPORTS = {
     "LaunchError": "errors", "ConfigError": "errors",
 }
 
+# the documented modules of DistributedDataParallel's hooks and ZeRO, reached as attributes
+# (``mpidp.compression.fp16_compress_hook``) where they lived before the packages by layer
+_MODULES = {"compression": "ddp.compression", "powersgd": "ddp.powersgd", "zero": "ddp.zero",
+            "audit": "ddp.audit"}
+
 __all__ = sorted(_EXPORTS)
 
 
-__getattr__, __dir__ = exports(__name__, _EXPORTS)
+__getattr__, __dir__ = exports(__name__, _EXPORTS, _MODULES)

@@ -7,19 +7,23 @@ import sys
 from typing import Callable, Mapping, Tuple
 
 
-def exports(package: str, table: Mapping[str, str]) -> Tuple[Callable, Callable]:
+def exports(package: str, table: Mapping[str, str],
+            modules: Mapping[str, str] = {}) -> Tuple[Callable, Callable]:
     """The ``__getattr__`` and ``__dir__`` of ``package`` whose public name N is defined in
-    its module ``table[N]``."""
+    its module ``table[N]``, and whose public module M is its module ``modules[M]``."""
 
     def __getattr__(name: str):
         module = table.get(name)
-        if module is None:
+        if module is not None:
+            value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        elif name in modules:
+            value = importlib.import_module(f"{package}.{modules[name]}")
+        else:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{package}.{module}"), name)
         setattr(sys.modules[package], name, value)
         return value
 
     def __dir__():
-        return sorted(set(vars(sys.modules[package])) | set(table))
+        return sorted(set(vars(sys.modules[package])) | set(table) | set(modules))
 
     return __getattr__, __dir__

@@ -5,8 +5,23 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+# the harness (mpirun, file_faults, the emulated and the Slurm cluster) imports by module name
+sys.path.insert(0, str(Path(__file__).parent / "harness"))
 _STARTED = time.time()
+TIERS = ("unit", "mpi", "multinode", "slurm", "gpu")  # one folder of tests/ and one marker each
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks each test with its tier, the folder of tests/ it is in (docs/tests.md), so that
+    ``pytest -m unit`` or ``-m "not multinode"`` selects by tier; explicit marks stay."""
+    here = Path(__file__).parent
+    for item in items:
+        try:
+            tier = item.path.relative_to(here).parts[0]
+        except ValueError:
+            continue
+        if tier in TIERS and item.get_closest_marker(tier) is None:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session", autouse=True)

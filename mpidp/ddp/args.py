@@ -2,11 +2,12 @@
 torch's DDP takes them."""
 from __future__ import annotations
 
-import numpy as np
+from typing import Callable, Sequence
+
 import torch
 
 from ..comm import collectives
-from ..errors import MismatchError
+from ..comm.fingerprint import check_same
 from ..config import AUDIT_ACTIONS
 
 
@@ -43,34 +44,24 @@ def validate(module, device_ids, output_device, dim, process_group, bucket_cap_m
     collectives.check_algorithm(algorithm, any(p.is_cuda for p in module.parameters()))
 
 
-def _check_audit(every, action) -> None:
+def agree(g, check: Callable[[], None], settings: Sequence[tuple]) -> None:
+    """DistributedDataParallel's construction, before its first collective: ``check()`` (this
+    rank's arguments, ``validate`` and the audit's) and the (name, value) ``settings`` that
+    decide which collectives each step calls must agree on every rank of group ``g`` — a rank
+    whose ``check`` raises still joins the comparison, so every rank raises (its own error
+    there, a MismatchError naming it elsewhere) and none waits. Collective."""
+    try:
+        check()
+        failed = None
+    except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must hear of it
+        failed = exc
+    check_same(g, settings, "DistributedDataParallel", "its arguments", failed)
+
+
+def check_audit(every, action) -> None:
     if not isinstance(every, int) or isinstance(every, bool) or every < 0:
         raise ValueError(f"audit_every must be a whole number of steps >= 0 (0: off), "
                          f"got {every!r}")
     if action not in AUDIT_ACTIONS:
         raise ValueError(f"audit_action must be one of {', '.join(AUDIT_ACTIONS)}, "
                          f"got {action!r}")
-
-
-def agree_audit(g, every, action) -> tuple:
-    """(every, action) of the replica audit (Note [Replica audit] in mpidp/ddp/audit.py): checked
-    (``every`` a whole number of steps >= 0, 0: off; ``action`` raise or warn) and the same on
-    every rank of group ``g``, or an error on every rank (this rank's ValueError where its own
-    are bad, a MismatchError elsewhere). Collective."""
-    try:
-        _check_audit(every, action)
-        mine = np.array([[every, AUDIT_ACTIONS.index(action)]], np.int64)
-        error = None
-    except ValueError as exc:
-        mine, error = np.array([[-1, -1]], np.int64), exc
-    table = collectives.allgather(mine) if g.size > 1 else mine
-    if error is not None:
-        raise error
-    if (table != table[0]).any():
-        raise MismatchError(
-            f"rank {g.rank}: DistributedDataParallel: the replica audit's settings differ "
-            "between ranks: " + ", ".join(
-                f"rank {r}: " + ("bad" if e < 0 else f"audit_every={e}, audit_action="
-                                 f"{AUDIT_ACTIONS[a]}") for r, (e, a) in enumerate(table))
-            + " (every rank raises this error)")
-    return every, action

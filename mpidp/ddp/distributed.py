@@ -21,7 +21,7 @@ from ..runtime import timeline
 from .audit import ReplicaDivergenceError, checksums, divergence
 from .hooks import attach, check_hook, describe_hook, fused_wire, reduce_scatters, run_hook
 from .comm_thread import call_in_order, check_thread_level, communicate, reduce_bucket, stop
-from .args import agree_audit, validate
+from .args import agree, check_audit, validate
 from .join import JoinSupport
 from ..errors import MismatchError, MpidpError
 from ..comm.fingerprint import check_same, check_same_buckets, check_same_model
@@ -79,9 +79,17 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
                  audit_every: Optional[int] = None, audit_action: Optional[str] = None):
         torch.nn.Module.__init__(self)
         JoinSupport.__init__(self)
-        validate(module, device_ids, output_device, dim, process_group, bucket_cap_mb,
-                  algorithm)
         g = runtime.group()
+        cfg = config.get()
+        every = cfg.audit_every if audit_every is None else audit_every
+        action = cfg.audit_action if audit_action is None else audit_action
+        agree(g, lambda: (validate(module, device_ids, output_device, dim, process_group,
+                                   bucket_cap_mb, algorithm), check_audit(every, action)),
+              [("broadcast_buffers", bool(broadcast_buffers)),
+               ("find_unused_parameters", bool(find_unused_parameters)),
+               ("gradient_as_bucket_view", bool(gradient_as_bucket_view)),
+               ("algorithm", algorithm), ("bucket_cap_mb", bucket_cap_mb),
+               ("audit_every", every), ("audit_action", action)])
         check_thread_level()
         self.module = module
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -94,10 +102,7 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._module_buffers = list(module.buffers())
-        cfg = config.get()
-        self.audit_every, self.audit_action = agree_audit(
-            g, cfg.audit_every if audit_every is None else audit_every,
-            cfg.audit_action if audit_action is None else audit_action)
+        self.audit_every, self.audit_action = every, action
         self._audit_names = [n for n, _ in module.named_parameters()]
         self.sync_batchnorm_layers = sync_bn.adopt(module, self._reduce_in_order)
         check_same_model(g, module, "DistributedDataParallel")

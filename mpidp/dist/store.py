@@ -27,7 +27,7 @@ part), so the store keeps its timeout there, and every request reads it from the
 ``barrier`` without a timeout on a PrefixStore takes the PrefixStore's own (5 minutes), whatever
 the store's is. Queues and ``list_keys`` are never forwarded to Python (torch raises its own
 NotImplementedError through a PrefixStore); called on this store directly they raise one naming
-mpidp. Checked at every world size by tests/mpi/body_dist.py."""
+mpidp. Checked at every world size by tests/mpi/bodies/body_dist.py."""
 from __future__ import annotations
 
 import itertools

@@ -19,7 +19,7 @@ MOMENTUM = 0.9  # --optimizer momentum: SGD with this momentum (Goyal et al. use
 # --lr when not given: per built-in data set, so that its defaults converge. The synthetic
 # set's 784 Gaussian inputs (norm ~28, against the digits' 64 in [0, 1]) made 0.05 x 2 ranks
 # with momentum diverge after a few epochs (held-out 46% -> 11% by epoch 30); 0.01 reaches
-# 64% with the training loss at 3e-4 (tests/test_mpi_train.py). A factory's data set: 0.05.
+# 64% with the training loss at 3e-4 (tests/mpi/test_train.py). A factory's data set: 0.05.
 DEFAULT_LR = {"digits": 0.05, "synthetic": 0.01}
 SYNC_EVERY = 8  # --strategy localsgd, diloco: steps between meetings
 # --strategy diloco: the outer Nesterov SGD. Douillard et al.'s lr 0.7; their momentum 0.9 goes

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs Slurm (controller, node daemon, clients; munge comes as their dependency) from the
-# distribution's packages, for tests/test_slurm.py. Part of the README's test command, so:
+# distribution's packages, for tests/slurm/test_slurm.py. Part of the README's test command, so:
 #   - idempotent and quiet: nothing is done (no apt-get update) when the packages are present;
 #   - it never fails the command: without root (or passwordless sudo) or apt-get it prints why
 #     and exits 0, and test_slurm.py skips (or fails, where the CI variable is set).

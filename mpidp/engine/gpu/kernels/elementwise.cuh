@@ -11,7 +11,7 @@
 // of sums and averages may differ between the two. CuPy compiles every kernel with -ftz=true
 // (flush denormals to zero), which would make float arithmetic on denormals — every bfloat16
 // subnormal is one — differ from the host: float add, multiply, divide, compare and the NaN
-// test are therefore written as PTX instructions without .ftz (tests/test_gpu_kernels.py
+// test are therefore written as PTX instructions without .ftz (tests/unit/test_gpu_kernels.py
 // checks the PTX under -ftz=true).
 //
 // Note [NaN in min and max]: as csrc/kernels.c (and numpy's np.minimum/np.maximum), floating

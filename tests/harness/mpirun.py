@@ -1,0 +1,148 @@
+"""Launching test bodies under mpiexec in a subprocess, with a timeout (the outer pytest
+process never imports mpi4py.MPI)."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]          # the repository: the jobs' working directory
+BODIES = ROOT / "tests" / "mpi" / "bodies"  # the MPI test bodies
+
+
+def mpiexec() -> str:
+    """The mpiexec beside this Python (the mpich wheel's), else the first on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    found = str(here) if here.exists() else shutil.which("mpiexec")
+    if not found:
+        raise RuntimeError("no mpiexec found: pip install mpich (see README)")
+    return found
+
+
+def command(n: int, args: list, cluster=None, per_node=1) -> list:
+    """``mpiexec -n n python args...``; on an emulated cluster (tests/harness/multinode_cluster.py),
+    run from its head with ``per_node`` ranks on each of its first n / per_node nodes, or
+    with ``per_node`` a Hydra host list ("node0:2,node1:1": nodes of unequal sizes)."""
+    if cluster is None:
+        return [mpiexec(), "-n", str(n), sys.executable, *map(str, args)]
+    place = ["-hosts", per_node] if isinstance(per_node, str) else \
+        ["-ppn", str(per_node), "-hosts", ",".join(cluster.names[:n // per_node])]
+    return cluster.head_command([mpiexec(), "-n", str(n), *place, sys.executable,
+                                 *map(str, args)])
+
+
+def run(n: int, args: list, env: dict | None = None, timeout_s: float = 240, cluster=None,
+        per_node: int = 1) -> subprocess.CompletedProcess:
+    """Runs ``python args...`` on n ranks (``command``) with ``env`` over this process's
+    environment (a value None unsets the variable); a hang fails the test at timeout_s
+    instead of CI."""
+    full_env = dict(os.environ)
+    full_env.update(cluster.env() if cluster is not None else {})
+    full_env.update(env or {})
+    full_env = {k: v for k, v in full_env.items() if v is not None}  # None: unset it
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    cmd = command(n, args, cluster, per_node)
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                              env=full_env, cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout_s} s:\n"
+                             f"{exc.stdout}\n{exc.stderr}") from None
+
+
+def body(n: int, name: str, env: dict | None = None, timeout_s: float = 240, extra=(),
+         cluster=None, per_node: int = 1):
+    return run(n, [BODIES / name, *extra], env, timeout_s, cluster, per_node)
+
+
+def assert_ok(proc: subprocess.CompletedProcess, n: int) -> None:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-6000:]}"
+    for r in range(n):
+        assert f"ok {r}" in proc.stdout, f"rank {r} did not finish:\n{out[-6000:]}"
+
+
+class Job:
+    """``mpiexec -n n python args...`` started in the background, in a session of its own, its
+    output to ``log`` and a tag in every process's environment (so that the test finds the
+    ranks and anything left behind). A context manager: leaving it kills whatever still runs."""
+
+    def __init__(self, n: int, args: list, log: Path, env: dict | None = None, cluster=None,
+                 per_node: int = 1):
+        self.tag = uuid.uuid4().hex
+        self.log = Path(log)
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", MPIDP_TEST_TAG=self.tag)
+        full_env.update(cluster.env() if cluster is not None else {})
+        full_env.update(env or {})
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(command(n, args, cluster, per_node), stdout=out,
+                                         stderr=subprocess.STDOUT, env=full_env,
+                                         cwd=ROOT,
+                                         start_new_session=True)
+
+    @property
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_for(self, ready, timeout_s: float) -> None:
+        """Returns once ``ready()`` is true; fails if the job ends or ``timeout_s`` passes
+        first."""
+        t0 = time.monotonic()
+        while not ready():
+            assert self.proc.poll() is None, f"the job ended early:\n{self.text[-4000:]}"
+            assert time.monotonic() - t0 < timeout_s, \
+                f"not ready in {timeout_s} s:\n{self.text[-4000:]}"
+            time.sleep(0.02)
+
+    def processes(self) -> dict:
+        """{pid: the MPI rank, or None for a launcher process} of this job's live processes."""
+        found = {}
+        needle = f"MPIDP_TEST_TAG={self.tag}".encode()
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    env = (entry / "environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if needle in env:
+                    rank = [v for v in env if v.startswith(b"PMI_RANK=")]
+                    found[int(entry.name)] = int(rank[0][9:]) if rank else None
+        return found
+
+    def rank_pid(self, rank: int) -> int:
+        pids = [p for p, r in self.processes().items() if r == rank]
+        assert len(pids) == 1, f"rank {rank}: processes {pids}"
+        return pids[0]
+
+    def wait(self, timeout_s: float) -> int:
+        """The job's exit code; fails if it still runs after ``timeout_s``."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {timeout_s} s later:\n{self.text[-4000:]}") \
+                from None
+
+    def left_behind(self, within_s: float = 2.0) -> dict:
+        """The job's processes still alive ``within_s`` after it ended (should be none)."""
+        t0 = time.monotonic()
+        while (left := self.processes()) and time.monotonic() - t0 < within_s:
+            time.sleep(0.05)
+        return left
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for pid in self.processes():  # ranks run in sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass

@@ -1,0 +1,56 @@
+"""Tier 2: real clients of the torch.distributed backend under mpiexec: torchmetrics
+(tests/mpi/bodies/body_metrics.py) at n = 1, 2, 3, and the examples as they are — PyTorch
+Lightning's Trainer with DDPStrategy(process_group_backend="mpidp") (examples/lightning_ddp.py)
+ending with the same weights and metrics as the same job on gloo, and the plain torch-DDP script
+(examples/torch_ddp.py). Their batch scripts run in tests/slurm/test_slurm.py."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpirun import assert_ok, body, run
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+NO_MASTER = {"MASTER_ADDR": None, "MASTER_PORT": None}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_torchmetrics_synchronise_over_the_backend(n):
+    assert_ok(body(n, "body_metrics.py", env=NO_MASTER), n)
+
+
+def _ran(proc) -> str:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    return proc.stdout
+
+
+def test_lightning_on_mpidp_ends_as_on_gloo(tmp_path):
+    got = {}
+    for backend in ("mpidp", "gloo"):
+        out = tmp_path / f"{backend}.pt"
+        stdout = _ran(run(2, [EXAMPLES / "lightning_ddp.py", "--backend", backend,
+                              "--epochs", "2", "--out", out], env=NO_MASTER))
+        assert f"backend {backend}: 2 ranks" in stdout, stdout
+        got[backend] = torch.load(out, weights_only=True)
+    ours, gloo = got["mpidp"], got["gloo"]
+    assert ours["metrics"].keys() == gloo["metrics"].keys() == {"train_loss", "train_accuracy"}
+    for k, v in gloo["metrics"].items():
+        assert ours["metrics"][k] == pytest.approx(v, rel=1e-5), (k, ours["metrics"], v)
+    for k, v in gloo["weights"].items():
+        assert torch.allclose(ours["weights"][k], v, rtol=1e-5, atol=1e-6), k
+
+
+def test_torch_ddp_example_runs_as_it_is(tmp_path):
+    stdout = _ran(run(2, [EXAMPLES / "torch_ddp.py", "--epochs", "2",
+                          "--out", tmp_path / "w.pt"], env=NO_MASTER))
+    assert "epoch 2/2: 2 ranks, loss" in stdout, stdout
+    weights = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert "1.running_mean" in weights  # the SyncBatchNorm layer's statistics
+
+
+def test_gloo_under_mpiexec_rendezvous_over_mpi_without_master_addr():
+    """Under an MPI launcher env:// falls back to mpidp's store over MPI for any backend."""
+    stdout = _ran(run(2, [EXAMPLES / "torch_ddp.py", "--backend", "gloo", "--epochs", "1"],
+                      env=NO_MASTER))
+    assert "epoch 1/1: 2 ranks, loss" in stdout, stdout

@@ -1,0 +1,87 @@
+"""Tier 2: torch.distributed on the "mpidp" backend under mpiexec (tests/mpi/bodies/body_dist.py,
+tests/mpi/bodies/body_dist_faults.py): every collective exact at n = 1, 2, 3, torch's DDP, ZeRO and
+checkpoint on it; the rendezvous without MASTER_ADDR (over MPI), with mpidp://, and with
+torch's env:// where a launcher set MASTER_ADDR; a stall and an uncaught exception with
+torch.distributed initialised; SyncBatchNorm and uneven inputs (torch's Join) in mpidp's
+DistributedDataParallel and in torch's on the backend (tests/mpi/bodies/body_syncbn.py,
+tests/mpi/bodies/body_join.py, tests/mpi/bodies/body_uneven.py)."""
+import re
+import socket
+
+import pytest
+
+from mpirun import assert_ok, body, run
+
+NO_MASTER = {"MASTER_ADDR": None, "MASTER_PORT": None}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_every_collective_and_torch_clients_on_the_backend(n):
+    assert_ok(body(n, "body_dist.py", env=NO_MASTER), n)
+
+
+INIT = ("import torch, torch.distributed as dist; dist.init_process_group({args}); "
+        "t = torch.ones(2) * (dist.get_rank() + 1); dist.all_reduce(t); "
+        "s = dist.distributed_c10d._get_default_store(); "
+        "exec('while isinstance(s, dist.PrefixStore): s = s.underlying_store'); "
+        "print(f'ok {{dist.get_rank()}}', t.tolist(), type(s).__name__, flush=True)")
+
+
+def test_init_method_mpidp_and_env_with_master_addr():
+    proc = run(2, ["-c", INIT.format(args='"mpidp", init_method="mpidp://"')], env=NO_MASTER)
+    assert_ok(proc, 2)
+    assert proc.stdout.count("[3.0, 3.0] MPIStore") == 2, proc.stdout
+    with socket.socket() as s:  # a free port for torch's own TCPStore (torch's, not mpidp's)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = run(2, ["-c", INIT.format(args='"mpidp"')],
+               env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert_ok(proc, 2)
+    assert proc.stdout.count("[3.0, 3.0] TCPStore") == 2, proc.stdout
+
+
+def test_uncaught_exception_with_torch_distributed_prints_and_ends_the_job():
+    proc = body(2, "body_dist_faults.py", env=NO_MASTER, extra=["raise"], timeout_s=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert re.search(r"Traceback \(most recent call last\):\n(.*\n)*RuntimeError: injected "
+                     r"fault\n", out), out
+    assert re.search(r"mpidp: rank 1 of 2 on \S+: uncaught RuntimeError: injected fault; "
+                     r"aborting the job", out), out
+
+
+def test_stall_through_the_backend_is_named_by_the_watchdog():
+    proc = body(2, "body_dist_faults.py", env=dict(NO_MASTER, MPIDP_TIMEOUT_S="3"),
+                extra=["stall"], timeout_s=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 124, out
+    assert re.search(r"mpidp: watchdog: rank 0 of 2 on \S+: collective #\d+, allreduce "
+                     r"float32\[4\] op=sum algorithm=\w+, has not completed after \d+ s", out), out
+    assert "not arrived: rank 1" in out, out
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_sync_batchnorm_equals_batchnorm_on_the_whole_batch(n):
+    assert_ok(body(n, "body_syncbn.py", env=NO_MASTER), n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_join_with_uneven_inputs_ends_as_torch_ddp_on_gloo(n):
+    assert_ok(body(n, "body_join.py", env=NO_MASTER), n)
+
+
+def test_uneven_inputs_without_join_are_named_by_the_watchdog():
+    proc = body(2, "body_uneven.py", env={"MPIDP_TIMEOUT_S": "3"}, timeout_s=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 124, out
+    assert re.search(r"uneven inputs\? in an all-reduce: rank 1; finished \(in mpidp's "
+                     r"shutdown\): rank 0\. If ranks have different numbers of batches, "
+                     r"wrap the training loop in `with model.join\(\):`", out), out
+
+
+def test_monitored_barrier_names_the_late_rank():
+    proc = body(2, "body_dist_faults.py", env=NO_MASTER, extra=["monitored"], timeout_s=60)
+    assert_ok(proc, 2)
+    assert "caught 0: Ranks 1 failed to pass monitoredBarrier in 1 s" in proc.stdout, proc.stdout
+    assert "caught 1: rank 1: monitored barrier: rank 0 did not release it within 2 s" in \
+        proc.stdout, proc.stdout

@@ -1,0 +1,214 @@
+"""Tier 2 across nodes: the same code on an emulated cluster (tests/harness/multinode_cluster.py:
+one network, UTS, IPC and mount namespace per node, TCP between them over veths and a bridge),
+on 2 nodes x 1 and 2 ranks and 3 nodes x 1 rank. Every collective and algorithm exact; the
+node map, local ranks and the shared-memory context per node (single-copy within a node,
+never across); DDP equal to one process on the concatenated batch; the training tool
+(mirrored and central across nodes ending with the parameters of a one-node run, ps with its
+server on a node of its own) with checkpoint and resume; a node whose processes all die, or
+which is lost with its network, ends the job within BOUND_S, the newest checkpoint whole and
+--resume exact; the doctor across nodes. Skipped, with the reason, without root or
+namespaces."""
+import json
+import re
+import time
+
+import pytest
+import torch
+
+from mpidp.train import checkpoint
+from mpirun import BODIES, Job, assert_ok, body, run
+from multinode_cluster import Cluster, unavailable
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+USER = {"PYTHONPATH": str(BODIES)}
+BOUND_S = 60  # a lost node ends the job within this
+SHAPES = [(2, 1), (2, 2), (3, 1)]  # (nodes, ranks per node)
+IDS = [f"{a}x{b}" for a, b in SHAPES]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(3) as c:
+        yield c
+
+
+def summary_of(proc):
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-6000:]}"
+    lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
+    assert len(lines) == 1 and lines[0]["event"] == "summary", proc.stdout
+    return lines[0]
+
+
+def train(cluster, nodes, per_node, *flags, env=None, timeout_s=180):
+    return run(nodes * per_node, ["-m", "mpidp.train", *map(str, flags)], env=env,
+               timeout_s=timeout_s, cluster=cluster, per_node=per_node)
+
+
+@pytest.mark.parametrize("nodes,per_node", SHAPES, ids=IDS)
+def test_node_map_and_shared_memory_per_node(cluster, nodes, per_node):
+    n = nodes * per_node
+    proc = body(n, "body_runtime.py", env={"BODY_PER_NODE": str(per_node),
+                                           "BODY_SHM_MODE": "cma"},
+                cluster=cluster, per_node=per_node, timeout_s=60)
+    assert_ok(proc, n)
+
+
+@pytest.mark.parametrize("nodes,per_node", SHAPES, ids=IDS)
+def test_every_collective_and_algorithm_is_exact_across_nodes(cluster, nodes, per_node):
+    n = nodes * per_node
+    big = {} if n == 2 else {"BODY_BIG_COUNT": str(1 << 18)}  # the 12 MiB case once
+    assert_ok(body(n, "body_collectives.py", env=big, cluster=cluster, per_node=per_node,
+                   timeout_s=240), n)
+
+
+def test_nodes_of_unequal_sizes(cluster):
+    """Two ranks on node0, one on node1: the node of one rank still checks through its node
+    (a choice every rank makes alike), so nothing waits for a message sent elsewhere; bad
+    inputs are refused on every rank there too."""
+    hosts = "node0:2,node1:1"
+    assert_ok(body(3, "body_collectives.py", env={"BODY_BIG_COUNT": str(1 << 16)},
+                   cluster=cluster, per_node=hosts, timeout_s=240), 3)
+    assert_ok(body(3, "body_bad_inputs.py", env={"BODY_TRIALS": "8", "MPIDP_TIMEOUT_S": "20"},
+                   cluster=cluster, per_node=hosts, timeout_s=240), 3)
+
+
+def test_bad_inputs_between_two_nodes(cluster):
+    """Two nodes of one rank: every all-reduce is one C call, large ones with their data in
+    chunks after the records (Note [Chunks after the record] in csrc/exchange.c). Counts that
+    differ, a read-only array on one rank (which the C call declines) and the other bad inputs
+    still raise on every rank, and the next all-reduce is exact."""
+    assert_ok(body(2, "body_bad_inputs.py", env={"BODY_TRIALS": "8", "MPIDP_TIMEOUT_S": "20",
+                                                 "BODY_ALGORITHMS": "auto,doubling,mpi"},
+                   cluster=cluster, per_node=1, timeout_s=120), 2)
+
+
+def test_ddp_across_nodes_equals_one_process(cluster):
+    assert_ok(body(4, "body_ddp.py", cluster=cluster, per_node=2, timeout_s=240), 4)
+
+
+@pytest.mark.parametrize("per_node", [1, 2], ids=["2x1", "2x2"])
+def test_torch_distributed_backend_across_nodes(cluster, per_node):
+    """The torch.distributed backend (tests/mpi/bodies/body_dist.py: every operation, the store over
+    MPI, point-to-point, sub-groups, errors, torch's DDP, ZeRO, checkpoint) on 2 nodes."""
+    n = 2 * per_node
+    assert_ok(body(n, "body_dist.py", env={"MASTER_ADDR": None, "MASTER_PORT": None},
+                   cluster=cluster, per_node=per_node, timeout_s=240), n)
+
+
+@pytest.mark.parametrize("name", ["body_join.py", "body_hooks.py", "body_syncbn.py"])
+def test_join_hooks_and_sync_batchnorm_across_nodes(cluster, name):
+    """Uneven inputs with Join, torch's communication hooks and SyncBatchNorm on 2 nodes x 2."""
+    assert_ok(body(4, name, env={"MASTER_ADDR": None, "MASTER_PORT": None}, cluster=cluster,
+                   per_node=2, timeout_s=240), 4)
+
+
+def test_the_doctor_across_nodes(cluster):
+    proc = run(4, ["-m", "mpidp.doctor"], cluster=cluster, per_node=2, timeout_s=120)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert "OK    4 rank(s) on 2 node(s): 2, 2 per node" in out, out
+    for r, node in enumerate(("node0", "node0", "node1", "node1")):
+        assert re.search(rf"rank {r}\s+{node}\s+local {r % 2}/2", out), out
+    assert "OK    shm all-reduce: single copy through cross-memory attach" in out, out
+    for algorithm in ("auto", "hier", "mpi", "ring"):
+        assert f"OK    {algorithm:<5} exact" in out, out
+    assert "SKIP  shm   needs one node; the group spans 2" in out
+    assert not re.search(r"^  FAIL", out, re.M), out
+
+
+RUN = ("--epochs", 3, "--optimizer", "adam", "--no-progress")
+SLOW = ("--dataset", "user_factories:slow_digits", *RUN)  # long enough to lose a node in
+_one_node = {}
+
+
+@pytest.mark.parametrize("strategy", ["mirrored", "central"])
+def test_training_across_nodes_ends_as_on_one_node(cluster, strategy, tmp_path):
+    """Two ranks add in one order whatever the algorithm, so a run across two nodes must end
+    with the parameters of the same run on one node, bit for bit (with torch's threads per
+    rank fixed: by default a rank alone on its node takes every core, and more threads sum
+    a matrix product in another order)."""
+    flags = (*RUN, "--strategy", strategy, "--threads-per-rank", 1)
+    if "one" not in _one_node:
+        _one_node["one"] = summary_of(run(2, ["-m", "mpidp.train", *map(str, flags)],
+                                          env=USER, timeout_s=180))
+    across = train(cluster, 2, 1, *flags, "--checkpoint-dir", tmp_path, env=USER)
+    assert "on 2 rank(s), 2 node(s)" in across.stdout
+    assert summary_of(across)["parameters_sha256"] == _one_node["one"]["parameters_sha256"]
+
+
+def test_compression_auto_measures_the_link_across_nodes(cluster):
+    """--compression auto on 2 nodes x 1: the choice comes from a measured all-reduce, said
+    in one line with its figures, and is in the summary."""
+    proc = train(cluster, 2, 1, "--compression", "auto", "--epochs", 1, "--no-progress",
+                 env=USER)
+    chosen = summary_of(proc)["compression"]
+    line = re.search(r"--compression auto: (\w+) \(the gradients' all-reduce \([\d.]+ MB\) "
+                     r"across 2 nodes took [\d.]+ ms as float32, [\d.]+ ms as bfloat16 with "
+                     r"its casts\)", proc.stdout)
+    assert line and line.group(1) == chosen and chosen in ("none", "bf16"), proc.stdout
+
+
+def test_parameter_server_on_a_node_of_its_own(cluster, tmp_path):
+    """ps on 3 nodes x 1: the server (the last rank) alone on node2, its workers on node0 and
+    node1; trains, checkpoints each epoch, and a resumed run continues from the last one."""
+    flags = ("--strategy", "ps", "--optimizer", "adam", "--lr", 0.003, "--staleness", 0,
+             "--no-progress", "--checkpoint-dir", tmp_path)
+    first = summary_of(train(cluster, 3, 1, *flags, "--epochs", 1, env=USER))
+    assert (first["workers"], first["servers"]) == (2, 1) and first["pushes"] == 45
+    more = train(cluster, 3, 1, *flags, "--epochs", 3, "--resume", env=USER)
+    resumed = summary_of(more)
+    assert resumed["resumed_from"] == str(tmp_path / "ckpt-000000045.pt"), more.stdout
+    assert "ps on 3 ranks (2 worker(s), 1 server(s)), 3 node(s)" in more.stdout
+    assert resumed["global_step"] == 3 * 45
+    # Across nodes a push is one step late in about one of five (on one node almost never), and
+    # momentum 0.9 on top of that staleness (asynchrony acts as momentum itself: Mitliagkas et
+    # al. 2016) ended 3 epochs at 0.79-0.91 (2 of 5 CI runs failed at 0.8). Adam (its state on
+    # the server, so resume restores it): 0.936-0.972 in 12 runs here, 0.1 is chance
+    assert resumed["final_accuracy"] >= 0.88, (first, resumed)
+
+
+_reference = {}
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["processes-killed", "node-lost"])
+def test_a_lost_node_ends_the_job_and_resume_is_exact(cluster, crash, tmp_path,
+                                                      tmp_path_factory):
+    """Mirrored on 2 nodes x 2: once the first checkpoint exists, every process of node1 is
+    killed (its kernel closes their connections: Hydra ends the job at once), or node1 is lost
+    with its network (nothing it sent arrives: the watchdog names the node and its ranks).
+    The job ends within BOUND_S, nothing of it is left on node0, the newest checkpoint is
+    whole, and --resume ends with the parameters of an uninterrupted run."""
+    flags = (*SLOW, "--epochs", 2, "--checkpoint-every", 5)
+    if "ref" not in _reference:
+        d = tmp_path_factory.mktemp("lost-node-reference")
+        _reference["ref"] = summary_of(train(cluster, 2, 2, *flags, "--checkpoint-dir", d,
+                                             env=USER))["parameters_sha256"]
+    directory = tmp_path / "ckpt"
+    with Job(4, ["-m", "mpidp.train", *flags, "--checkpoint-dir", directory], tmp_path / "out",
+             dict(USER, MPIDP_TIMEOUT_S="5"), cluster=cluster, per_node=2) as job:
+        job.wait_for(lambda: (directory / "ckpt-000000005.pt").exists(), 120)
+        killed = cluster.kill_node(1, crash=crash)
+        t0 = time.monotonic()
+        code = job.wait(BOUND_S)
+        took = time.monotonic() - t0
+        left = job.left_behind(5.0)
+    text = job.text
+    where = f"exit {code} after {took:.1f} s, killed {killed}:\n{text[-4000:]}"
+    try:
+        assert code != 0 and '"event": "summary"' not in text, where
+        assert not left, f"processes {left} of the job still run; {where}"
+        if crash:
+            assert code == 124, where
+            assert "node node1: no answer from any of its ranks 2, 3: the node is lost or " \
+                "unreachable" in text, where
+        newest = checkpoint.existing(directory)[0]
+        state = checkpoint.read(newest, checkpoint.KEYS).state
+        assert state["world_size"] == 4 and torch.is_tensor(next(iter(state["model"].values())))
+    finally:
+        if crash:
+            cluster.restore_node(1)
+    resumed = summary_of(train(cluster, 2, 2, *flags, "--checkpoint-dir", directory, "--resume",
+                               env=USER))
+    assert resumed["resumed_from"] == str(newest)
+    assert resumed["parameters_sha256"] == _reference["ref"], where
