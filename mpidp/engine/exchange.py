@@ -25,13 +25,13 @@ def exchange(links, hdr: tuple, operation: str, local_error: Optional[BaseExcept
     rank's free word, or raises on every rank (``local_error`` on this one, if given). With
     ``data`` (a flat host array, several nodes) also reduces it in place over every rank, the
     same bits everywhere, in the same messages. Collective."""
-    topo, ctx = links.topo, links.shm
-    if topo.single_node and ctx is not None:  # the check in shared memory, data over MPI
+    ctx = links.shm
+    if links.single_node and ctx is not None:  # the check in shared memory, data over MPI
         ok, info = ctx.exchange(hdr, operation)
-        header.check(operation, ok, info, topo.rank, local_error)
+        header.check(operation, ok, info, links.rank, local_error)
         if data is not None:
-            doubling.run(_transport(links, topo.comm),
-                         doubling.Record(hdr, topo.rank, topo.size, data), host_ops,
+            doubling.run(_transport(links, links.comm),
+                         doubling.Record(hdr, links.rank, links.size, data), host_ops,
                          dtype, op)
         return np.asarray(info, np.int64)
     if data is not None and links.c_exchange is not None and \
@@ -40,29 +40,29 @@ def exchange(links, hdr: tuple, operation: str, local_error: Optional[BaseExcept
         # not take travels in the same records on the Python path
         free = links.c_exchange.exchange(hdr, data, dtype, op)
         if free is None:
-            disagreed(topo, hdr, operation, local_error)
+            disagreed(links, hdr, operation, local_error)
         return np.asarray(free, np.int64)
     if ctx is None or links.one_per_node:  # every rank in the doubling (a group-wide
         # fact: with nodes of unequal sizes a node of one rank still goes through its node)
-        record = doubling.Record(hdr, topo.rank, topo.size, data)
-        record = doubling.run(_transport(links, topo.comm), record, host_ops, dtype, op)
+        record = doubling.Record(hdr, links.rank, links.size, data)
+        record = doubling.run(_transport(links, links.comm), record, host_ops, dtype, op)
     else:
-        record = _across_nodes(links, topo, ctx, hdr, operation, data, dtype, op)
+        record = _across_nodes(links, ctx, hdr, operation, data, dtype, op)
     if record.status != doubling.OK:
-        disagreed(topo, hdr, operation, local_error)
+        disagreed(links, hdr, operation, local_error)
     return record.free
 
 
-def disagreed(topo, hdr: tuple, operation: str, local_error: Optional[BaseException]) -> None:
+def disagreed(links, hdr: tuple, operation: str, local_error: Optional[BaseException]) -> None:
     """After an exchange found a disagreement (every rank did): the headers once more, in one
     MPI_Allgather, to raise on every rank what each called (``local_error`` on this rank).
     Does not return."""
-    header.exchange_mpi(topo.comm, hdr, operation, local_error)
-    raise CommunicationError(topo.rank, operation, "the ranks' headers agreed on a second "
+    header.exchange_mpi(links.comm, hdr, operation, local_error)
+    raise CommunicationError(links.rank, operation, "the ranks' headers agreed on a second "
                              "exchange after disagreeing on the first")
 
 
-def _across_nodes(links, topo, ctx, hdr, operation, data, dtype, op) -> doubling.Record:
+def _across_nodes(links, ctx, hdr, operation, data, dtype, op) -> doubling.Record:
     """The node in shared memory, its leader in the doubling, the outcome back to the node.
     The node's sum goes into a copy: a disagreement found across nodes leaves ``data`` as the
     caller passed it."""
@@ -71,23 +71,23 @@ def _across_nodes(links, topo, ctx, hdr, operation, data, dtype, op) -> doubling
         ok, info = ctx.exchange(hdr, operation)
     else:
         ok, info = ctx.allreduce(hdr, data, node_sum, dtype, op, 1)
-    record = doubling.Record(hdr, topo.rank, topo.size, node_sum)
+    record = doubling.Record(hdr, links.rank, links.size, node_sum)
     record.out = data  # the result reaches the caller's array only where every rank agreed
     if not ok:
         record.status = doubling.DISAGREE
     elif info is not None:
-        record.free[list(topo.node_ranks)] = info
-    if topo.leader_comm is not None:
-        record = doubling.run(_transport(links, topo.leader_comm), record, host_ops, dtype,
+        record.free[list(links.node_ranks)] = info
+    if links.leader_comm is not None:
+        record = doubling.run(_transport(links, links.leader_comm), record, host_ops, dtype,
                               op)
     words = np.concatenate(([record.status], record.free)).astype(np.int64)
     carry = ok and data is not None and data.nbytes > 0
     out = np.empty(words.nbytes + (data.nbytes if carry else 0), np.uint8)
-    if topo.local_rank == 0:
+    if links.local_rank == 0:
         out[:words.nbytes] = words.view(np.uint8)
         if carry:
             out[words.nbytes:] = data.view(np.uint8).reshape(-1)
-    topo.node_comm.Bcast(out, root=0)
+    links.node_comm.Bcast(out, root=0)
     got = out[:words.nbytes].view(np.int64)
     record.status, record.free = int(got[0]), got[1:].copy()
     if carry and record.status == doubling.OK:

@@ -20,20 +20,24 @@ from . import exchange
 
 
 class Links:
-    """One group's communicators and place (read from ``topo``: fixed after init), and what
-    the engine made for it. ``shm``: the node's ShmContext once made (None before, or
-    without the C extension); ``c_exchange``: the C context across nodes (csrc/exchange.c) or
-    None. Not thread-safe beyond what a group's collectives already serialise."""
+    """One group's communicators and place, copied from its topology at init (fixed from
+    then on, so reading them calls nothing), and what the engine made for it. ``shm``: the
+    node's ShmContext once made (None before, or without the C extension); ``c_exchange``:
+    the C context across nodes (csrc/exchange.c) or None. Not thread-safe beyond what a
+    group's collectives already serialise."""
 
-    __slots__ = ("topo", "rank", "size", "comm", "node_comm", "leader_comm", "local_size",
-                 "one_per_node", "shm", "c_exchange", "transports", "__weakref__")
+    __slots__ = ("rank", "size", "comm", "node_comm", "leader_comm", "local_rank",
+                 "local_size", "node_ranks", "single_node", "one_per_node", "shm",
+                 "c_exchange", "transports", "__weakref__")
 
-    def __init__(self, topo: Any):
-        self.topo = topo
-        self.rank, self.size, self.comm = topo.rank, topo.size, topo.comm
-        self.node_comm, self.leader_comm = topo.node_comm, topo.leader_comm
-        self.local_size = topo.local_size
-        self.one_per_node = topo.node_count == topo.size
+    def __init__(self, rank: int, size: int, comm: Any, node_comm: Any, leader_comm: Any,
+                 local_rank: int, local_size: int, node_ranks: tuple, single_node: bool,
+                 one_per_node: bool):
+        self.rank, self.size, self.comm = rank, size, comm
+        self.node_comm, self.leader_comm = node_comm, leader_comm
+        self.local_rank, self.local_size = local_rank, local_size
+        self.node_ranks, self.single_node = tuple(node_ranks), single_node
+        self.one_per_node = one_per_node
         self.shm = None
         self.c_exchange = None
         self.transports: dict = {}

@@ -152,6 +152,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           "compute and wait")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

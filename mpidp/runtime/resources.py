@@ -45,7 +45,9 @@ class Resources:
             inline_bytes=min(cfg.shm_inline_bytes, ext.SHM_INLINE_BYTES) if ext else 0,
             max_segments=ext.SHM_MAX_SEGMENTS if ext else 0)
         self._shm: Optional[ShmContext] = None
-        self.links = Links(topo)  # Note [Handed down] in mpidp/engine/links.py
+        self.links = Links(  # Note [Handed down] in mpidp/engine/links.py
+            topo.rank, topo.size, topo.comm, topo.node_comm, topo.leader_comm, topo.local_rank,
+            topo.local_size, topo.node_ranks, topo.single_node, topo.node_count == topo.size)
         self._users: list = []  # Note [Stopping the users first]
         self._stuck = False
         self.watchdog: Optional[Watchdog] = None
@@ -106,7 +108,7 @@ class Resources:
         """Raises on every rank after ``fast_allreduce`` found that the ranks' inputs disagree
         (``done``: what it returned)."""
         if self.c_exchange is not None:
-            exchange.disagreed(self.topo, done[1], "allreduce", None)
+            exchange.disagreed(self.links, done[1], "allreduce", None)
         if not self.shm().check(done[0], done[1], "allreduce"):
             raise header.mismatch_error("allreduce", done[1], self.topo.rank)
 

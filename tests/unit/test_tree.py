@@ -1,0 +1,48 @@
+"""Tier 1: the tree is the architecture (issue 27) — the package root holds only the public
+surface, each tool runs as ``python -m``, and the names users were given keep working."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent.parent
+PACKAGE = ROOT / "mpidp"
+
+
+def test_the_root_holds_only_the_public_surface():
+    assert sorted(p.name for p in PACKAGE.glob("*.py")) == [
+        "__init__.py", "algorithms.py", "config.py", "errors.py", "files.py", "lazy.py"]
+
+
+def test_every_package_is_a_layer_of_the_contract():
+    """Each subpackage is named in pyproject.toml's layer contract (Note [Layers])."""
+    contract = (ROOT / "pyproject.toml").read_text().split("[tool.importlinter]")[1]
+    packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    assert packages == ["bench", "comm", "ddp", "dist", "doctor", "engine", "modes", "report",
+                        "runtime", "train", "workloads"]
+    for name in packages:
+        assert f'"mpidp.{name}' in contract or f"| mpidp.{name}" in contract, name
+
+
+@pytest.mark.parametrize("tool", ["train", "bench", "doctor", "report"])
+def test_every_tool_runs_as_a_module(tool):
+    proc = subprocess.run([sys.executable, "-m", f"mpidp.{tool}", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"usage: python -m mpidp.{tool}"), proc.stdout[:200]
+
+
+def test_import_starts_nothing_and_public_names_resolve():
+    code = ("import sys, mpidp\n"
+            "assert 'torch' not in sys.modules and 'mpi4py.MPI' not in sys.modules\n"
+            "for name in mpidp.__all__: getattr(mpidp, name)\n"
+            "from mpidp.ddp import compression, powersgd, zero, audit\n"
+            "assert mpidp.compression.fp16_compress_hook is compression.fp16_compress_hook\n"
+            "assert mpidp.powersgd.PowerSGDState is powersgd.PowerSGDState\n"
+            "assert mpidp.zero.reduce_scatter_hook is zero.reduce_scatter_hook\n"
+            "assert mpidp.audit.ReplicaDivergenceError is audit.ReplicaDivergenceError\n"
+            "assert 'mpi4py.MPI' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
