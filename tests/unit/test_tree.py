@@ -46,3 +46,14 @@ def test_import_starts_nothing_and_public_names_resolve():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_no_module_imports_itself_back():
+    """0 import cycles between mpidp's modules (the layer contract forbids them between
+    packages; this covers the modules inside one package too)."""
+    import grimp
+    graph = grimp.build_graph("mpidp", cache_dir=None)
+    cycles = sorted({tuple(sorted((a, b))) for a in graph.modules
+                     for b in graph.find_modules_directly_imported_by(a)
+                     if graph.find_shortest_chain(importer=b, imported=a)})
+    assert cycles == [], cycles
