@@ -1,7 +1,28 @@
 """The torch.distributed process group of the "mpidp" backend: torch's operations on an mpidp
 group of its own (mpidp.dist.ops), run in order on the group's communication thread
 (mpidp.dist.thread) so that ``async_op=True`` returns at once and torch's DDP overlaps its
-all-reduces with backward; point-to-point on the group's own communicator (mpidp.dist.p2p)."""
+all-reduces with backward; point-to-point on the group's own communicator (mpidp.dist.p2p).
+
+Note [What torch calls on a Python group]
+A backend written in Python is a subclass of torch's ProcessGroup, and torch reaches it two
+ways. torch.distributed's Python front (dist.all_reduce, all_gather_single as FSDP2 calls it,
+all_gather_coalesced, the coalescing manager, destroy_process_group's ``shutdown``) calls the
+group's methods by their Python names, which a subclass overrides like any method. torch's
+C++ (the functional collectives, which DTensor and tensor parallelism use; DeviceMesh's and
+``group.group_name``'s names) calls virtual methods that torch's pybind11 trampoline
+(c10d/PyProcessGroup.hpp) forwards to Python only where it declares them, under their C++
+names: getGroupName/setGroupName/getGroupDesc/setGroupDesc (without them torch keeps the name
+nowhere, and a group torch named says "ProcessGroup name not set"), allreduce,
+allreduce_coalesced, broadcast, allgather, all_gather_single, all_gather_single_coalesced (or
+its older name allgather_into_tensor_coalesced), reduce_scatter, reduce_scatter_single,
+reduce_scatter_single_coalesced (or reduce_scatter_tensor_coalesced), all_to_all_single (or
+alltoall_base), barrier, send, recv, splitGroup, mergeRemoteGroup, and in newer torch
+start_coalescing/end_coalescing (the front calls _start_coalescing/_end_coalescing). A method
+left to torch's base class asks for the group's per-device backend, which a Python group has
+none of, and fails with "No backend type associated with device type cpu", naming no
+operation; so every method torch's front or trampoline can reach is defined here, those the
+backend does not do raising an error that names them.
+"""
 from __future__ import annotations
 
 from datetime import timedelta
@@ -26,12 +47,42 @@ class ProcessGroup(dist.ProcessGroup):
         self.g = g
         self.p2p = g.comm.Dup()  # point-to-point apart from mpidp's own messages
         self._thread = CommThread(g, name, self.p2p.Free) if g.size > 1 else None
+        self._group_name: Optional[str] = None  # torch sets both (setGroupName, below)
+        self._group_desc = ""
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return "mpidp"
 
     def name(self) -> str:
         return "mpidp"
+
+    # ---- the name and description torch gives the group: Note [What torch calls on a Python
+    # group]; its functional collectives and DeviceMesh find the group by this name ---------
+
+    def getGroupName(self) -> str:  # noqa: N802 - the C++ name torch's trampoline calls
+        if self._group_name is None:
+            raise RuntimeError("ProcessGroup name not set: torch names a group when "
+                               "init_process_group or new_group makes it")
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802 - as above
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802 - as above
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802 - as above
+        self._group_desc = desc
+
+    def shutdown(self) -> None:
+        """torch's ``destroy_process_group``: after the group's queued operations, stops its
+        thread and frees its mpidp group (runtime.free_subgroup: Note [Sub-groups]).
+        Collective over the group's ranks; a later call, or one after mpidp's shutdown (which
+        freed the group), does nothing."""
+        if self._thread is not None:
+            self._thread.drain()
+        if runtime.free_subgroup(self.g) and self._thread is None:
+            self.p2p.Free()  # with a thread, freed when the thread stops
 
     def _run(self, fn, result, *inputs) -> Work:
         """``fn`` (the operation) queued on the group's thread; a Work that completes with
@@ -81,9 +132,15 @@ class ProcessGroup(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         return self._run(lambda: [ops.all_gather_into_tensor(self.g, o, x)
                                   for o, x in zip(outputs, inputs)], outputs, inputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # its older name
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        return self._run(lambda: ops.all_gather_coalesced(self.g, output_lists, inputs),
+                         output_lists, inputs)
 
     def reduce_scatter(self, outputs, inputs, opts=None):
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
@@ -99,10 +156,12 @@ class ProcessGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         return self._run(lambda: [ops.reduce_scatter_tensor(self.g, o, x, op)
                                   for o, x in zip(outputs, inputs)], outputs, inputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # its older name
 
     def gather(self, outputs, inputs, opts):
         outs = outputs[0] if outputs else []
@@ -126,6 +185,31 @@ class ProcessGroup(dist.ProcessGroup):
     def barrier(self, opts=None):
         return self._run(lambda: ops.barrier(self.g), None)
 
+    def start_coalescing(self, device) -> None:
+        """torch's coalescing (``_coalescing_manager`` with a device, coalesced functional
+        collectives): the operations called until ``end_coalescing`` run as they are called,
+        in order, on the group's thread."""
+
+    def end_coalescing(self, device) -> Work:
+        """A Work complete when every operation called since ``start_coalescing`` is."""
+        return self._run(lambda: None, None)
+
+    _start_coalescing = start_coalescing  # the names torch's Python front calls
+    _end_coalescing = end_coalescing
+
+    # ---- what the backend does not do: Note [What torch calls on a Python group] ----------
+
+    def split_group(self, *args, **kwargs):
+        raise _unsupported("split_group (ProcessGroup.split_group, "
+                           "torch.distributed.split_group)", "use new_group")
+
+    splitGroup = split_group  # noqa: N815 - the C++ name torch's trampoline calls
+
+    def merge_remote_group(self, *args, **kwargs):
+        raise _unsupported("merge_remote_group", "")
+
+    mergeRemoteGroup = merge_remote_group  # noqa: N815 - as above
+
     def monitored_barrier(self, timeout: Optional[timedelta] = None,
                           wait_all_ranks: bool = False) -> None:
         """torch's monitored barrier (torch's front offers it for gloo only: call
@@ -147,6 +231,11 @@ class ProcessGroup(dist.ProcessGroup):
     def recv_anysource(self, tensors, tag: int):
         from mpi4py import MPI  # deferred for cost, as everywhere in mpidp
         return p2p.post(self.g, self.p2p, tensors, MPI.ANY_SOURCE, tag, send=False)
+
+
+def _unsupported(what: str, instead: str) -> NotImplementedError:
+    return NotImplementedError(f"the mpidp torch.distributed backend does not support {what}"
+                               + (f"; {instead}" if instead else ""))
 
 
 def _cuda_devices(tensors) -> list:

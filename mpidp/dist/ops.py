@@ -32,12 +32,14 @@ from ..errors import MismatchError
 
 RED = torch.distributed.ReduceOp.RedOpType
 _NAMES = {RED.SUM: "SUM", RED.AVG: "AVG", RED.PRODUCT: "PRODUCT", RED.MIN: "MIN",
-          RED.MAX: "MAX", RED.BAND: "BAND", RED.BOR: "BOR", RED.BXOR: "BXOR"}
+          RED.MAX: "MAX", RED.BAND: "BAND", RED.BOR: "BOR", RED.BXOR: "BXOR",
+          RED.PREMUL_SUM: "PREMUL_SUM"}
 _MPIDP_OPS = {RED.SUM: "sum", RED.AVG: "avg", RED.MIN: "min", RED.MAX: "max"}
 _MPIDP_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64,
                            torch.int32, torch.int64))
 _BITWISE = frozenset((RED.BAND, RED.BOR, RED.BXOR))
 OPERATIONS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+              "all_gather_coalesced",
               "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter",
               "all_to_all", "all_to_all_single", "barrier")
 for _name in OPERATIONS:  # every rank can name what another rank called (header.describe)
@@ -48,7 +50,7 @@ for _name in OPERATIONS:  # every rank can name what another rank called (header
 
 def reduce_name(op) -> str:
     """The name of torch ReduceOp ``op`` (a ReduceOp or its RedOpType); ValueError for one the
-    backend does not have (PREMUL_SUM)."""
+    backend does not have."""
     kind = getattr(op, "op", op)
     if kind not in _NAMES:
         raise ValueError(f"the mpidp backend has no reduction {kind!r}; it has "
@@ -145,7 +147,21 @@ def _stacked_reduce(stack: torch.Tensor, kind) -> torch.Tensor:
     return torch.div(total, stack.shape[0], rounding_mode="trunc")  # NCCL's integer AVG
 
 
+def _premultiplied(kind, op, t: torch.Tensor):
+    """(kind, op, tensor) to reduce: for PREMUL_SUM of a floating-point tensor, SUM of a new
+    tensor, ``t`` times the op's factor (a number or a tensor: torch's
+    ``_make_nccl_premul_sum``), as NCCL multiplies before it sums (FSDP2's
+    ``set_gradient_divide_factor`` asks for it); otherwise ``kind``, ``op`` and ``t`` (a
+    PREMUL_SUM of another dtype is refused in the operation's check)."""
+    if kind != RED.PREMUL_SUM or not (t.is_floating_point() or t.is_complex()):
+        return kind, op, t
+    with torch.no_grad():
+        return RED.SUM, RED.SUM, t.detach() * op.factor
+
+
 def _check_op_dtype(kind, t: torch.Tensor) -> None:
+    if kind == RED.PREMUL_SUM:
+        raise TypeError(f"PREMUL_SUM needs a floating-point tensor, got {t.dtype}")
     if kind in _BITWISE and (t.is_floating_point() or t.is_complex()):
         raise TypeError(f"{_NAMES[kind]} needs an integer or bool tensor, got {t.dtype}")
     if kind == RED.AVG and t.dtype == torch.bool:
@@ -169,6 +185,10 @@ def _gathered(g, staged: Staged) -> torch.Tensor:
 def all_reduce(g, t: torch.Tensor, op) -> None:
     """torch.distributed.all_reduce of ``t`` in place with ReduceOp ``op``."""
     kind, name = _reduction(op)
+    kind, op, scaled = _premultiplied(kind, op, t)
+    if scaled is not t:
+        with torch.no_grad():
+            t.copy_(scaled)
     if _native(kind, t):
         plain = t.device.type == "cpu" and t.is_contiguous() and t.dtype != torch.bfloat16
         # a numpy view through DLPack keeps the storage resizable (_bytes)
@@ -187,6 +207,13 @@ def all_reduce(g, t: torch.Tensor, op) -> None:
 def reduce(g, t: torch.Tensor, root: int, op) -> None:
     """torch.distributed.reduce: ``t`` at ``root`` holds the reduction afterwards."""
     kind, name = _reduction(op)
+    kind, op, scaled = _premultiplied(kind, op, t)
+    if scaled is not t:
+        reduce(g, scaled, root, op)
+        if g.rank == root:
+            with torch.no_grad():
+                t.copy_(scaled)
+        return
     if _native(kind, t):
         collectives.reduce_in(g, t.detach(), root, _MPIDP_OPS[kind])
         return
@@ -209,6 +236,7 @@ def reduce_scatter_tensor(g, out: torch.Tensor, x: torch.Tensor, op) -> None:
     """torch.distributed.reduce_scatter_tensor: ``out`` gets this rank's block (``x``'s
     numel / size elements, in rank order) of the reduction of ``x``."""
     kind, name = _reduction(op)
+    kind, op, x = _premultiplied(kind, op, x)
 
     def validate():
         reduce_name(op)
@@ -260,8 +288,22 @@ def all_gather_into_tensor(g, out: torch.Tensor, x: torch.Tensor) -> None:
 
     with operation(g, "all_gather_into_tensor", x, x.numel(), validate=validate):
         src, dst = Staged(x), Staged(out, read=False)
-        g.comm.Allgather(src.bytes, dst.bytes)
+        g.comm.Allgather(_send_buffer(src.bytes, dst.bytes, g.rank), dst.bytes)
         dst.done()
+
+
+def _send_buffer(send: np.ndarray, recv: np.ndarray, rank: int):
+    """What to pass MPI as the send buffer of an all-gather of ``send`` into ``recv``:
+    ``MPI.IN_PLACE`` where ``send`` is this rank's block of ``recv`` (FSDP gathers in place),
+    a copy where it overlaps ``recv`` elsewhere (MPI refuses aliased buffers), else itself."""
+    from mpi4py import MPI  # deferred for cost, as everywhere in mpidp
+    start, end = send.ctypes.data, send.ctypes.data + send.nbytes
+    r_start = recv.ctypes.data
+    if send.nbytes == 0 or end <= r_start or start >= r_start + recv.nbytes:
+        return send
+    if start == r_start + rank * send.nbytes:
+        return MPI.IN_PLACE
+    return send.copy()
 
 
 def gather_all(g, outs, x: torch.Tensor) -> None:
@@ -272,6 +314,30 @@ def gather_all(g, outs, x: torch.Tensor) -> None:
         with torch.no_grad():
             for o, row in zip(outs, everyone):
                 o.copy_(row.reshape(o.shape))
+
+
+def all_gather_coalesced(g, output_lists, inputs) -> None:
+    """torch.distributed.all_gather_coalesced: ``output_lists[r][k]`` holds rank r's
+    ``inputs[k]``; one header for all of them (their total element count)."""
+    def validate():
+        if len(output_lists) != g.size:
+            raise ValueError(f"all_gather_coalesced: {len(output_lists)} output lists; the "
+                             f"group has {g.size} ranks (one list per rank)")
+        for r, outs in enumerate(output_lists):
+            if len(outs) != len(inputs):
+                raise ValueError(f"all_gather_coalesced: output list {r} has {len(outs)} "
+                                 f"tensors for {len(inputs)} inputs")
+        for k, x in enumerate(inputs):
+            _check_list("all_gather_coalesced", [outs[k] for outs in output_lists], x, g.size)
+
+    count = sum(x.numel() for x in inputs)
+    with operation(g, "all_gather_coalesced", inputs[0] if len(inputs) else None, count,
+                   validate=validate):
+        for k, x in enumerate(inputs):
+            everyone = _gathered(g, Staged(x))
+            with torch.no_grad():
+                for outs, row in zip(output_lists, everyone):
+                    outs[k].copy_(row.reshape(outs[k].shape))
 
 
 def reduce_scatter_list(g, out: torch.Tensor, ins, op) -> None:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from .. import runtime
 
 POLL_S = 0.001  # a wait with a timeout polls the future this often
+STOPPED = "mpidp was shut down (or the group destroyed) before this operation ran"
 
 
 class Work(dist.Work):
@@ -92,6 +93,8 @@ class CommThread:
         self.g = g
         self.after_stop = after_stop
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.stopped = False  # by stop: nothing queued after it would ever run
+        self.lock = threading.Lock()  # a submit queues before stop or fails after it
         self.thread = threading.Thread(target=self._run, name=f"mpidp-dist-{name}", daemon=True)
         self.thread.start()
         g.resources.add_user(self.stop)
@@ -100,8 +103,20 @@ class CommThread:
         if threading.current_thread() is self.thread:  # from a future's callback
             return run_now(fn, result)
         f = torch.futures.Future()
-        self.tasks.put((fn, f, result))
+        with self.lock:
+            if not self.stopped:
+                self.tasks.put((fn, f, result))
+                return Work(f)
+        f.set_exception(RuntimeError(STOPPED))
         return Work(f)
+
+    def drain(self) -> None:
+        """Returns once every operation queued so far has run (at once if the thread has
+        stopped)."""
+        if threading.current_thread() is not self.thread:
+            f = self.submit(lambda: None, None).future
+            while not f.done():  # fails at once (STOPPED) where the thread has stopped
+                time.sleep(POLL_S)
 
     def _run(self) -> None:
         with runtime.using(self.g):
@@ -115,14 +130,15 @@ class CommThread:
     def stop(self, timeout_s: float) -> bool:
         """Ends the thread after the operation it is in; operations still queued fail
         (nobody can run them now). True once it has ended."""
+        with self.lock:
+            self.stopped = True
         while True:
             try:
                 task = self.tasks.get_nowait()
             except queue.Empty:
                 break
             if task is not None:
-                task[1].set_exception(RuntimeError("mpidp was shut down before this operation "
-                                                   "ran"))
+                task[1].set_exception(RuntimeError(STOPPED))
         self.tasks.put(None)
         self.thread.join(timeout_s)
         if self.thread.is_alive():

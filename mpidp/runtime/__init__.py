@@ -84,7 +84,7 @@ def _check_agreement(comm: Any, everyone: list) -> None:
 
 
 _group: Optional[Group] = None
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entered: shutdown's users may free sub-groups (free_subgroup)
 # Note [Sub-groups]: the group a thread's collectives run on while it is inside ``using``
 _current: contextvars.ContextVar = contextvars.ContextVar("mpidp_group", default=None)
 _subgroups: list = []  # made by ``subgroup``, freed by ``shutdown`` before the group
@@ -98,7 +98,8 @@ _subgroups: list = []  # made by ``subgroup``, freed by ``shutdown`` before the 
 # collectives read their group from ``group()``, which is the group made by ``init`` unless
 # the calling thread is inside ``using(g)``. Sub-groups are freed at shutdown, before the
 # group, in the order they were made (the same order on every member, as Group.free is
-# collective over the sub-group).
+# collective over the sub-group), or earlier by ``free_subgroup`` (torch's
+# destroy_process_group), in the order its callers call it.
 
 
 def init(comm: Any = None) -> Group:
@@ -186,6 +187,22 @@ def subgroup(ranks) -> Group:
     with _lock:
         _subgroups.append(sub)
     return sub
+
+
+def free_subgroup(sub: Group) -> bool:
+    """Frees sub-group ``sub`` now rather than at shutdown (torch's destroy_process_group:
+    Note [Sub-groups]); True if this call freed it, False if it was freed already (by an
+    earlier call or by shutdown). Collective over the sub-group's ranks, which free their
+    sub-groups in the same order."""
+    with _lock:
+        if sub not in _subgroups:
+            return False
+        _subgroups.remove(sub)
+        from mpi4py import MPI  # deferred for cost, as in shutdown
+        if not MPI.Is_finalized():
+            sub.resources.stop_users()
+            sub.free()
+        return True
 
 
 @contextlib.contextmanager
