@@ -6,7 +6,7 @@ setup(
         Extension(
             "mpidp._ext",
             sources=["csrc/module.c", "csrc/context.c", "csrc/small.c", "csrc/exchange.c",
-                     "csrc/kernels.c", "csrc/fusion.c", "csrc/shm.c"],
+                     "csrc/kernels.c", "csrc/fusion.c", "csrc/shm.c", "csrc/view.c"],
             depends=["csrc/kernels.h", "csrc/fusion.h", "csrc/shm.h", "csrc/binding.h",
                      "csrc/context.h", "csrc/small.h"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Werror",

@@ -19,5 +19,10 @@ void mp_release_segments(Py_buffer *views, mp_segment *segs, Py_ssize_t n);
 int mp_add_shm_context_type(PyObject *m);
 /* Adds the CheckedContext type (exchange.c) to module `m`; -1 on error. */
 int mp_add_checked_type(PyObject *m);
+/* Adds the HostView type (view.c) to module `m`; -1 on error. */
+int mp_add_host_view_type(PyObject *m);
+/* host_view(addr, nbytes, format, shape, owner): Note [Host views] in view.c. */
+PyObject *mp_host_view(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+extern const char mp_host_view_doc[];
 
 #endif

@@ -280,6 +280,7 @@ static PyMethodDef methods[] = {
     {"set_ptracer", py_set_ptracer, METH_VARARGS,
      "set_ptracer(pid) -> 0 or errno: Yama's PR_SET_PTRACER (0 clears it)"},
     {"cma_probe", py_cma_probe, METH_VARARGS, "cma_probe(pid, addr, nbytes) -> 0 or errno"},
+    {"host_view", (PyCFunction)(void (*)(void))mp_host_view, METH_FASTCALL, mp_host_view_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -291,7 +292,8 @@ static struct PyModuleDef moduledef = {
 PyMODINIT_FUNC PyInit__ext(void) {
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
-    if (mp_add_shm_context_type(m) < 0 || mp_add_checked_type(m) < 0) {
+    if (mp_add_shm_context_type(m) < 0 || mp_add_checked_type(m) < 0 ||
+        mp_add_host_view_type(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -22,7 +22,8 @@ else:
 # [Settings read at init] in mpidp/config.py): until then the names below come from the
 # module's __getattr__ (and reduce_into's _impl from _Unchosen), which chooses and binds them
 # as plain module globals, so that later calls cost nothing more.
-_CHOSEN = ("EXTENSION", "IMPLEMENTATION", "divide", "pack", "unpack", "cast_segments")
+_CHOSEN = ("EXTENSION", "IMPLEMENTATION", "divide", "pack", "unpack", "cast_segments",
+           "host_view")
 
 
 def _choose() -> None:
@@ -43,7 +44,8 @@ def _choose() -> None:
         impl = ext
     globals().update(_ext=ext, _why=why, _impl=impl, EXTENSION=ext,  # None: missing or disabled
                      IMPLEMENTATION="c" if impl is ext else "numpy", divide=impl.divide,
-                     pack=impl.pack, unpack=impl.unpack, cast_segments=impl.cast_segments)
+                     pack=impl.pack, unpack=impl.unpack, cast_segments=impl.cast_segments,
+                     host_view=impl.host_view)  # Note [Host views] in csrc/view.c
 
 
 def __getattr__(name: str):

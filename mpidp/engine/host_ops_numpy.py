@@ -159,3 +159,26 @@ def cast_segments(bucket, segments, wire: int, outer: int, divisor: int, unpack:
                     x.astype(np.float16).view(np.uint16)
         offset += p.nbytes // 2
     return used
+
+
+class _AtAddress:
+    """What numpy's array interface needs to see ``nbytes`` bytes at ``addr``; holds the
+    owner of that memory."""
+
+    __slots__ = ("__array_interface__", "owner")
+
+    def __init__(self, addr: int, format: str, shape: tuple, owner):
+        self.__array_interface__ = {"data": (addr, False), "shape": tuple(shape),
+                                    "typestr": np.dtype(format).str, "version": 3}
+        self.owner = owner
+
+
+def host_view(addr: int, nbytes: int, format: str, shape: tuple, owner) -> np.ndarray:
+    """A writable C-contiguous array of ``shape`` and struct ``format`` over the ``nbytes``
+    bytes at ``addr``, holding ``owner`` (Note [Host views] in csrc/view.c)."""
+    shape = tuple(int(n) for n in shape)
+    if np.dtype(format).itemsize * int(np.prod(shape, dtype=np.int64)) != nbytes:
+        raise ValueError(f"host_view: shape {shape} of format {format} is not {nbytes} bytes")
+    if not nbytes:
+        return np.empty(shape, np.dtype(format))
+    return np.asarray(_AtAddress(addr, format, shape, owner))

@@ -1,0 +1,47 @@
+"""Tier 1: host_view (Note [Host views] in csrc/view.c), the C extension's against its numpy
+twin — the same array over a CPU tensor's memory, written through to the tensor, the tensor
+left resizable — and its refusals."""
+import numpy as np
+import pytest
+import torch
+
+from mpidp import config
+from mpidp.engine import host_ops, host_ops_numpy as twin
+
+ext = pytest.importorskip("mpidp._ext") if not config.get().require_extension else \
+    host_ops.extension()
+IMPLS = [pytest.param(ext.host_view, id="c"), pytest.param(twin.host_view, id="numpy")]
+CASES = [(torch.float32, "f", (2, 3)), (torch.float64, "d", (5,)), (torch.float16, "e", (4, 1)),
+         (torch.int32, "i", ()), (torch.int64, "q", (3, 0)), (torch.uint8, "B", (7,))]
+
+
+@pytest.mark.parametrize("host_view", IMPLS)
+@pytest.mark.parametrize("dtype, fmt, shape", CASES)
+def test_a_view_is_the_tensors_memory(host_view, dtype, fmt, shape):
+    t = (torch.arange(int(np.prod(shape, dtype=np.int64))) % 7 + 1).to(dtype).reshape(shape)
+    a = np.asarray(host_view(t.data_ptr(), t.nbytes, fmt, t.shape, t))
+    assert a.shape == tuple(shape) and a.dtype == np.dtype(fmt) and a.flags.writeable
+    assert a.flags.c_contiguous and a.tolist() == t.tolist()
+    if a.size:
+        a.reshape(-1)[0] = 6
+        assert t.reshape(-1)[0].item() == 6  # written through
+    t.resize_(t.numel() + 8)  # torch's .numpy() would forbid this for good
+
+
+@pytest.mark.parametrize("host_view", IMPLS)
+def test_a_view_the_c_calls_take(host_view):
+    """The one-call all-reduce reads the buffer's format and shape (its header's hash)."""
+    t = torch.ones(2, 3)
+    m = memoryview(ext.host_view(t.data_ptr(), t.nbytes, "f", t.shape, t))
+    assert (m.format, m.shape, m.strides, m.readonly) == ("f", (2, 3), (12, 4), False)
+    assert np.asarray(host_view(t.data_ptr(), t.nbytes, "f", t.shape, t)).ctypes.data == \
+        t.data_ptr()
+
+
+@pytest.mark.parametrize("host_view", IMPLS)
+def test_refusals(host_view):
+    t = torch.ones(4)
+    with pytest.raises(ValueError, match="not 12 bytes"):
+        host_view(t.data_ptr(), 12, "f", (4,), t)
+    with pytest.raises((ValueError, TypeError)):
+        host_view(t.data_ptr(), 16, "x", (4,), t)
