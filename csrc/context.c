@@ -349,6 +349,9 @@ static PyMemberDef ctx_members[] = {
      "largest buffer carried in the control block"},
     {"capacity", T_PYSSIZET, offsetof(ShmContext, capacity), READONLY,
      "bytes of each staging segment (window mode)"},
+    {"timeout_s", T_DOUBLE, offsetof(ShmContext, timeout_s), 0,
+     "seconds a wait for the other local ranks lasts before its call ends with SHM_TIMEOUT\n"
+     "(read when a call enters; settable: a group's timeout, mpidp.engine.shm)"},
     {NULL, 0, 0, 0, NULL},
 };
 

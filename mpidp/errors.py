@@ -19,6 +19,18 @@ class CommunicationError(MpidpError):
         super().__init__(f"rank {rank}: {operation} failed: {cause}")
 
 
+class WaitTimeoutError(CommunicationError):
+    """A collective waited longer than its group's timeout for other ranks to reach it:
+    ``late`` are those ranks (local ranks of the node, as the shared-memory protocol that
+    waited knows them), ``timeout_s`` the limit. The collective cannot be taken back: the
+    ranks that did arrive may have gone on with it (Note [A group's timeout] in
+    mpidp/dist/group.py)."""
+
+    def __init__(self, rank: int, operation: str, timeout_s: float, late, cause: str):
+        self.timeout_s, self.late = timeout_s, tuple(late)
+        super().__init__(rank, operation, cause)
+
+
 class MismatchError(MpidpError, ValueError):
     """Ranks called a collective with inputs that do not agree; raised on every rank."""
 

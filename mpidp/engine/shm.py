@@ -7,7 +7,7 @@ import os
 from typing import Sequence
 
 from .. import config
-from ..errors import CommunicationError
+from ..errors import CommunicationError, WaitTimeoutError
 from .host_ops import extension
 
 SHM_OK, SHM_MISMATCH, SHM_TIMEOUT, SHM_PEER_ERROR, SHM_OUT_OF_STEP, SHM_INTERRUPTED = range(6)
@@ -81,9 +81,22 @@ class ShmContext:
         self.peers, self.peers_why = self._choose_peers(ext, cfg.shm_peers, ctrl_addr)
         self._seg_win = None
         # the backstop behind the watchdog, which reports first (Note [Watchdog] in watchdog.py)
-        self.timeout_s = 2 * cfg.timeout_s + 10
+        self.backstop_s = 2 * cfg.timeout_s + 10
         self.c = ext.ShmContext(ctrl_addr, self.size, self.rank, self.peers, self.inline_bytes,
-                                cfg.shm_chunk_bytes, self.timeout_s)
+                                cfg.shm_chunk_bytes, self.backstop_s)
+
+    @property
+    def timeout_s(self) -> float:
+        """Seconds a wait for the other local ranks lasts before its call raises
+        WaitTimeoutError: the backstop, or a group's shorter timeout (``set_timeout``)."""
+        return self.c.timeout_s
+
+    def set_timeout(self, timeout_s) -> None:
+        """The calls entering from now on wait at most ``timeout_s`` (None: the backstop) for
+        the other local ranks — never longer than the backstop (Note [A group's timeout] in
+        mpidp/dist/group.py). This rank only."""
+        self.c.timeout_s = self.backstop_s if timeout_s is None else \
+            min(float(timeout_s), self.backstop_s)
 
     def _choose_peers(self, ext, wanted: str, ctrl_addr: int) -> tuple:
         """(PEERS_CMA or PEERS_WINDOW, why) — Note [Cross-memory attach]."""
@@ -132,10 +145,12 @@ class ShmContext:
         if status <= SHM_MISMATCH:
             return status == SHM_OK
         if status == SHM_TIMEOUT:
-            raise CommunicationError(
-                self.rank, operation, f"timed out after {self.timeout_s:g} s waiting for local "
-                f"ranks {info} (2 x MPIDP_TIMEOUT_S + 10 s, and the watchdog did not end the "
-                "job); they never reached this collective")
+            limit = self.timeout_s
+            why = "2 x MPIDP_TIMEOUT_S + 10 s, and the watchdog did not end the job" \
+                if limit >= self.backstop_s else "the group's timeout"
+            raise WaitTimeoutError(
+                self.rank, operation, limit, info, f"timed out after {limit:g} s waiting for "
+                f"local ranks {info} ({why}); they had not reached this collective")
         if status == SHM_INTERRUPTED:  # Note [Interrupting a wait] in csrc/shm.c
             raise CommunicationError(
                 self.rank, operation, "the node's shared-memory context was closed (mpidp is "

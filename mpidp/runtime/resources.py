@@ -45,6 +45,7 @@ class Resources:
             inline_bytes=min(cfg.shm_inline_bytes, ext.SHM_INLINE_BYTES) if ext else 0,
             max_segments=ext.SHM_MAX_SEGMENTS if ext else 0)
         self._shm: Optional[ShmContext] = None
+        self.wait_timeout_s: Optional[float] = None  # set_wait_timeout
         self.links = Links(  # Note [Handed down] in mpidp/engine/links.py
             topo.rank, topo.size, topo.comm, topo.node_comm, topo.leader_comm, topo.local_rank,
             topo.local_size, topo.node_ranks, topo.single_node, topo.node_count == topo.size)
@@ -98,11 +99,22 @@ class Resources:
             else:
                 self._shm = ShmContext(self.topo.node_comm, self.facts.inline_bytes)
             self.links.shm = self._shm
+            if self.wait_timeout_s is not None:
+                self._shm.set_timeout(self.wait_timeout_s)
             if self._fast_ok:
                 self._shm.c.set_board(self.board)
                 self.fast_allreduce = self._shm.c.allreduce_array
                 self.fast_max_bytes = self.facts.inline_bytes
         return self._shm
+
+    def set_wait_timeout(self, timeout_s: Optional[float]) -> None:
+        """The collectives entering from now on wait at most ``timeout_s`` (None: the
+        backstop, 2 x MPIDP_TIMEOUT_S + 10 s) for the other ranks of the node, then raise
+        WaitTimeoutError (a torch group's timeout: Note [A group's timeout] in
+        mpidp/dist/group.py). This rank only; waits across nodes are not bounded."""
+        self.wait_timeout_s = timeout_s
+        if self._shm is not None:
+            self._shm.set_timeout(timeout_s)
 
     def fast_disagreed(self, done) -> None:
         """Raises on every rank after ``fast_allreduce`` found that the ranks' inputs disagree
