@@ -141,7 +141,16 @@ def allreduce_in(g, x: Any, op: str = "sum", algorithm: str = "auto", inplace: b
     return _allreduce(g, x, op, algorithm, inplace)
 
 
-def _one_call(g, view: np.ndarray, op: str) -> bool:
+def allreduce_one_call(g, view, op: str) -> bool:
+    """The in-place all-reduce of ``view`` (a numpy array, or any writable C-contiguous
+    buffer such as mpidp.engine.host_ops.host_view's) over group ``g`` as one C call where
+    the group has it (csrc/small.c on one node, csrc/exchange.c across nodes): True when
+    done, False when it declined (nothing done: the caller takes ``allreduce_in``); raises on
+    every rank when the ranks' inputs disagree. Every rank of ``g`` calls it."""
+    return g.resources.fast_allreduce is not None and _one_call(g, view, op)
+
+
+def _one_call(g, view, op: str) -> bool:
     """The in-place all-reduce of ``view`` as one C call (csrc/small.c on one node,
     csrc/exchange.c across nodes): True when done, False when it declined (nothing done);
     raises on every rank when the ranks' inputs disagree. A strided array goes through a
@@ -152,8 +161,8 @@ def _one_call(g, view: np.ndarray, op: str) -> bool:
         return True
     if done is not NotImplemented:  # the ranks disagreed: raise on every rank
         g.resources.fast_disagreed(done)
-    if view.flags.c_contiguous or not view.flags.writeable or \
-            view.nbytes > g.resources.fast_max_bytes:
+    if type(view) is not np.ndarray or view.flags.c_contiguous or not view.flags.writeable \
+            or view.nbytes > g.resources.fast_max_bytes:
         return False
     tmp = np.ascontiguousarray(view)
     if not _one_call(g, tmp, op):

@@ -1,7 +1,9 @@
 """The torch.distributed process group of the "mpidp" backend: torch's operations on an mpidp
-group of its own (mpidp.dist.ops), run in order on the group's communication thread
-(mpidp.dist.thread) so that ``async_op=True`` returns at once and torch's DDP overlaps its
-all-reduces with backward; point-to-point on the group's own communicator (mpidp.dist.p2p).
+group of its own (mpidp.dist.ops), run in order — asynchronous ones on the group's
+communication thread (mpidp.dist.thread), so that ``async_op=True`` returns at once and
+torch's DDP overlaps its all-reduces with backward, synchronous ones on the caller's thread
+where the group is idle — within the group's timeout (Note [A group's timeout]);
+point-to-point on the group's own communicator (mpidp.dist.p2p).
 
 Note [What torch calls on a Python group]
 A backend written in Python is a subclass of torch's ProcessGroup, and torch reaches it two
@@ -22,6 +24,28 @@ left to torch's base class asks for the group's per-device backend, which a Pyth
 none of, and fails with "No backend type associated with device type cpu", naming no
 operation; so every method torch's front or trampoline can reach is defined here, those the
 backend does not do raising an error that names them.
+
+Note [A group's timeout]
+torch promises that ``init_process_group(timeout=...)`` and ``new_group(timeout=...)`` bound
+how long the group's operations wait (``barrier(timeout=...)`` one barrier's). On mpidp every
+operation starts by exchanging its header, and that is where a rank waits for late ones; on
+one node the exchange is the shared-memory protocol, whose waits already poll a deadline in
+their slow path (Note [Interrupting a wait] in csrc/shm.c) — so the group's timeout is that
+deadline (ShmContext.set_timeout, made with the group, before its first operation), and the
+common path pays nothing: no clock, no extra thread, whether the operation runs on the
+caller's thread or the group's. A wait past it ends the operation on the waiting rank with
+WaitTimeoutError naming the ranks that had not come, raised as torch's DistBackendError (a
+RuntimeError, as gloo's timeouts are): "<op> timed out: after the timeout of T s, rank R had
+not reached it". An MPI collective cannot be taken back — this rank's arrival is published, and a
+late rank that comes afterwards may complete the operation with what the others left (a
+barrier, a small all-reduce) or time out in its turn — so, as gloo closes its pairs, the group
+is unusable on this rank from then on: every later operation raises at once naming the
+timeout. Destroy the group on every rank (``dist.destroy_process_group(group)``, which the
+late ranks reach too) or end the job. The watchdog stays the backstop: a timeout longer than
+MPIDP_TIMEOUT_S (torch's default is 30 minutes) is reached by the watchdog first, which
+reports the stall and ends the job (exit 124), as before. Not bounded: a wait across nodes
+or without the C extension (in MPI, which cannot be interrupted; the watchdog ends those),
+and point-to-point.
 """
 from __future__ import annotations
 
@@ -32,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config, runtime
-from ..errors import MpidpError
+from ..errors import MpidpError, WaitTimeoutError
 from . import ops, p2p
 from .thread import CommThread, Work, run_now
 
@@ -42,13 +66,21 @@ class ProcessGroup(dist.ProcessGroup):
     in mpidp/runtime.py): every method is torch's, and collective over ``g`` as torch's
     are."""
 
-    def __init__(self, g, name: str):
+    def __init__(self, g, name: str, timeout: Optional[timedelta] = None, global_ranks=()):
         super().__init__(g.rank, g.size)
         self.g = g
         self.p2p = g.comm.Dup()  # point-to-point apart from mpidp's own messages
         self._thread = CommThread(g, name, self.p2p.Free) if g.size > 1 else None
         self._group_name: Optional[str] = None  # torch sets both (setGroupName, below)
         self._group_desc = ""
+        self._global_ranks = tuple(global_ranks) or tuple(range(g.size))
+        # Note [A group's timeout]: the waits' limit (None: the backstop's) and, once one
+        # was passed, what timed out
+        self.timeout_s = _seconds(timeout)
+        self.timed_out: Optional[str] = None
+        if g.size > 1:
+            g.resources.links_ready()  # the node's context, before the first wait (collective)
+            g.resources.set_wait_timeout(self.timeout_s)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return "mpidp"
@@ -84,12 +116,16 @@ class ProcessGroup(dist.ProcessGroup):
         if runtime.free_subgroup(self.g) and self._thread is None:
             self.p2p.Free()  # with a thread, freed when the thread stops
 
-    def _run(self, fn, result, *inputs) -> Work:
-        """``fn`` (the operation) queued on the group's thread; a Work that completes with
-        ``result`` (the output tensors). CUDA tensors among ``result`` and ``inputs``: the
-        caller's stream is synchronised first (the inputs are ready before the thread reads
-        them) and the device after (the outputs are ready when the Work completes)."""
-        devices = _cuda_devices([result, inputs])
+    def _run(self, opts, fn, result, *inputs) -> Optional[Work]:
+        """``fn`` (the operation) run in the group's order: on the caller's thread where
+        ``opts`` says the call is synchronous and the group is idle (then None is returned),
+        else queued on the group's thread (Note [Synchronous calls on the caller's thread] in
+        thread.py): a Work that completes with ``result`` (the output tensors). CUDA tensors
+        among ``result`` and ``inputs``: the caller's stream is synchronised first (the inputs
+        are ready before the operation reads them) and the device after (the outputs are
+        ready when the Work completes). Once an operation of the group timed out, every later
+        one raises (Note [A group's timeout])."""
+        devices = _cuda_devices(result, inputs) if _CUDA_BUILT else None
         if devices:
             for d in devices:
                 torch.cuda.current_stream(d).synchronize()
@@ -102,44 +138,74 @@ class ProcessGroup(dist.ProcessGroup):
         if self._thread is None:  # one rank: nothing to wait for
             with runtime.using(self.g):
                 return run_now(fn, result)
-        return self._thread.submit(fn, result)
+        return self._thread.call(self._watched, fn, result,
+                                 getattr(opts, "asyncOp", True) is False)
+
+    def _watched(self, fn) -> None:
+        """Runs operation ``fn`` unless the group timed out before; a timeout makes the group
+        unusable (Note [A group's timeout]). Either raises torch's DistBackendError."""
+        if self.timed_out is not None:
+            raise dist.DistBackendError(f"mpidp: rank {self._global_ranks[self.g.rank]}: "
+                                        f"{self._describe()} is unusable: {self.timed_out}")
+        try:
+            fn()
+        except WaitTimeoutError as exc:  # ranks named as torch's default group numbers them
+            late = [self._global_ranks[self.g.node_ranks[q]] for q in exc.late]
+            self.timed_out = (
+                f"{exc.operation} timed out: after the timeout of {exc.timeout_s:g} s, "
+                f"{'rank' if len(late) == 1 else 'ranks'} {', '.join(map(str, late))} had "
+                "not reached it")
+            raise dist.DistBackendError(
+                f"mpidp: rank {self._global_ranks[self.g.rank]}: {self._describe()}: "
+                f"{self.timed_out}. A collective cannot be taken back, so the group is "
+                "unusable from now on: destroy it on every rank "
+                "(dist.destroy_process_group(group)) or end the job") from exc
+
+    def _describe(self) -> str:
+        """"process group NAME (DESCRIPTION) of ranks [...]", in torch's words."""
+        desc = f" ({self._group_desc})" if self._group_desc not in ("", "undefined") else ""
+        return f"process group {self._group_name}{desc} of ranks {list(self._global_ranks)}"
 
     # ---- collectives ---------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
-        return self._run(lambda: [ops.all_reduce(self.g, t, op) for t in tensors], tensors)
+        if len(tensors) == 1:  # dist.all_reduce's, with one frame less
+            t = tensors[0]
+            return self._run(opts, lambda: ops.all_reduce(self.g, t, op), tensors)
+        return self._run(opts, lambda: [ops.all_reduce(self.g, t, op) for t in tensors], tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors, opts):
-        return self._run(lambda: [ops.broadcast(self.g, t, opts.rootRank) for t in tensors],
-                         tensors)
+        return self._run(opts, lambda: [ops.broadcast(self.g, t, opts.rootRank)
+                                        for t in tensors], tensors)
 
     def reduce(self, tensors, opts):
-        return self._run(lambda: [ops.reduce(self.g, t, opts.rootRank, opts.reduceOp)
-                                  for t in tensors], tensors)
+        return self._run(opts, lambda: [ops.reduce(self.g, t, opts.rootRank, opts.reduceOp)
+                                        for t in tensors], tensors)
 
     def allgather(self, outputs, inputs, opts=None):
         def run():
             for outs, x in zip(outputs, inputs):
                 ops.gather_all(self.g, outs, x)
-        return self._run(run, outputs, inputs)
+        return self._run(opts, run, outputs, inputs)
 
     def all_gather_single(self, output, x, opts=None):
-        return self._run(lambda: ops.all_gather_into_tensor(self.g, output, x), [output], x)
+        return self._run(opts, lambda: ops.all_gather_into_tensor(self.g, output, x), [output],
+                         x)
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        return self._run(lambda: [ops.all_gather_into_tensor(self.g, o, x)
-                                  for o, x in zip(outputs, inputs)], outputs, inputs)
+        return self._run(opts, lambda: [ops.all_gather_into_tensor(self.g, o, x)
+                                        for o, x in zip(outputs, inputs)], outputs, inputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # its older name
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        return self._run(lambda: ops.all_gather_coalesced(self.g, output_lists, inputs),
+        return self._run(opts, lambda: ops.all_gather_coalesced(self.g, output_lists, inputs),
                          output_lists, inputs)
 
     def reduce_scatter(self, outputs, inputs, opts=None):
@@ -148,42 +214,53 @@ class ProcessGroup(dist.ProcessGroup):
         def run():
             for out, ins in zip(outputs, inputs):
                 ops.reduce_scatter_list(self.g, out, ins, op)
-        return self._run(run, outputs, inputs)
+        return self._run(opts, run, outputs, inputs)
 
     def reduce_scatter_single(self, output, x, opts=None):
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
-        return self._run(lambda: ops.reduce_scatter_tensor(self.g, output, x, op), [output], x)
+        return self._run(opts, lambda: ops.reduce_scatter_tensor(self.g, output, x, op),
+                         [output], x)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
-        return self._run(lambda: [ops.reduce_scatter_tensor(self.g, o, x, op)
-                                  for o, x in zip(outputs, inputs)], outputs, inputs)
+        return self._run(opts, lambda: [ops.reduce_scatter_tensor(self.g, o, x, op)
+                                        for o, x in zip(outputs, inputs)], outputs, inputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # its older name
 
     def gather(self, outputs, inputs, opts):
         outs = outputs[0] if outputs else []
-        return self._run(lambda: ops.gather(self.g, outs, inputs[0], opts.rootRank), outputs,
-                         inputs)
+        return self._run(opts, lambda: ops.gather(self.g, outs, inputs[0], opts.rootRank),
+                         outputs, inputs)
 
     def scatter(self, outputs, inputs, opts):
         ins = inputs[0] if inputs else []
-        return self._run(lambda: ops.scatter(self.g, outputs[0], ins, opts.rootRank), outputs,
-                         inputs)
+        return self._run(opts, lambda: ops.scatter(self.g, outputs[0], ins, opts.rootRank),
+                         outputs, inputs)
 
     def alltoall(self, outputs, inputs, opts=None):
-        return self._run(lambda: ops.all_to_all(self.g, outputs, inputs), outputs, inputs)
+        return self._run(opts, lambda: ops.all_to_all(self.g, outputs, inputs), outputs, inputs)
 
     def all_to_all_single(self, output, x, output_split_sizes, input_split_sizes, opts=None):
-        return self._run(lambda: ops.all_to_all_single(self.g, output, x, output_split_sizes,
-                                                       input_split_sizes), [output], x)
+        return self._run(opts, lambda: ops.all_to_all_single(
+            self.g, output, x, output_split_sizes, input_split_sizes), [output], x)
 
     alltoall_base = all_to_all_single
 
     def barrier(self, opts=None):
-        return self._run(lambda: ops.barrier(self.g), None)
+        limit = _seconds(getattr(opts, "timeout", None))
+        if limit is None:
+            return self._run(opts, lambda: ops.barrier(self.g), None)
+
+        def run():  # barrier(timeout=...): this barrier's limit (Note [A group's timeout])
+            self.g.resources.set_wait_timeout(limit)
+            try:
+                ops.barrier(self.g)
+            finally:
+                self.g.resources.set_wait_timeout(self.timeout_s)
+        return self._run(opts, run, None)
 
     def start_coalescing(self, device) -> None:
         """torch's coalescing (``_coalescing_manager`` with a device, coalesced functional
@@ -192,7 +269,7 @@ class ProcessGroup(dist.ProcessGroup):
 
     def end_coalescing(self, device) -> Work:
         """A Work complete when every operation called since ``start_coalescing`` is."""
-        return self._run(lambda: None, None)
+        return self._run(None, lambda: None, None)
 
     _start_coalescing = start_coalescing  # the names torch's Python front calls
     _end_coalescing = end_coalescing
@@ -216,7 +293,7 @@ class ProcessGroup(dist.ProcessGroup):
         ``mpidp.dist.monitored_barrier``), after this group's queued operations: rank 0 waits
         up to ``timeout`` (default: the watchdog's) and names the ranks that did not come
         (mpidp.dist.p2p.monitored_barrier)."""
-        self._run(lambda: None, None).wait()
+        self._run(None, lambda: None, None).wait()
         timeout_s = timeout.total_seconds() if timeout is not None else config.get().timeout_s
         p2p.monitored_barrier(self.g, self.p2p, timeout_s, wait_all_ranks)
 
@@ -238,17 +315,28 @@ def _unsupported(what: str, instead: str) -> NotImplementedError:
                                + (f"; {instead}" if instead else ""))
 
 
-def _cuda_devices(tensors) -> list:
+_CUDA_BUILT = torch.backends.cuda.is_built()  # without it no tensor is a CUDA one
+
+
+def _seconds(timeout) -> Optional[float]:
+    """A torch timeout in seconds; None where it is unset (torch's options hold -1 ms)."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    return seconds if seconds > 0 else None
+
+
+def _cuda_devices(*tensors) -> list:
     """The CUDA devices of the tensors in ``tensors`` (nested lists and tuples too)."""
-    found, todo = set(), [tensors]
-    while todo:
-        t = todo.pop()
+    found, todo = None, list(tensors)
+    for t in todo:  # grows as nested lists are met
         if isinstance(t, torch.Tensor):
             if t.is_cuda:
+                found = found or set()
                 found.add(t.device)
         elif isinstance(t, (list, tuple)):
             todo.extend(t)
-    return sorted(found, key=str)
+    return sorted(found, key=str) if found else []
 
 
 def create(opts, backend_options) -> ProcessGroup:
@@ -268,9 +356,9 @@ def create(opts, backend_options) -> ProcessGroup:
                              f"of {opts.group_size}, MPI says rank {g.rank} of {g.size}: "
                              "start every rank with one MPI launcher (mpiexec, srun) and let "
                              "init_process_group take rank and world size from it")
-        return ProcessGroup(runtime.subgroup(range(g.size)), "default")
+        return ProcessGroup(runtime.subgroup(range(g.size)), "default", opts.timeout)
     if dist.get_rank() != g.rank:
         raise ValueError(f"torch.distributed's default group has this process as rank "
                          f"{dist.get_rank()}, MPI as rank {g.rank}: a new_group on the mpidp "
                          "backend needs the two to agree")
-    return ProcessGroup(runtime.subgroup(ranks), str(opts.group_id))
+    return ProcessGroup(runtime.subgroup(ranks), str(opts.group_id), opts.timeout, ranks)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..comm import collectives
-from ..engine import header
+from ..engine import header, host_ops
 from ..runtime.frame import Frame
 from ..errors import MismatchError
 
@@ -35,9 +35,13 @@ _NAMES = {RED.SUM: "SUM", RED.AVG: "AVG", RED.PRODUCT: "PRODUCT", RED.MIN: "MIN"
           RED.MAX: "MAX", RED.BAND: "BAND", RED.BOR: "BOR", RED.BXOR: "BXOR",
           RED.PREMUL_SUM: "PREMUL_SUM"}
 _MPIDP_OPS = {RED.SUM: "sum", RED.AVG: "avg", RED.MIN: "min", RED.MAX: "max"}
+_FAST_OPS = {kind.value: name for kind, name in _MPIDP_OPS.items()}
 _MPIDP_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64,
                            torch.int32, torch.int64))
 _BITWISE = frozenset((RED.BAND, RED.BOR, RED.BXOR))
+# struct formats of the dtypes a host view carries (bfloat16 has none: it takes torch's path)
+_FORMATS = {torch.float32: "f", torch.float64: "d", torch.float16: "e", torch.int32: "i",
+            torch.int64: "q"}
 OPERATIONS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
               "all_gather_coalesced",
               "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter",
@@ -100,11 +104,17 @@ def _dense(what: str, *tensors) -> None:
                             "backend; pass dense tensors (tensor.to_dense())")
 
 
+def _view(t: torch.Tensor, fmt: str):
+    """A buffer over contiguous CPU tensor ``t``'s memory with struct format ``fmt`` (Note
+    [Host views] in csrc/view.c: torch's ``.numpy()`` would make the tensor's storage
+    unresizable for good, which torch's backends never do and hooks such as batched PowerSGD
+    rely on; DLPack costs more than a small collective)."""
+    return host_ops.host_view(t.data_ptr(), t.nbytes, fmt, t.shape, t)
+
+
 def _bytes(t: torch.Tensor) -> np.ndarray:
-    """The bytes of contiguous CPU tensor ``t`` as a numpy array sharing its memory (through
-    DLPack: torch's ``.numpy()`` would make the tensor's storage unresizable for good, which
-    torch's backends never do and hooks such as batched PowerSGD rely on)."""
-    return np.from_dlpack(t.reshape(-1).view(torch.uint8))
+    """The bytes of contiguous CPU tensor ``t`` as a numpy array sharing its memory."""
+    return np.asarray(host_ops.host_view(t.data_ptr(), t.nbytes, "B", (t.nbytes,), t))
 
 
 class Staged:
@@ -184,16 +194,27 @@ def _gathered(g, staged: Staged) -> torch.Tensor:
 
 def all_reduce(g, t: torch.Tensor, op) -> None:
     """torch.distributed.all_reduce of ``t`` in place with ReduceOp ``op``."""
+    # the common case first, cheaply (pybind's enums hash slowly): a contiguous CPU tensor
+    # of a dtype and op mpidp reduces, as a view of its memory (Note [Host views] in
+    # csrc/view.c), in one C call where it is small (Note [Small all-reduce in one call])
+    name = "sum" if op == RED.SUM else \
+        _FAST_OPS.get(getattr(getattr(op, "op", op), "value", None))
+    fmt = _FORMATS.get(t.dtype)
+    if name is not None and fmt is not None and t.is_cpu and t.layout is torch.strided \
+            and t.is_contiguous() and not (name == "avg" and fmt in "iq"):
+        view = _view(t, fmt)
+        if not collectives.allreduce_one_call(g, view, name):
+            collectives.allreduce_in(g, np.asarray(view), name, "auto", True)
+        return
     kind, name = _reduction(op)
     kind, op, scaled = _premultiplied(kind, op, t)
     if scaled is not t:
         with torch.no_grad():
             t.copy_(scaled)
     if _native(kind, t):
-        plain = t.device.type == "cpu" and t.is_contiguous() and t.dtype != torch.bfloat16
-        # a numpy view through DLPack keeps the storage resizable (_bytes)
-        collectives.allreduce_in(g, np.from_dlpack(t.detach()) if plain else t.detach(),
-                                 _MPIDP_OPS[kind], "auto", True)
+        plain = t.device.type == "cpu" and t.is_contiguous() and t.dtype in _FORMATS
+        collectives.allreduce_in(g, np.asarray(_view(t, _FORMATS[t.dtype])) if plain else
+                                 t.detach(), _MPIDP_OPS[kind], "auto", True)
         return
     with operation(g, f"all_reduce {name}", t, t.numel(),
                  validate=lambda: (reduce_name(op), _check_op_dtype(kind, t))):

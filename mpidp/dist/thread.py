@@ -1,19 +1,41 @@
 """The communication thread of a torch.distributed group of the mpidp backend and the Work it
-completes (Note [One communication thread per group]).
+completes (Note [One communication thread per group], Note [Synchronous calls on the caller's
+thread]).
 
 Note [One communication thread per group]
-Every collective of a group, asynchronous or not, is queued to the group's one thread, which
-runs them in the order they were called — the order every rank calls them in — under the
-group's watchdog; its Work completes (its future is set, its wait returns or raises) when the
-operation has. A synchronous call is the same call followed by ``wait``. The caller's tensors
-must stay untouched until then, as with any torch backend. An operation that raises on the
-thread raises from ``wait`` and from the future; the thread goes on with the next one (a
-disagreement raises on every rank alike, so the ranks stay in step). A future's callbacks run
-on the thread that completes it, this one: an operation such a callback submits (torch's
-PowerSGD and quantisation hooks submit and wait there) runs at once, in its place in the
-order, where queueing it behind the callback would wait forever."""
+Every asynchronous collective of a group is queued to the group's one thread, which runs them
+in the order they were called — the order every rank calls them in — under the group's
+watchdog; its Work completes (its future is set, its wait returns or raises) when the
+operation has. The caller's tensors must stay untouched until then, as with any torch
+backend. An operation that raises on the thread raises from ``wait`` and from the future; the
+thread goes on with the next one (a disagreement raises on every rank alike, so the ranks
+stay in step). A future's callbacks run on the thread that completes it, this one: an
+operation such a callback submits (torch's PowerSGD and quantisation hooks submit and wait
+there) runs at once, in its place in the order, where queueing it behind the callback would
+wait forever. A synchronous call runs on the caller's thread instead where nothing of the
+group is queued or running (Note [Synchronous calls on the caller's thread]).
+
+Note [Synchronous calls on the caller's thread]
+torch's front passes ``async_op`` down in the operation's options (``opts.asyncOp``, False
+for ``dist.all_reduce(t)``, True by default: torch 2.1-2.6 have no such field, and torch's
+C++ — DDP's reducer, the functional collectives — leaves the default) and, for a synchronous
+call, waits on the Work at once. Queueing such a call to the thread and waiting for it costs
+two wake-ups (~100 µs on a loaded machine, 40x the all-reduce of 8 bytes), so a call with
+``asyncOp`` False runs on the caller's thread where the group is idle: nothing queued and
+nothing running (``finished == queued``, read under the ``running`` lock that the thread
+holds for each operation it runs and a caller holds for one it runs itself, so that no two
+run at once). Where asynchronous work is queued or running, the call queues behind it and
+waits, which keeps the group's order (the order the ranks agree on) and the thread's
+callbacks before it. An asynchronous call always takes the thread: running it inline
+"because the queue is empty" would make torch's DDP, whose reducer all-reduces each bucket
+asynchronously from inside backward, wait for every bucket in backward instead of
+overlapping them. A call run here raises its error itself (the front would raise it from
+``wait``) and returns None: every front function of torch that passes ``asyncOp`` waits only
+on a Work that is not None ("the backend has synced at C++ level", as NCCL's synchronous calls
+do), and making a completed Work would cost as much as the all-reduce of 8 bytes."""
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -95,9 +117,24 @@ class CommThread:
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
         self.stopped = False  # by stop: nothing queued after it would ever run
         self.lock = threading.Lock()  # a submit queues before stop or fails after it
+        # Note [Synchronous calls on the caller's thread]: the group is idle while
+        # finished == queued; whoever runs an operation holds ``running``
+        self.queued = self.finished = 0
+        self.running = threading.Lock()
         self.thread = threading.Thread(target=self._run, name=f"mpidp-dist-{name}", daemon=True)
         self.thread.start()
         g.resources.add_user(self.stop)
+
+    def call(self, run: Callable, fn: Callable[[], None], result, sync: bool) -> Optional[Work]:
+        """Runs operation ``fn`` as ``run(fn)``: here, where ``sync`` and the group is idle
+        (Note [Synchronous calls on the caller's thread]: its error raised, None returned),
+        else on the thread (``submit``: its Work)."""
+        if sync and self.finished == self.queued:
+            with self.running:
+                if self.finished == self.queued and not self.stopped:
+                    run(fn)
+                    return None
+        return self.submit(functools.partial(run, fn), result)
 
     def submit(self, fn: Callable[[], None], result) -> Work:
         if threading.current_thread() is self.thread:  # from a future's callback
@@ -105,6 +142,7 @@ class CommThread:
         f = torch.futures.Future()
         with self.lock:
             if not self.stopped:
+                self.queued += 1
                 self.tasks.put((fn, f, result))
                 return Work(f)
         f.set_exception(RuntimeError(STOPPED))
@@ -125,7 +163,9 @@ class CommThread:
                 if task is None:
                     return
                 fn, f, result = task
-                _complete(f, fn, result)
+                with self.running:
+                    _complete(f, fn, result)
+                    self.finished += 1
 
     def stop(self, timeout_s: float) -> bool:
         """Ends the thread after the operation it is in; operations still queued fail

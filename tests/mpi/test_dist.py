@@ -85,3 +85,32 @@ def test_monitored_barrier_names_the_late_rank():
     assert "caught 0: Ranks 1 failed to pass monitoredBarrier in 1 s" in proc.stdout, proc.stdout
     assert "caught 1: rank 1: monitored barrier: rank 0 did not release it within 2 s" in \
         proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_synchronous_calls_run_on_the_caller_and_asynchronous_ones_in_order_on_the_thread(n):
+    assert_ok(body(n, "body_dist_calls.py", env=NO_MASTER), n)
+
+
+def test_a_groups_timeout_raises_naming_the_operation_and_the_late_rank():
+    proc = body(3, "body_dist_faults.py", env=NO_MASTER, extra=["timeout"], timeout_s=90)
+    assert_ok(proc, 3)
+    caught = re.search(r"caught 0 ([\d.]+) DistBackendError: mpidp: rank 0: process group \S+ "
+                       r"of ranks \[0, 2\]: barrier timed out: after the timeout of 1 s, rank 2 "
+                       r"had not reached it\. A collective cannot be taken back", proc.stdout)
+    assert caught and 1.0 <= float(caught.group(1)) <= 4.0, proc.stdout
+    assert re.search(r"after 0: DistBackendError: mpidp: rank 0: process group \S+ of ranks "
+                     r"\[0, 2\] is unusable: barrier timed out", proc.stdout), proc.stdout
+    # the late rank passes or times out: Note [A group's timeout]
+    assert re.search(r"(passed|caught) 2 ", proc.stdout), proc.stdout
+
+
+def test_torchs_barrier_timeout_semantics():
+    proc = body(2, "body_dist_faults.py", env=NO_MASTER, extra=["torch_timeout"], timeout_s=90)
+    assert_ok(proc, 2)
+    assert "caught 0 matched=True early=False: mpidp: rank 0: process group" in proc.stdout, \
+        proc.stdout
+    own = re.search(r"barrier timeout 0 ([\d.]+): .* barrier timed out: after the timeout of "
+                    r"0\.5 s, rank 1 had not reached it", proc.stdout)
+    assert own and 0.4 <= float(own.group(1)) <= 3.0, proc.stdout
+    assert "caught 1" not in proc.stdout, proc.stdout
