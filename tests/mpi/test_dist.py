@@ -98,7 +98,7 @@ def test_a_groups_timeout_raises_naming_the_operation_and_the_late_rank():
     caught = re.search(r"caught 0 ([\d.]+) DistBackendError: mpidp: rank 0: process group \S+ "
                        r"of ranks \[0, 2\]: barrier timed out: after the timeout of 1 s, rank 2 "
                        r"had not reached it\. A collective cannot be taken back", proc.stdout)
-    assert caught and 1.0 <= float(caught.group(1)) <= 4.0, proc.stdout
+    assert caught and 1.0 <= float(caught.group(1)) <= 4.5, proc.stdout
     assert re.search(r"after 0: DistBackendError: mpidp: rank 0: process group \S+ of ranks "
                      r"\[0, 2\] is unusable: barrier timed out", proc.stdout), proc.stdout
     # the late rank passes or times out: Note [A group's timeout]

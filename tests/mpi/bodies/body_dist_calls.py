@@ -6,6 +6,7 @@ synchronous call made while asynchronous work is queued or running behind it and
 torch's DDP's bucket all-reduces on the group's thread (so backward goes on meanwhile) — with
 every result exact. Prints 'ok <rank>'."""
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,16 @@ async_thread = log[-1][1]
 log.clear()
 a, b = torch.full((3,), rank + 1.0), torch.full((6,), rank + 1.0)
 first = dist.all_reduce(a, async_op=True)  # held on the group's thread until `hold` is set
-timer = threading.Timer(0.3, hold.set)  # long after the synchronous call below was made
-timer.start()
+thread = dist.distributed_c10d._get_default_group()._thread
+
+
+def release():  # once the synchronous call below is queued behind the held one
+    while thread.queued - thread.finished < 2:
+        time.sleep(0.001)
+    hold.set()
+
+
+threading.Thread(target=release, daemon=True).start()
 dist.all_reduce(b)  # must run after `a`, on the group's thread
 after_b = first.is_completed()
 first.wait()
