@@ -42,11 +42,11 @@ class ConfigError(MpidpError, ValueError):
     ``mpidp.init()`` on every rank, never by ``import mpidp``."""
 
     def __init__(self, variable: str, value: str, expected: str, where: str = ""):
-        self.variable, self.value, self.expected = variable, value, expected
+        self.variable, self.value, self.expected, self.where = variable, value, expected, where
         super().__init__(f"{where}{variable}={value!r}: {expected}")
 
     def __reduce__(self):  # pickles (its fields, not its message) for another rank
-        return (type(self), (self.variable, self.value, self.expected))
+        return (type(self), (self.variable, self.value, self.expected, self.where))
 
 
 class BackendUnavailableError(ImportError):

@@ -79,6 +79,7 @@ def fused_vs_separate(comm, args) -> dict:
 
 def main(args) -> int:
     import mpidp
+    from mpidp.engine import host_ops
     g = mpidp.init()
     comm = g.comm
     rows = pack_unpack(comm, args)

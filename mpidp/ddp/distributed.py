@@ -187,8 +187,8 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         """At the first synchronised backward (or its shadow under Join): whether a
         communication hook is registered must agree across ranks, or they would reduce their
         buckets on different groups, and then which hook with which state (Note
-        [Communication hooks]); a MismatchError on every rank otherwise. Collective."""
-        self._hook_agreed = True
+        [Communication hooks]); a MismatchError on every rank otherwise, and the next
+        synchronised backward checks again. Collective."""
         if self._size > 1:
             mine = np.array([[int(self._hook is not None)]], np.int64)
             flags = collectives.allgather(mine)[:, 0]
@@ -201,6 +201,7 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
             if self._hook is not None:  # the same hook and state: Note [Communication hooks]
                 check_same(runtime.group(), describe_hook(*self._hook),
                            "DistributedDataParallel", "the communication hooks")
+        self._hook_agreed = True
 
     def _start_backward(self) -> None:
         self._in_backward = True

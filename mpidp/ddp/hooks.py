@@ -18,13 +18,18 @@ their own (Note [Sub-groups] in mpidp/runtime.py). A joined rank (Note [Uneven i
 mpidp/ddp/join.py) calls the hook with a zero buffer, as torch's DDP does. Every rank must
 register the same hook with a state that agrees: at the first synchronised backward (or its
 shadow under Join) the ranks compare whether one is registered, then ``describe_hook`` — the
-hook's name, its state's type and what the hook declares of its state
-(``hook.mpidp_describe_state(state)``: PowerSGD's settings) — a MismatchError on every rank
-naming the first difference otherwise, before any bucket is reduced."""
+hook's name (a functools.partial's function, arguments and keywords), its state's type and
+what the hook declares of its state (``hook.mpidp_describe_state(state)``: mpidp's PowerSGD
+settings), or else the settings of torch's PowerSGDState the state has (``POWERSGD_SETTINGS``,
+its generator's state) — a MismatchError on every rank naming the first difference otherwise,
+before any bucket is reduced."""
 from __future__ import annotations
 
+import functools
+import hashlib
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..engine.dtypes import F32
@@ -83,17 +88,37 @@ def check_hook(state: Any, hook: Callable) -> None:
         check_state(state)
 
 
+# What of a hook's state every rank must hold alike where the hook declares nothing (Note
+# [Communication hooks]): the settings of torch's PowerSGDState, by name, on any state that has
+# them — with another rank, schedule or batching the ranks would pair different all-reduces —
+# and its generator (torch's random_seed is kept only as the generator it seeded).
+POWERSGD_SETTINGS = ("matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate",
+                     "orthogonalization_epsilon", "use_error_feedback", "warm_start",
+                     "batch_tensors_with_same_shape", "random_seed", "iter")
+
+
 def describe_hook(state: Any, hook: Callable) -> list:
     """(label, value) pairs every rank's registered hook must agree on (Note [Communication
-    hooks]), for fingerprint.check_same."""
+    hooks]), for fingerprint.check_same: the hook's function (and a functools.partial's
+    arguments), its state's type, and what the hook declares of its state
+    (``mpidp_describe_state``) or else the PowerSGD settings the state has."""
     target = getattr(hook, "func", hook)  # a functools.partial: the function it wraps
     name = getattr(target, "__qualname__", type(target).__qualname__)
-    out = [("communication hook", f"{getattr(target, '__module__', '')}.{name}"),
-           ("communication hook state", type(state).__qualname__)]
+    out = [("communication hook", f"{getattr(target, '__module__', '')}.{name}")]
+    if isinstance(hook, functools.partial):
+        out += [("communication hook arguments", tuple(hook.args)),
+                ("communication hook keywords", dict(hook.keywords))]
+    out.append(("communication hook state", type(state).__qualname__))
     describe = getattr(hook, "mpidp_describe_state", None)  # mpidp's own hooks describe theirs
     if describe is not None:
-        out += [(f"communication hook state: {label}", value) for label, value in
-                describe(state)]
+        return out + [(f"communication hook state: {label}", value) for label, value in
+                      describe(state)]
+    out += [(f"communication hook state: {name}", getattr(state, name))
+            for name in POWERSGD_SETTINGS if hasattr(state, name)]
+    rng = getattr(state, "rng", None)  # torch's PowerSGDState: a seeded numpy RandomState
+    if isinstance(rng, np.random.RandomState):
+        digest = hashlib.sha256(rng.get_state()[1].tobytes()).hexdigest()[:16]
+        out.append(("communication hook state: rng (its state's digest)", digest))
     return out
 
 

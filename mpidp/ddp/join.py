@@ -29,7 +29,9 @@ from .hooks import reduce_scatters
 # parameters and buffers, so every rank ends with the same model, as torch's DDP does. What
 # Join refuses (divide_by_initial_world_size=False, the audit, an attached ZeRO, SyncBatchNorm)
 # is refused on every rank: each rank's refusal is exchanged when the Join is built (join_hook,
-# which every rank calls), so a rank that refuses never leaves the others waiting in a forward.
+# which every rank calls), so a rank that refuses never leaves the others waiting in a forward;
+# so are enable and throw_on_early_termination compared there (model.join() hands them to
+# join_hook), since either changes how many all-reduces a forward makes.
 
 
 
@@ -42,19 +44,31 @@ class JoinSupport(Joinable):
              throw_on_early_termination: bool = False) -> Join:
         """torch's ``DistributedDataParallel.join``: ``with model.join(): <training loop>``
         lets ranks with fewer batches finish (Note [Uneven inputs]). Only
-        ``divide_by_initial_world_size=True`` (torch's default) is supported."""
+        ``divide_by_initial_world_size=True`` (torch's default) is supported. Collective:
+        ``enable`` and ``throw_on_early_termination`` decide how many all-reduces each
+        forward makes, so they are compared across ranks with the rest (``join_hook``)."""
         return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
+                    divide_by_initial_world_size=divide_by_initial_world_size,
+                    join_settings={"enable": bool(enable), "throw_on_early_termination":
+                                   bool(throw_on_early_termination)})
 
     def join_hook(self, **kwargs) -> JoinHook:
-        """torch's; collective: what one rank refuses every rank refuses (Note [Uneven
-        inputs])."""
+        """torch's; collective: what one rank refuses every rank refuses, and the settings
+        that decide each forward's collectives (``enable``, ``throw_on_early_termination``)
+        must agree: ``join()`` hands them here as ``join_settings`` (torch's Join passes extra
+        keywords to every joinable's join_hook; its own ``enable`` cannot be one), and a
+        ``Join`` built directly, which does not, is taken to use torch's defaults (Note
+        [Uneven inputs])."""
         try:
             self._check_joinable(kwargs.get("divide_by_initial_world_size", True))
             failed = None
         except ValueError as exc:
             failed = exc
-        check_same(runtime.group(), [], "Join", "the Join settings", failed)
+        given = kwargs.get("join_settings", {})
+        settings = [("enable", given.get("enable", True)),
+                    ("throw_on_early_termination", given.get("throw_on_early_termination",
+                                                             False))]
+        check_same(runtime.group(), settings, "Join", "the Join settings", failed)
         return _JoinHook(self)
 
     def _check_joinable(self, divide_by_initial_world_size: bool) -> None:

@@ -43,11 +43,9 @@ KIND_NAMES = {ALLREDUCE: "allreduce", BROADCAST: "broadcast", ALLGATHER: "allgat
 _OP_WORDS = {0: "sum", 1: "min", 2: "max", 4: "avg"}  # op_word(op code, average)
 _OTHER_NAMES: dict = {}  # CRC-32 -> name of an object collective (the same table on every rank)
 _SITES: dict = {}        # 24-bit CRC -> call site this process has seen
-# frames skipped when looking for a collective's call site (Note [Debug fingerprints])
-_LAYER = frozenset(("mpidp.comm.collectives", "mpidp.engine.host_executor", "mpidp.comm.fusion", "mpidp.comm.buckets",
-                    "mpidp.comm.state_broadcast", "mpidp.engine.header", "mpidp.runtime.watchdog",
-                    "mpidp.runtime.timeline", "mpidp.engine.gpu.executor", "mpidp.comm.device_buckets",
-                    "mpidp.comm.fingerprint", "contextlib"))
+# frames skipped when looking for a collective's call site (Note [Debug fingerprints]): the
+# packages of the collective layers, whatever module of theirs a collective passes through
+_LAYER = ("mpidp.comm.", "mpidp.runtime.", "mpidp.engine.")
 # word 1: the algorithm's code (mpidp.algorithms) in bits 0-3; for the shared-memory protocol
 # its data mode (none, inline, sliced) in bits 4-5 and peer mode (cma, window) in bit 6, set
 # by the C call (csrc/binding.h), so ranks that would move data differently disagree there;
@@ -100,7 +98,8 @@ def other_header(name: str, op: int = 0, dtype: int = 0, count: int = 0,
 def call_site() -> str:
     """``file.py:line`` of the first caller outside mpidp's collective layer."""
     f = sys._getframe(1)
-    while f.f_back is not None and f.f_globals.get("__name__") in _LAYER:
+    while f.f_back is not None and (f.f_globals.get("__name__", "").startswith(_LAYER) or
+                                    f.f_globals.get("__name__") == "contextlib"):
         f = f.f_back
     return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
 

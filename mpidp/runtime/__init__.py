@@ -129,7 +129,11 @@ def init(comm: Any = None) -> Group:
                 raise LaunchError(f"mpidp: {reason}")
         cfg = _agreed_settings(comm)
         timeline.switch(bool(cfg.timeline))  # Note [Timeline cost]
-        group = Group(comm, cfg)
+        try:
+            group = Group(comm, cfg)
+        except BaseException:  # no group: nothing records, as before init
+            timeline.switch(False)
+            raise
         if cfg.abort_on_exception:
             _install_abort_hooks(group)
         group.resources.start_watchdog(cfg.timeout_s)

@@ -73,6 +73,12 @@ class Writer:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
+    def verified(self, path: Path) -> None:
+        """The checkpoint resumed from was read and checked: ``Retention.verified``. Before
+        the first ``submit``."""
+        assert self._thread is None, "verified after a write started"
+        self._retention.verified(path)
+
     def submit(self, state: dict, global_step: int, resumed_from=None) -> Path:
         """Starts writing ``state`` as the checkpoint of ``global_step`` (``resumed_from``:
         the checkpoint the run resumed from, kept); returns its path (written once ``wait``

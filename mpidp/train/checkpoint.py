@@ -81,7 +81,8 @@ _CHUNK_BYTES = 1 << 22
 # digest reads the whole file, so a ``Retention`` (one per run, rank 0's) remembers each file
 # it wrote or checked by path and identity (device, inode, size, mtime, ctime: a rewrite
 # changes one of them, and ctime cannot be set back): a file is hashed at most once per run
-# (one an earlier run left, at the first save; one this process wrote, never), and a later
+# (one an earlier run left, at the first save; the one resumed from, by the resume's ``read``
+# only, which ``Retention.verified`` records; one this process wrote, never), and a later
 # save costs a directory listing and an lstat a file.
 
 
@@ -171,6 +172,12 @@ class Retention:
         """``path`` was just written by ``save``: ours and usable, without reading it."""
         self._checked[path] = (_identity(os.lstat(path)), None)
 
+    def verified(self, path: Path) -> None:
+        """``path`` was just read and its digest checked (``read``, by the resume): not
+        hashed again while it stays the same; usable if it is a regular file of ours."""
+        st = os.lstat(path)
+        self._checked[Path(path)] = (_identity(st), _not_ours(path, st))
+
     def apply(self, directory: Path, written_step: int, keep: int, protected_names) -> None:
         """Deletes what ``retention_plan`` says in ``directory``; names each file left."""
         listing = []
@@ -213,15 +220,22 @@ def _check_ours(path: Path) -> Optional[str]:
         return (f"checkpoint {path} is a symbolic link" if exc.errno == errno.ELOOP else
                 f"checkpoint {path} cannot be read: {exc.strerror}")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return f"checkpoint {path} is not a regular file"
-        if st.st_uid != os.geteuid():
-            return f"checkpoint {path} is owned by another user (uid {st.st_uid})"
+        problem = _not_ours(path, os.fstat(fd))
+        if problem is not None:
+            return problem
         try:
             _verify(f, path)
         except _Bad as exc:
             return str(exc)
+    return None
+
+
+def _not_ours(path: Path, st: os.stat_result) -> Optional[str]:
+    """Why the file at ``path`` with status ``st`` is not a regular file of ours, or None."""
+    if not stat.S_ISREG(st.st_mode):
+        return f"checkpoint {path} is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"checkpoint {path} is owned by another user (uid {st.st_uid})"
     return None
 
 

@@ -46,7 +46,10 @@ from .strategy_base import Strategy
 # takes this run's --outer-lr and --outer-momentum (a momentum of 0 drops its buffers), and a
 # checkpoint more steps past its last meeting than this run's --sync-every (a smaller one)
 # meets at once, before the first step, saying so in one line: its meeting is overdue, and
-# counting on from there would not meet again before the epoch's end.
+# counting on from there would not meet again before the epoch's end. So does a localsgd
+# checkpoint between meetings resumed with a larger --local-sgd-warmup-steps that puts the
+# ranks back into synchronous steps (which never count towards a meeting) while their models
+# differ (meeting_on_resume decides both).
 
 
 class _Meeting(Strategy):
@@ -172,11 +175,26 @@ class _Meeting(Strategy):
     def resume_at(self, global_step: int) -> None:
         self.steps = global_step
         self.ddp.broadcast_buffers = self.steps < self.warmup
-        if self.since >= self.every:  # a smaller --sync-every: Note [Local steps]
-            self.notes.append(f"--strategy {self.name}: the checkpoint is {self.since} steps "
-                              f"past the ranks' last meeting and --sync-every is {self.every}: "
-                              "they meet now")
+        why = meeting_on_resume(self.name, self.since, self.every, self.steps, self.warmup)
+        if why is not None:
+            self.notes.append(why)
             self.meet()
+
+
+def meeting_on_resume(name: str, since: int, every: int, steps: int,
+                      warmup: int) -> Optional[str]:
+    """Whether the ranks must meet as they resume, before the first step (Note [Local
+    steps]): the line that says why, or None. ``since``: the checkpoint's steps past the
+    ranks' last meeting; ``every``: this run's --sync-every; ``steps``: the global step
+    resumed at; ``warmup``: this run's --local-sgd-warmup-steps (0 for diloco). Pure."""
+    if since >= every:  # a smaller --sync-every
+        return (f"--strategy {name}: the checkpoint is {since} steps past the ranks' last "
+                f"meeting and --sync-every is {every}: they meet now")
+    if since > 0 and steps < warmup:  # a larger warm-up: synchronous steps from differing models
+        return (f"--strategy {name}: the checkpoint is {since} steps past the ranks' last "
+                f"meeting and --local-sgd-warmup-steps is {warmup}: steps {steps + 1} to "
+                f"{warmup} are synchronous again, so they meet now")
+    return None
 
 
 class LocalSGD(_Meeting):

@@ -108,19 +108,20 @@ def _start_strategy(s: TrainSettings, g, model: torch.nn.Module,
 @dataclasses.dataclass
 class _EpochFigures:
     """One rank's figures for one epoch: seconds computing (a server's: serving) and waiting
-    for communication, samples trained, their summed loss, the epoch's seconds, the last
-    learning rate."""
+    for communication, samples trained, their summed loss, the epoch's seconds, the seconds
+    --straggler made it sleep (in compute_s too), the last learning rate."""
     lr: float
     compute_s: float = 0.0
     wait_s: float = 0.0
     samples: int = 0
     loss_sum: float = 0.0
     time_s: float = 0.0
+    straggler_delay_s: float = 0.0
 
     def row(self) -> np.ndarray:
-        """The 1x5 row every rank contributes to the epoch's allgather."""
+        """The 1x6 row every rank contributes to the epoch's allgather."""
         return np.array([[self.compute_s, self.wait_s, self.samples, self.loss_sum,
-                          self.time_s]])
+                          self.time_s, self.straggler_delay_s]])
 
 
 class _Run:
@@ -164,6 +165,8 @@ class _Run:
         sample cursor: Note [Sample cursor])."""
         g = self.g
         path, state, digest = resumed if g.rank == 0 else (None, None, None)
+        if path is not None:  # read and hashed once: Note [Checkpoint retention]
+            (self.writer if self.writer is not None else self.retention).verified(path)
         self.strategy.load_optimizer(state["optimizer"] if state else None)
         self.strategy.load_comm_state(state.get("comm_hook") if state else None)
         if self.strategy.scaler is not None:  # the same on every rank: Note [Training device]
@@ -255,7 +258,7 @@ class _Run:
         dt = time.perf_counter() - t0
         dw = strategy.stats["wait_s"] - waited
         if self.straggler == self.g.rank:
-            dt = self._straggle(t0, dt - dw)
+            dt = self._straggle(t0, dt - dw, figures)
         figures.compute_s += dt - dw
         figures.wait_s += dw
         loss_value = float(loss.detach())
@@ -279,11 +282,13 @@ class _Run:
             collectives.allreduce_(self._agreement, "max")
         return int(self._agreement[0])
 
-    def _straggle(self, t0: float, compute_s: float) -> float:
+    def _straggle(self, t0: float, compute_s: float, figures: _EpochFigures) -> float:
         """--straggler, a testing aid: this rank computes FACTOR× slower, sleeping (FACTOR-1)×
-        the ``compute_s`` of its step. Returns the step's seconds since ``t0``, the sleep
-        included."""
-        time.sleep((self.slowdown - 1) * compute_s)
+        the ``compute_s`` of its step (added to ``figures``' straggler_delay_s). Returns the
+        step's seconds since ``t0``, the sleep included."""
+        delay_s = (self.slowdown - 1) * compute_s
+        time.sleep(delay_s)
+        figures.straggler_delay_s += delay_s
         return time.perf_counter() - t0
 
     def _evaluate_if_due(self, epoch: int) -> Optional[float]:
@@ -299,7 +304,7 @@ class _Run:
         """The epoch's event (the JSON line and the log line) from every rank's ``figures``,
         gathered; adds them to the run's totals."""
         per_rank = collectives.allgather(figures.row())
-        compute, waits, counts, losses, times = per_rank.T
+        compute, waits, counts, losses, times, _ = per_rank.T
         n_samples = int(counts.sum())
         wall_s = float(times.max())  # the epoch ends with its slowest rank
         self.samples_total += n_samples
@@ -313,8 +318,8 @@ class _Run:
                 "time_s": wall_s, "wait_fraction": float((waits / times).mean())
                 if times.min() > 0 else 0.0, "lr": figures.lr,
                 "ranks": [{"rank": r, "compute_s": float(c), "wait_s": float(w),
-                           "samples": int(n), "time_s": float(t)}
-                          for r, (c, w, n, _, t) in enumerate(per_rank)]}
+                           "samples": int(n), "time_s": float(t), "straggler_delay_s": float(d)}
+                          for r, (c, w, n, _, t, d) in enumerate(per_rank)]}
 
     def _report_straggler(self, epoch: int) -> None:
         """Note [Straggler report] in mpidp/train/stragglers.py."""

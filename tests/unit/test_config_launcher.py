@@ -86,6 +86,18 @@ def test_switch_spellings_are_accepted_and_documented():
     assert all(f"`{spelling}`" in docs for spelling in config.BOOL_SPELLINGS)
 
 
+def test_a_config_error_pickles_whole_for_another_rank():
+    """_agreed_settings sends a bad rank's error to the others: a round trip keeps its fields
+    and its message, "rank r: " included."""
+    import pickle
+    e = ConfigError("MPIDP_DEBUG", "maybe", "expected one of on, off", where="rank 1: ")
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is ConfigError and str(back) == str(e) == \
+        "rank 1: MPIDP_DEBUG='maybe': expected one of on, off"
+    assert (back.variable, back.value, back.expected, back.where) == \
+        ("MPIDP_DEBUG", "maybe", "expected one of on, off", "rank 1: ")
+
+
 def test_emulated_node_larger_than_the_group_is_refused():
     for k, size in ((0, 2), (1, 2), (2, 2), (2, 3)):  # 2 on 3 ranks: nodes of 2 and 1
         config.check_group_size(config.from_env({"MPIDP_EMULATE_NODE_SIZE": str(k)}), size)

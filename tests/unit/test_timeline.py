@@ -146,8 +146,17 @@ def test_write_atomically_never_writes_through_a_link(tmp_path):
 
 
 def test_an_unwritable_timeline_is_an_error_at_init(tmp_path):
-    code = "import mpidp\ntry:\n    mpidp.init()\nexcept ValueError as e:\n    print(e)\n"
+    """...and where the group cannot be built, init leaves the timeline off (in the same
+    process, first: a group that fails to build, then the unwritable file)."""
+    code = ("import mpidp\nfrom mpidp import runtime\nfrom mpidp.runtime import timeline\n"
+            "real, runtime.Group = runtime.Group, lambda *a: 1 / 0\n"
+            "try:\n    mpidp.init()\nexcept ZeroDivisionError:\n"
+            "    print('no group; timeline on:', timeline.ON)\n"
+            "runtime.Group = real\n"
+            "try:\n    mpidp.init()\nexcept ValueError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, env={"MPIDP_TIMELINE": str(tmp_path / "no" / "t.json"),
-                                          "PATH": "/usr/bin:/bin"})
+                                          "PATH": "/usr/bin:/bin",
+                                          "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    assert "no group; timeline on: False" in out.stdout, out.stdout + out.stderr
     assert "MPIDP_TIMELINE=" in out.stdout and "cannot write" in out.stdout, out.stderr

@@ -328,7 +328,8 @@ def test_save_keeps_the_run_s_checkpoints_past_damaged_planted_and_ahead_files(t
     """Note [Checkpoint retention]: a run resumed from 46 (69 damaged, a symlink planted at
     999, junk at 30) saves 53 and 61 keeping 1: its own usable checkpoints rotate, the one
     resumed from stays, every other file is left and named once; each file is hashed once
-    (those written, never) until it changes: junk replaced by a good checkpoint then counts."""
+    (the one resumed from by the resume's read only, those written never) until it changes:
+    junk replaced by a good checkpoint then counts."""
     d = tmp_path / "ck"
     for step in (23, 46, 69):
         checkpoint.save(d, _state(step), step, keep=3)
@@ -342,12 +343,13 @@ def test_save_keeps_the_run_s_checkpoints_past_damaged_planted_and_ahead_files(t
                         lambda f, path: hashed.append(path.name[5:14]) or verify(f, path))
     notes = []
     retention = checkpoint.Retention(notes.append)
-    resumed = str(checkpoint.path_for(d, 46))
+    resumed = str(checkpoint.read(checkpoint.path_for(d, 46)).path)  # as a resume reads it
+    retention.verified(checkpoint.path_for(d, 46))
     for step in (53, 61):
         checkpoint.save(d, _state(step), step, 1, retention, resumed)
     assert sorted(p.name[5:14] for p in d.iterdir()) == \
         ["000000030", "000000046", "000000061", "000000069", "000000999"]
-    assert hashed == ["000000046", "000000030", "000000023"]
+    assert hashed == ["000000046", "000000030", "000000023"]  # 46 once: by the resume's read
     end = "; left in place, not counted toward --keep-checkpoints"
     assert notes == [
         f"checkpoint {d}/ckpt-000000999.pt is ahead of this run (step 999; this run has "
@@ -658,6 +660,21 @@ def test_a_resume_says_each_changed_setting_in_one_line():
         "resuming with --lr 0.02 (the checkpoint was trained with 0.01)",
         "the checkpoint was written by 2 ranks, this run has 3: epochs sharded over 3; "
         "--lr-scaling linear now counts 3 ranks; rank 2 starts its generator from --seed"]
+
+
+def test_a_resume_between_meetings_meets_where_counting_on_would_not():
+    """Note [Local steps]: a smaller --sync-every, or a larger --local-sgd-warmup-steps that
+    makes the next steps synchronous again while the ranks' models differ, meets at once."""
+    from mpidp.train.local_strategies import meeting_on_resume
+    assert meeting_on_resume("localsgd", 7, 4, 7, 0) == (
+        "--strategy localsgd: the checkpoint is 7 steps past the ranks' last meeting and "
+        "--sync-every is 4: they meet now")
+    assert meeting_on_resume("localsgd", 3, 8, 13, 20) == (
+        "--strategy localsgd: the checkpoint is 3 steps past the ranks' last meeting and "
+        "--local-sgd-warmup-steps is 20: steps 14 to 20 are synchronous again, so they meet now")
+    assert meeting_on_resume("localsgd", 0, 8, 13, 20) is None  # met already
+    assert meeting_on_resume("localsgd", 3, 8, 13, 13) is None  # the next step is local
+    assert meeting_on_resume("diloco", 3, 8, 13, 0) is None
 
 
 def test_outputs_are_checked_before_training(tmp_path):

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 import mpidp
+from mpidp.comm.fingerprint import check_same_buckets
+from mpidp.comm.fusion import plan
 from mpidp.errors import MismatchError, MpidpError
 
 torch.set_num_threads(1)
@@ -119,7 +121,7 @@ for trial, sizes in enumerate(([5000], [1, 7, 3001, 2], [1024] * 10 + [3], [2] *
         expect(took == (n > 1 and g.single_node and len(sizes) <= 256),
                f"zero-copy {sizes[:3]}: took={took}")
         if took:
-            collectives.allreduce_segments_([as_host_array(t).flat for t in got], F32, op)
+            collectives.allreduce_segments_(g, [as_host_array(t).flat for t in got], F32, op)
         else:
             Bucket(range(len(sizes)), sizes, F32).reduce_(got, got, op, "auto")
         expect(all(torch.equal(a, w) for a, w in zip(got, want)), f"zero-copy {sizes[:3]} {op}")
@@ -233,14 +235,44 @@ if n > 1:
     except MismatchError as exc:
         expect(f"rank {n - 1}: parameter 0.weight torch.float32[9, 6] where rank 0 has "
                "parameter 0.weight torch.float32[8, 6]" in str(exc), f"mismatch text: {exc}")
-    try:  # the same model, bucketed differently on one rank: caught before any bucket runs
+    try:  # the same model, bucketed differently on one rank: caught with DDP's arguments,
+        # before any bucket is built
         mpidp.DistributedDataParallel(net(), bucket_cap_mb=TINY_MB if rank == n - 1 else 25)
+        failures.append("bucket_cap_mb mismatch: no error")
+    except MismatchError as exc:
+        expect("its arguments differ between ranks" in str(exc) and
+               f"rank {n - 1}: bucket_cap_mb = {TINY_MB!r} where rank 0 has 25" in str(exc),
+               f"bucket_cap_mb mismatch text: {exc}")
+    # the layout check behind it, on the buckets DDP would plan with those caps
+    params = [p.detach() for p in net().parameters()]
+    cap = 256 if rank == n - 1 else 25 << 20
+    try:
+        check_same_buckets(g, plan(params, cap, min(1 << 20, cap),
+                                   tuple(reversed(range(len(params))))), "DistributedDataParallel")
         failures.append("bucket layout mismatch: no error")
     except MismatchError as exc:
         expect("gradient buckets differ between ranks" in str(exc) and
                re.search(rf"rank {n - 1}: bucket 1 of \d+: 4 tensors, float32\[103\] where "
                          r"rank 0 has bucket 1 of 1: 6 tensors, float32\[159\]", str(exc)),
                f"bucket mismatch text: {exc}")
+    # DDP's own arguments, compared at construction: a setting on one rank only, or a bad
+    # argument there, raises on every rank and none waits (the drop-in below then trains)
+    last = rank == n - 1
+    try:
+        mpidp.DistributedDataParallel(net(), find_unused_parameters=last)
+        failures.append("find_unused_parameters on the last rank only: no error")
+    except MismatchError as exc:
+        expect(f"rank {n - 1}: find_unused_parameters = True where rank 0 has False"
+               in str(exc), f"find_unused_parameters mismatch text: {exc}")
+    try:
+        mpidp.DistributedDataParallel(net(), bucket_cap_mb=-1 if last else 25)
+        failures.append("bucket_cap_mb=-1 on the last rank only: no error")
+    except MismatchError as exc:
+        expect(not last and f"rank {n - 1}: ValueError: bucket_cap_mb must be a positive "
+               "number, got -1" in str(exc), f"bad argument elsewhere: {exc!r}")
+    except ValueError as exc:
+        expect(last and "bucket_cap_mb must be a positive number, got -1" in str(exc),
+               f"bad argument here: {exc!r}")
 
 # ---- drop-in: a torch DDP tutorial loop with only the import and init lines changed -----------
 from mpidp import DistributedDataParallel as DDP  # noqa: E402  (was torch.nn.parallel)

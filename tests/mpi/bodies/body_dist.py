@@ -100,6 +100,7 @@ if rank == 0:
     store.delete_key("counted1")
 dist.barrier()
 expect(store.num_keys() == before + 1, f"num_keys after delete: {store.num_keys()} - {before}")
+dist.barrier()  # every rank has counted before any adds the keys below
 store.append(f"app{rank}", "ab")
 store.append(f"app{rank}", b"cd")
 mine.append(f"app{rank}", "e")

@@ -3,7 +3,11 @@ DistributedDataParallel (torch.distributed on the "mpidp" backend) end with the 
 own DDP gives with the same hook on gloo — allreduce, fp16 compression, PowerSGD (and batched
 PowerSGD fails as torch's own does in torch 2.13) — and bf16 compression (which torch's DDP
 refuses on CPU) as its definition computed over gloo; with and without
-gradient_as_bucket_view; register_comm_hook's errors. Prints 'ok <rank>'."""
+gradient_as_bucket_view; register_comm_hook's errors, and a hook whose state (torch's
+PowerSGDState) or partial's keywords differ on one rank refused on every rank. Prints
+'ok <rank>'."""
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -125,6 +129,11 @@ for a, b in zip(accumulate(ours), reference):
     expect(torch.allclose(a, b, rtol=1e-4, atol=1e-5), "hook with no_sync and an unused "
            f"parameter: differs from torch's DDP by {(a - b).abs().max().item():.2e}")
 
+def scaled_hook(state, bucket, scale=1.0):
+    bucket.buffer().mul_(scale)
+    return default_hooks.allreduce_hook(state, bucket)
+
+
 # a hook registered on some ranks only is refused on every rank at the first backward
 if n > 1:
     model = mpidp.DistributedDataParallel(net())
@@ -135,6 +144,26 @@ if n > 1:
         failures.append("a hook on rank 0 only was accepted")
     except mpidp.MismatchError as exc:
         expect("registered on ranks 0 only" in str(exc), f"hook on one rank: {exc}")
+    # torch's PowerSGDState with another rank, and a functools.partial with another keyword,
+    # on the last rank only: refused on every rank at the first backward, naming the setting
+    last = rank == n - 1
+    state = powerSGD_hook.PowerSGDState(process_group=None, start_powerSGD_iter=2,
+                                        matrix_approximation_rank=3 if last else 2)
+    scaled = functools.partial(scaled_hook, scale=2.0 if last else 1.0)
+    for (state, hook), said in (
+            ((state, powerSGD_hook.powerSGD_hook),
+             "communication hook state: matrix_approximation_rank = 3 where rank 0 has 2"),
+            ((None, scaled), "communication hook keywords = {'scale': 2.0} where rank 0 has "
+             "{'scale': 1.0}")):
+        model = mpidp.DistributedDataParallel(net())
+        model.register_comm_hook(state, hook)
+        for attempt in ("first", "next"):  # a refused check is made again, not taken as passed
+            try:
+                model(torch.ones(2, 6)).sum().backward()
+                failures.append(f"a hook differing on the last rank was accepted at the "
+                                f"{attempt} backward ({said})")
+            except mpidp.MismatchError as exc:
+                expect(f"rank {n - 1}: {said}" in str(exc), f"hook state on one rank: {exc}")
 
 model = mpidp.DistributedDataParallel(net())
 try:

@@ -2,7 +2,8 @@
 DistributedDataParallel under ``with model.join():`` and torch's DDP on the "mpidp" backend
 under ``with Join([model]):`` end with the same parameters as torch's DDP with Join on gloo
 (the reference), on every rank. A Join one rank refuses (divide_by_initial_world_size=False
-there) is refused on every rank, and the job goes on. Prints 'ok <rank>'."""
+there), or whose enable or throw_on_early_termination differs there, is refused on every rank,
+and the job goes on. Prints 'ok <rank>'."""
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,15 @@ if n > 1:  # refused on the last rank only: every rank raises, none waits in a f
     except ValueError as exc:
         expect(rank == n - 1 and "divide_by_initial_world_size=False" in str(exc),
                f"Join refused here says: {exc}")
+    # enable or throw_on_early_termination on the last rank only: a different number of
+    # all-reduces per forward, so refused on every rank before any forward
+    for setting, value in (("enable", False), ("throw_on_early_termination", True)):
+        try:
+            model.join(**{setting: value} if rank == n - 1 else {})
+            expect(False, f"a Join with {setting}={value} on the last rank only was accepted")
+        except mpidp.MismatchError as exc:
+            expect(f"rank {n - 1}: {setting} = {value} where rank 0 has {not value}" in str(exc),
+                   f"Join with {setting} differing says: {exc}")
     again = train(model, model.join())
     flat = torch.cat([p.reshape(-1) for p in again])
     everyone = [torch.empty_like(flat) for _ in range(n)]
