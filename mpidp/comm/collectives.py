@@ -129,7 +129,8 @@ def allreduce_in(g, x: Any, op: str = "sum", algorithm: str = "auto", inplace: b
         fast = g.resources.fast_allreduce  # one C call: csrc/small.c, csrc/exchange.c
         if fast is not None and inplace:
             view = x if type(x) is np.ndarray else _numpy_view(x)
-            if view is not None and _one_call(g, view, op):
+            if view is not None and view.nbytes <= g.resources.fast_max_bytes and \
+                    _one_call(g, view, op):  # the size it takes: nothing to ask otherwise
                 if view is not x:
                     _increment_version(x)
                 return x

@@ -203,7 +203,8 @@ def all_reduce(g, t: torch.Tensor, op) -> None:
     if name is not None and fmt is not None and t.is_cpu and t.layout is torch.strided \
             and t.is_contiguous() and not (name == "avg" and fmt in "iq"):
         view = _view(t, fmt)
-        if not collectives.allreduce_one_call(g, view, name):
+        if t.nbytes > g.resources.fast_max_bytes or \
+                not collectives.allreduce_one_call(g, view, name):
             collectives.allreduce_in(g, np.asarray(view), name, "auto", True)
         return
     kind, name = _reduction(op)
