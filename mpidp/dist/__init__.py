@@ -20,6 +20,7 @@ torch has no public way to extend ``env://``, so the fallback replaces its entry
 table of rendezvous handlers, keeping the original for every other case."""
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import warnings
@@ -45,6 +46,8 @@ def register() -> None:
                                       devices=["cpu", "cuda"])
     if "mpidp" not in rdzv._rendezvous_handlers:
         dist.register_rendezvous_handler("mpidp", _mpi_rendezvous)
+    if not getattr(dist.monitored_barrier, "mpidp_dispatch", False):
+        dist.monitored_barrier = _monitored_barrier_or(dist.monitored_barrier)
     env = rdzv._rendezvous_handlers.get("env")
     if env is not None and not getattr(env, "mpidp_fallback", False):
         rdzv._rendezvous_handlers["env"] = _env_or_mpi(env)
@@ -137,6 +140,26 @@ def _destroy_torch_groups() -> None:
             pass
 
 
+def _monitored_barrier_or(original):
+    """torch.distributed.monitored_barrier serving mpidp's groups too (torch's own raises
+    "only implemented for GLOO backend" for any other; Note [Rendezvous over MPI] says why
+    registering replaces torch's entry): an mpidp group's goes to ``monitored_barrier``
+    below, any other group to torch's."""
+    import torch.distributed as dist  # deferred for cost, as above
+
+    @functools.wraps(original)
+    def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+        c10d = dist.distributed_c10d
+        if dist.is_initialized() and group is not c10d.GroupMember.NON_GROUP_MEMBER:
+            from .group import ProcessGroup
+            pg = c10d._get_default_group() if group is None else group
+            if isinstance(pg, ProcessGroup):
+                return pg.monitored_barrier(timeout, wait_all_ranks)
+        return original(group, timeout, wait_all_ranks)
+    monitored_barrier.mpidp_dispatch = True
+    return monitored_barrier
+
+
 def process_group_for_join():
     """torch.distributed's default group, which torch's Join all-reduces on, started on the
     mpidp backend (over mpidp's group) where torch.distributed is not initialised yet
@@ -150,8 +173,8 @@ def process_group_for_join():
 
 def monitored_barrier(group: Any = None, timeout: Optional[timedelta] = None,
                       wait_all_ranks: bool = False) -> None:
-    """torch.distributed.monitored_barrier for the mpidp backend (torch's own accepts gloo
-    only): rank 0 raises a RuntimeError naming the rank (with ``wait_all_ranks`` every rank)
+    """torch.distributed.monitored_barrier for the mpidp backend (which torch's serves too
+    once mpidp is registered): rank 0 raises a RuntimeError naming the rank (with ``wait_all_ranks`` every rank)
     that did not arrive within ``timeout``. Every rank of ``group`` (default: the default
     group) calls it."""
     import torch.distributed as dist  # deferred for cost, as above

@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from .. import config, runtime
 from ..errors import MpidpError, WaitTimeoutError
-from . import ops, p2p
+from . import ops, p2p, sparse
 from .thread import CommThread, Work, run_now
 
 
@@ -172,8 +172,11 @@ class ProcessGroup(dist.ProcessGroup):
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         if len(tensors) == 1:  # dist.all_reduce's, with one frame less
             t = tensors[0]
-            return self._run(opts, lambda: ops.all_reduce(self.g, t, op), tensors)
-        return self._run(opts, lambda: [ops.all_reduce(self.g, t, op) for t in tensors], tensors)
+            reduce = sparse.all_reduce if t.layout is torch.sparse_coo else ops.all_reduce
+            return self._run(opts, lambda: reduce(self.g, t, op), tensors)
+        return self._run(opts, lambda: [(sparse.all_reduce if t.layout is torch.sparse_coo
+                                         else ops.all_reduce)(self.g, t, op)
+                                        for t in tensors], tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -289,12 +292,15 @@ class ProcessGroup(dist.ProcessGroup):
 
     def monitored_barrier(self, timeout: Optional[timedelta] = None,
                           wait_all_ranks: bool = False) -> None:
-        """torch's monitored barrier (torch's front offers it for gloo only: call
-        ``mpidp.dist.monitored_barrier``), after this group's queued operations: rank 0 waits
-        up to ``timeout`` (default: the watchdog's) and names the ranks that did not come
+        """torch's monitored barrier (``dist.monitored_barrier`` reaches it once mpidp is
+        registered), after this group's queued operations: rank 0 waits up to ``timeout`` (a
+        timedelta or seconds, as torch's front takes; default: the group's timeout, else the
+        watchdog's) and names the ranks that did not come, in gloo's words
         (mpidp.dist.p2p.monitored_barrier)."""
         self._run(None, lambda: None, None).wait()
-        timeout_s = timeout.total_seconds() if timeout is not None else config.get().timeout_s
+        timeout_s = _seconds(timeout) if timeout is not None else self.timeout_s
+        if timeout_s is None:
+            timeout_s = 0.0 if timeout is not None else config.get().timeout_s
         p2p.monitored_barrier(self.g, self.p2p, timeout_s, wait_all_ranks)
 
     # ---- point-to-point: not ordered with the collectives, as torch's backends ------------

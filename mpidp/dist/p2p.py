@@ -106,29 +106,45 @@ def post(g, comm, tensors, peer: int, tag: int, send: bool) -> P2PWork:
 
 
 def monitored_barrier(g, comm, timeout_s: float, wait_all_ranks: bool) -> None:
-    """Rank 0 waits up to ``timeout_s`` for every rank and raises a RuntimeError naming the
-    first rank that did not come (every such rank with ``wait_all_ranks``); the others raise
-    when rank 0 does not release them within twice that time."""
+    """gloo's monitored barrier: rank 0 waits for the ranks in order, each within what is left
+    of ``timeout_s``, and raises a RuntimeError naming the first rank that did not come
+    ("Rank R failed to pass monitoredBarrier in T ms"; with ``wait_all_ranks`` it waits the
+    whole timeout and names every such rank, "Ranks R, S failed ..."; "Rank 0 timed out in
+    monitoredBarrier" where the time ran out between two ranks). The others raise, in gloo's
+    words, when rank 0 does not release them within twice the timeout."""
     if g.size == 1:
         return
     tag = tag_limit()
     token = np.zeros(1, np.uint8)
+    ms = f"{timeout_s * 1000:.0f} ms"
     if g.rank != 0:
         comm.Isend(token, dest=0, tag=tag).Wait()
         release = comm.Irecv(token, source=0, tag=tag)
         if not _poll([release], 2 * timeout_s):
             _cancel([release])
-            raise RuntimeError(f"rank {g.rank}: monitored barrier: rank 0 did not release it "
-                               f"within {2 * timeout_s:g} s")
+            raise RuntimeError(f"Rank {g.rank} successfully reached monitoredBarrier, but "
+                               "received errors while waiting for send/recv from rank 0: it "
+                               f"did not release this rank within twice the timeout of {ms}; "
+                               "rank 0's error names the rank that did not come")
         return
     buffers = [np.zeros(1, np.uint8) for _ in range(g.size)]
     arrivals = [comm.Irecv(buffers[r], source=r, tag=tag) for r in range(1, g.size)]
-    if not _poll(arrivals, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    for r, arrival in enumerate(arrivals if not wait_all_ranks else [], 1):
+        left = deadline - time.monotonic()
+        if left < 0:
+            _cancel(arrivals)
+            raise RuntimeError(f"Rank 0 timed out in monitoredBarrier after {ms}: ranks "
+                               f"{', '.join(map(str, range(1, r))) or 'none'} had come, "
+                               f"rank {r} and after not checked")
+        if not _poll([arrival], left):
+            _cancel(arrivals)
+            raise RuntimeError(f"Rank {r} failed to pass monitoredBarrier in {ms}")
+    if not _poll(arrivals, max(0.0, deadline - time.monotonic())):
         missing = [r for r, a in enumerate(arrivals, 1) if not a.Test()]
         _cancel(arrivals)
-        shown = missing if wait_all_ranks else missing[:1]
-        raise RuntimeError(f"Ranks {', '.join(map(str, shown))} failed to pass "
-                           f"monitoredBarrier in {timeout_s:g} s")
+        raise RuntimeError(f"Ranks {', '.join(map(str, missing))} failed to pass "
+                           f"monitoredBarrier in {ms}")
     for r in range(1, g.size):
         comm.Isend(token, dest=r, tag=tag).Wait()
 

@@ -2,7 +2,8 @@
 (tests/mpi/bodies/body_metrics.py) at n = 2 (n = 1, 3: test_together.py), and the examples as
 they are — PyTorch Lightning's Trainer with DDPStrategy(process_group_backend="mpidp")
 (examples/lightning_ddp.py) ending with the same weights and metrics as the same job on gloo,
-and the plain torch-DDP script (examples/torch_ddp.py). Their batch scripts run in
+the plain torch-DDP script (examples/torch_ddp.py), and Hugging Face Accelerate
+(examples/accelerate_cpu.py) ending with gloo's weights. Their batch scripts run in
 tests/slurm/test_slurm.py."""
 from pathlib import Path
 
@@ -55,3 +56,19 @@ def test_gloo_under_mpiexec_rendezvous_over_mpi_without_master_addr():
     stdout = _ran(run(2, [EXAMPLES / "torch_ddp.py", "--backend", "gloo", "--epochs", "1"],
                       env=NO_MASTER))
     assert "epoch 1/1: 2 ranks, loss" in stdout, stdout
+
+
+def test_accelerate_on_mpidp_ends_as_on_gloo(tmp_path):
+    """Hugging Face Accelerate on CPU on a default group made on mpidp first
+    (examples/accelerate_cpu.py): the same weights, bit for bit, as on gloo."""
+    got = {}
+    for backend in ("mpidp", "gloo"):
+        out = tmp_path / f"{backend}.pt"
+        stdout = _ran(run(2, [EXAMPLES / "accelerate_cpu.py", "--backend", backend,
+                              "--out", out], env=NO_MASTER))
+        assert f"epoch 2/2: 2 processes on {backend}, DistributedType.MULTI_CPU" in stdout, \
+            stdout
+        got[backend] = torch.load(out, weights_only=True)
+    assert got["mpidp"]["loss"] == got["gloo"]["loss"]
+    for k, v in got["gloo"]["weights"].items():
+        assert torch.equal(got["mpidp"]["weights"][k], v), k

@@ -326,8 +326,26 @@ if n > 1:
     raises(TypeError if rank == 0 else MismatchError, lambda: dist.broadcast(sparse, src=0),
            "a sparse tensor on rank 0 only", "sparse_coo tensors are not supported" if
            rank == 0 else "")
-    raises(TypeError, lambda: dist.all_reduce(torch.ones(3).to_sparse()),
-           "a sparse all_reduce", "all_reduce SUM: torch.sparse_coo tensors are not supported")
+    # a sparse all_reduce sums as gloo's: rank r holds r + 1 at index r and 1 at index n
+    dense = torch.zeros(n + 1, 2, dtype=torch.int64)
+    dense[rank] = rank + 1
+    dense[n] = 1
+    sparse = dense.to_sparse(1)
+    dist.all_reduce(sparse)
+    want = torch.zeros(n + 1, 2, dtype=torch.int64)
+    want[:n] = torch.arange(1, n + 1).unsqueeze(1)
+    want[n] = n
+    expect(torch.equal(sparse.to_dense(), want) and sparse.is_sparse,
+           f"a sparse all_reduce: {sparse.to_dense().tolist()}")
+    raises(ValueError, lambda: dist.all_reduce(torch.ones(3).to_sparse(), op=R.MAX),
+           "a sparse MAX", "the mpidp backend sums sparse tensors (SUM, as gloo)")
+    other = torch.ones(3 + (rank == n - 1)).to_sparse()
+    raises(MismatchError, lambda: dist.all_reduce(other),
+           "sparse tensors of another size on one rank")
+    other = torch.ones(2, 2).to_sparse(1 + (rank == n - 1))
+    raises(MismatchError, lambda: dist.all_reduce(other),
+           "sparse tensors of another sparse/dense split on one rank",
+           "hold another shape, dtype or split")
     op = R.PRODUCT if rank == 0 else R.SUM
     raises(MismatchError, lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=op),
            "different ops")

@@ -33,7 +33,7 @@ if fault == "monitored":
     if rank == 1:
         time.sleep(4)
     try:
-        mpidp.dist.monitored_barrier(timeout=timedelta(seconds=1), wait_all_ranks=True)
+        dist.monitored_barrier(timeout=timedelta(seconds=1), wait_all_ranks=True)  # torch's
     except RuntimeError as exc:
         print(f"caught {rank}: {exc}", flush=True)
     dist.barrier()
