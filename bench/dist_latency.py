@@ -29,7 +29,7 @@ import mpidp
 from mpidp import files
 from mpidp.bench.harness import Gloo, format_size, parse_size, rotation
 
-from small_messages import run_blocks, summarize  # the sibling script's blocks and medians
+from small_messages import count_wrong, run_blocks, summarize  # the sibling script's
 
 COLUMNS = ("mpi", "mpidp_allreduce_", "dist_mpidp", "dist_gloo")
 
@@ -51,21 +51,12 @@ def tensors(nbytes: int, iters: int, seed: int):
     return [sets[i % len(sets)] for i in range(iters)], count
 
 
-def count_wrong(comm, count: int, seed: int, calls) -> list:
-    """One call per column on small integers: elements differing from the exact sum, per
-    column, summed over ranks."""
-    n, rank = comm.Get_size(), comm.Get_rank()
-    inputs = [np.random.default_rng([seed, count, r]).integers(-8, 9, count).astype(np.float32)
-              for r in range(n)]
-    exact = np.sum(inputs, axis=0)
-    wrong = []
-    for call in calls:
-        t = torch.from_numpy(inputs[rank].copy())
-        call(t)
-        wrong.append(np.count_nonzero(t.numpy() != exact))
-    total = np.empty(len(wrong), np.int64)
-    comm.Allreduce(np.array(wrong, np.int64), total)
-    return total.tolist()
+def in_place_on(call):
+    """``call`` (in place on a tensor) as count_wrong calls: on an array, returning it."""
+    def on_array(a: np.ndarray) -> np.ndarray:
+        call(torch.from_numpy(a))
+        return a
+    return on_array
 
 
 def main() -> int:
@@ -98,7 +89,8 @@ def main() -> int:
         per_rank = run_blocks(comm, [(loop, seq, (c,)) for c in calls], args.repeats,
                               min(args.warmup, iters))
         row = {"size": count * 4, "count": count, "iters": iters,
-               "wrong": count_wrong(comm, count, seed, calls), **summarize(per_rank)}
+               "wrong": count_wrong(comm, count, seed, [in_place_on(c) for c in calls]),
+               **summarize(per_rank)}
         out["rows"].append(row)
     if rank == 0:
         print(report(out))

@@ -21,13 +21,14 @@ class CommunicationError(MpidpError):
 
 class WaitTimeoutError(CommunicationError):
     """A collective waited longer than its group's timeout for other ranks to reach it:
-    ``late`` are those ranks (local ranks of the node, as the shared-memory protocol that
-    waited knows them), ``timeout_s`` the limit. The collective cannot be taken back: the
-    ranks that did arrive may have gone on with it (Note [A group's timeout] in
-    mpidp/dist/group.py)."""
+    ``late`` are those ranks — local ranks of the node where the shared-memory protocol
+    waited (``across`` False), ranks of the group where a wait across nodes did (``across``
+    True) — and ``timeout_s`` the limit. The collective cannot be taken back: the ranks that
+    did arrive may have gone on with it (Note [A group's timeout] in mpidp/dist/group.py)."""
 
-    def __init__(self, rank: int, operation: str, timeout_s: float, late, cause: str):
-        self.timeout_s, self.late = timeout_s, tuple(late)
+    def __init__(self, rank: int, operation: str, timeout_s: float, late, cause: str,
+                 across: bool = False):
+        self.timeout_s, self.late, self.across = timeout_s, tuple(late), across
         super().__init__(rank, operation, cause)
 
 

@@ -33,7 +33,12 @@ one node the exchange is the shared-memory protocol, whose waits already poll a 
 their slow path (Note [Interrupting a wait] in csrc/shm.c) — so the group's timeout is that
 deadline (ShmContext.set_timeout, made with the group, before its first operation), and the
 common path pays nothing: no clock, no extra thread, whether the operation runs on the
-caller's thread or the group's. A wait past it ends the operation on the waiting rank with
+caller's thread or the group's. Across nodes the exchange's records travel over MPI
+point-to-point (mpidp.engine.doubling), and with a timeout set their receives are polled
+against it (MPITransport.take; the one C call across nodes, whose waits are MPI's, is left
+for the Python path then): a rank names the rank that did not answer — with several ranks
+per node, a node's leader answers for its node, so the late rank is one of that node's, all
+of which are named, and a rank waiting for its own node's leader names the leader. A wait past it ends the operation on the waiting rank with
 WaitTimeoutError naming the ranks that had not come, raised as torch's DistBackendError (a
 RuntimeError, as gloo's timeouts are): "<op> timed out: after the timeout of T s, rank R had
 not reached it". An MPI collective cannot be taken back — this rank's arrival is published, and a
@@ -43,9 +48,9 @@ is unusable on this rank from then on: every later operation raises at once nami
 timeout. Destroy the group on every rank (``dist.destroy_process_group(group)``, which the
 late ranks reach too) or end the job. The watchdog stays the backstop: a timeout longer than
 MPIDP_TIMEOUT_S (torch's default is 30 minutes) is reached by the watchdog first, which
-reports the stall and ends the job (exit 124), as before. Not bounded: a wait across nodes
-or without the C extension (in MPI, which cannot be interrupted; the watchdog ends those),
-and point-to-point.
+reports the stall and ends the job (exit 124), as before. Not bounded: a wait without the C
+extension on one node (in MPI's own collectives, which cannot be interrupted; the watchdog
+ends those), and point-to-point.
 """
 from __future__ import annotations
 
@@ -150,7 +155,8 @@ class ProcessGroup(dist.ProcessGroup):
         try:
             fn()
         except WaitTimeoutError as exc:  # ranks named as torch's default group numbers them
-            late = [self._global_ranks[self.g.node_ranks[q]] for q in exc.late]
+            late = [self._global_ranks[q if exc.across else self.g.node_ranks[q]]
+                    for q in exc.late]
             self.timed_out = (
                 f"{exc.operation} timed out: after the timeout of {exc.timeout_s:g} s, "
                 f"{'rank' if len(late) == 1 else 'ranks'} {', '.join(map(str, late))} had "

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from . import doubling, header, host_ops
-from ..errors import CommunicationError
+from ..errors import CommunicationError, WaitTimeoutError
 from .transports import MPITransport
 
 
@@ -35,22 +35,38 @@ def exchange(links, hdr: tuple, operation: str, local_error: Optional[BaseExcept
                          dtype, op)
         return np.asarray(info, np.int64)
     if data is not None and links.c_exchange is not None and \
-            data.nbytes <= links.c_exchange.max_bytes:
+            data.nbytes <= links.c_exchange.max_bytes and links.wait_timeout_s is None:
         # one C call (Note [Chunks after the record] in csrc/exchange.c); an array it does
-        # not take travels in the same records on the Python path
+        # not take, or any with a timeout to keep (its waits are MPI's), travels in the same
+        # records on the Python path
         free = links.c_exchange.exchange(hdr, data, dtype, op)
         if free is None:
             disagreed(links, hdr, operation, local_error)
         return np.asarray(free, np.int64)
-    if ctx is None or links.one_per_node:  # every rank in the doubling (a group-wide
-        # fact: with nodes of unequal sizes a node of one rank still goes through its node)
-        record = doubling.Record(hdr, links.rank, links.size, data)
-        record = doubling.run(_transport(links, links.comm), record, host_ops, dtype, op)
-    else:
-        record = _across_nodes(links, ctx, hdr, operation, data, dtype, op)
+    try:
+        if ctx is None or links.one_per_node:  # every rank in the doubling (a group-wide
+            # fact: with nodes of unequal sizes a node of one rank still goes through its node)
+            record = doubling.Record(hdr, links.rank, links.size, data)
+            record = doubling.run(_transport(links, links.comm), record, host_ops, dtype, op)
+        else:
+            record = _across_nodes(links, ctx, hdr, operation, data, dtype, op)
+    except WaitTimeoutError as exc:
+        if not exc.across:
+            raise
+        raise _timed_out(links, exc, operation, ctx is not None and not links.one_per_node) \
+            from None
     if record.status != doubling.OK:
         disagreed(links, hdr, operation, local_error)
     return record.free
+
+
+def _timed_out(links, exc: WaitTimeoutError, operation: str, leaders: bool):
+    """The transport's timeout (``exc``: the peer that did not answer, a rank of the group, or
+    with ``leaders`` a node's index among the leaders) for ``operation``, naming ranks of the
+    group: a node's leader stands for its node, any of whose ranks may be the late one."""
+    late = exc.late if not leaders else \
+        tuple(r for r in range(links.size) if links.node_of[r] in exc.late)
+    return WaitTimeoutError(links.rank, operation, exc.timeout_s, late, exc.cause, across=True)
 
 
 def disagreed(links, hdr: tuple, operation: str, local_error: Optional[BaseException]) -> None:
@@ -130,4 +146,6 @@ def c_context(comm, inline_bytes: int, max_bytes: int, board):
 
 
 def _transport(links, comm) -> MPITransport:
-    return links.transport(("mpi", id(comm)), lambda: MPITransport(comm))
+    transport = links.transport(("mpi", id(comm)), lambda: MPITransport(comm))
+    transport.timeout_s = links.wait_timeout_s  # the receives across nodes wait that long
+    return transport

@@ -23,24 +23,28 @@ class Links:
     """One group's communicators and place, copied from its topology at init (fixed from
     then on, so reading them calls nothing), and what the engine made for it. ``shm``: the
     node's ShmContext once made (None before, or without the C extension); ``c_exchange``:
-    the C context across nodes (csrc/exchange.c) or None. Not thread-safe beyond what a
+    the C context across nodes (csrc/exchange.c) or None; ``wait_timeout_s``: how long the
+    header exchange waits for other ranks across nodes (None: as long as it takes). Not
+    thread-safe beyond what a
     group's collectives already serialise."""
 
     __slots__ = ("rank", "size", "comm", "node_comm", "leader_comm", "local_rank",
-                 "local_size", "node_ranks", "single_node", "one_per_node", "shm",
-                 "c_exchange", "transports", "__weakref__")
+                 "local_size", "node_ranks", "node_of", "single_node", "one_per_node", "shm",
+                 "c_exchange", "transports", "wait_timeout_s", "__weakref__")
 
     def __init__(self, rank: int, size: int, comm: Any, node_comm: Any, leader_comm: Any,
-                 local_rank: int, local_size: int, node_ranks: tuple, single_node: bool,
-                 one_per_node: bool):
+                 local_rank: int, local_size: int, node_ranks: tuple, node_of: tuple,
+                 single_node: bool, one_per_node: bool):
         self.rank, self.size, self.comm = rank, size, comm
         self.node_comm, self.leader_comm = node_comm, leader_comm
         self.local_rank, self.local_size = local_rank, local_size
-        self.node_ranks, self.single_node = tuple(node_ranks), single_node
+        self.node_ranks, self.node_of = tuple(node_ranks), tuple(node_of)
+        self.single_node = single_node
         self.one_per_node = one_per_node
         self.shm = None
         self.c_exchange = None
         self.transports: dict = {}
+        self.wait_timeout_s = None  # a group's timeout (Resources.set_wait_timeout)
 
     def transport(self, key: Any, make: Callable[[], Any]) -> Any:
         """The transport under ``key`` (a communicator's or a device's), made by ``make`` on

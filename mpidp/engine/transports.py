@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 
 import numpy as np
+
+from ..errors import WaitTimeoutError
 
 RING_TAG = 0x6D70   # "mp": keeps the ring's messages apart from a user's own traffic
 CHECK_TAG = 0x6D63  # "mc": the records of the checked exchange (mpidp.engine.doubling)
 
 
 class MPITransport:
-    """Non-blocking send/receive pairs on an mpi4py communicator (host buffers)."""
+    """Non-blocking send/receive pairs on an mpi4py communicator (host buffers).
+    ``timeout_s``: how long a record's receive waits for its sender (None: as long as it
+    takes; the watchdog ends a stall) before raising WaitTimeoutError naming it."""
 
     def __init__(self, comm):
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.timeout_s = None
 
     def start(self, send, dst: int, recv, src: int):
         # raw bytes: MPI has no portable float16/bfloat16 type, and moving bytes is all we ask
@@ -44,10 +50,31 @@ class MPITransport:
     def take(self, peer: int) -> np.ndarray:
         from mpi4py import MPI
         status = MPI.Status()
-        message = self.comm.Mprobe(peer, CHECK_TAG, status)
+        if self.timeout_s is None:
+            message = self.comm.Mprobe(peer, CHECK_TAG, status)
+        else:
+            message = self._probe_until(peer, status)
         got = np.empty(status.Get_count(MPI.BYTE), np.uint8)
         message.Recv(got)
         return got
+
+    def _probe_until(self, peer: int, status):
+        """The next record from ``peer``, waited for at most ``timeout_s`` (polled: an MPI
+        wait cannot be interrupted), else WaitTimeoutError naming ``peer``."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.0
+        while True:
+            message = self.comm.Improbe(peer, CHECK_TAG, status)
+            if message is not None:
+                return message
+            if time.monotonic() > deadline:
+                raise WaitTimeoutError(
+                    self.rank, "", self.timeout_s, (peer,), f"timed out after "
+                    f"{self.timeout_s:g} s waiting for rank {peer} across nodes (the group's "
+                    "timeout); it, or a rank it waits for, had not reached this collective",
+                    across=True)
+            time.sleep(pause)
+            pause = min(2 * pause + 1e-6, 1e-3)  # polled at once, then backing off to 1 ms
 
 
 class LoopbackNetwork:

@@ -48,7 +48,8 @@ class Resources:
         self.wait_timeout_s: Optional[float] = None  # set_wait_timeout
         self.links = Links(  # Note [Handed down] in mpidp/engine/links.py
             topo.rank, topo.size, topo.comm, topo.node_comm, topo.leader_comm, topo.local_rank,
-            topo.local_size, topo.node_ranks, topo.single_node, topo.node_count == topo.size)
+            topo.local_size, topo.node_ranks, topo.node_of, topo.single_node,
+            topo.node_count == topo.size)
         self._users: list = []  # Note [Stopping the users first]
         self._stuck = False
         self.watchdog: Optional[Watchdog] = None
@@ -109,12 +110,16 @@ class Resources:
 
     def set_wait_timeout(self, timeout_s: Optional[float]) -> None:
         """The collectives entering from now on wait at most ``timeout_s`` (None: the
-        backstop, 2 x MPIDP_TIMEOUT_S + 10 s) for the other ranks of the node, then raise
-        WaitTimeoutError (a torch group's timeout: Note [A group's timeout] in
-        mpidp/dist/group.py). This rank only; waits across nodes are not bounded."""
-        self.wait_timeout_s = timeout_s
+        backstop, 2 x MPIDP_TIMEOUT_S + 10 s, on the node; the watchdog across nodes) for the
+        other ranks to reach them, then raise WaitTimeoutError (a torch group's timeout: Note
+        [A group's timeout] in mpidp/dist/group.py): on the node in the shared-memory
+        protocol, across nodes in the header exchange's receives (which then take the Python
+        path, whose MPI waits are polled, rather than the one C call). This rank only."""
+        self.wait_timeout_s = self.links.wait_timeout_s = timeout_s
         if self._shm is not None:
             self._shm.set_timeout(timeout_s)
+        if self.c_exchange is not None:
+            self.fast_allreduce = self.c_exchange.allreduce_array if timeout_s is None else None
 
     def fast_disagreed(self, done) -> None:
         """Raises on every rank after ``fast_allreduce`` found that the ranks' inputs disagree

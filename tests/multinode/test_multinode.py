@@ -96,6 +96,24 @@ def test_torch_distributed_backend_across_nodes(cluster, per_node):
                    cluster=cluster, per_node=per_node, timeout_s=240), n)
 
 
+@pytest.mark.parametrize("per_node", [1, 2], ids=["2x1", "2x2"])
+def test_a_groups_timeout_across_nodes_names_the_late_rank(cluster, per_node):
+    """A torch group of rank 0 and the last rank, one on each node, with a 1 s timeout: the
+    last rank comes 5 s late to a barrier, and rank 0 raises after the timeout naming it
+    (tests/mpi/bodies/body_dist_faults.py, as on one node in tests/mpi/test_dist.py)."""
+    n, late = 2 * per_node, 2 * per_node - 1
+    proc = body(n, "body_dist_faults.py", env={"MASTER_ADDR": None, "MASTER_PORT": None},
+                extra=["timeout"], cluster=cluster, per_node=per_node, timeout_s=120)
+    assert_ok(proc, n)
+    caught = re.search(rf"caught 0 ([\d.]+) DistBackendError: mpidp: rank 0: process group \S+ "
+                       rf"of ranks \[0, {late}\]: barrier timed out: after the timeout of 1 s, "
+                       rf"rank {late} had not reached it\. A collective cannot be taken back",
+                       proc.stdout)
+    assert caught and float(caught.group(1)) >= 1.0, proc.stdout
+    assert re.search(rf"after 0: DistBackendError: mpidp: rank 0: process group \S+ of ranks "
+                     rf"\[0, {late}\] is unusable: barrier timed out", proc.stdout), proc.stdout
+
+
 @pytest.mark.parametrize("name", ["body_join.py", "body_hooks.py", "body_syncbn.py"])
 def test_join_hooks_and_sync_batchnorm_across_nodes(cluster, name):
     """Uneven inputs with Join, torch's communication hooks and SyncBatchNorm on 2 nodes x 2."""
