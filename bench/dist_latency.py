@@ -6,6 +6,13 @@ under MPI:
 
     mpiexec -n 2 python bench/dist_latency.py [--sizes 8,4K,64K,1M] [--iters 1000]
         [--repeats 5] [--warmup 50] [--json FILE]
+    mpiexec -n 2 python bench/dist_latency.py --layers [--sizes 8]
+
+``--layers`` times instead where one call of the mpidp group goes, one layer down at a time
+(the same tensor each call, the layers alternated): torch's ``dist.all_reduce``, the method
+torch calls (``ProcessGroup.allreduce``), the group's ordering (``_run``), the operation
+(``mpidp.dist.ops.all_reduce``: the one C call through the tensor's view), and
+``mpidp.allreduce_`` for reference.
 
 Per size, blocks run in turn (MPI, mpidp.allreduce_, dist mpidp, dist gloo, MPI, ...)
 ``--repeats`` times; each block is a warm-up, a barrier, then ``time.perf_counter`` around N
@@ -66,7 +73,10 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=50, help="untimed calls before each block")
     p.add_argument("--repeats", type=int, default=5, help="blocks per column, alternated")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON (rank 0)")
+    p.add_argument("--layers", action="store_true", help="time the layers of one call")
     args = p.parse_args()
+    if args.layers:
+        return layers(args)
 
     mpidp.init()
     from mpi4py import MPI  # already initialised by mpidp.init()
@@ -101,6 +111,46 @@ def main() -> int:
     gloo.close()
     mpidp.shutdown()
     return 1 if failed else 0
+
+
+def layers(args) -> int:
+    """``--layers``: µs per call of each layer of a synchronous all-reduce on the default
+    mpidp group, medians over repeats of the rank average."""
+    from mpidp.dist import ops  # the backend's own layers, timed one by one
+    dist.init_process_group("mpidp")
+    from mpi4py import MPI  # initialised by the group
+    comm = MPI.COMM_WORLD
+    pg = dist.distributed_c10d._get_default_group()
+    opts = dist.AllreduceOptions()
+    opts.reduceOp, opts.asyncOp = dist.ReduceOp.SUM, False
+    SUM = dist.ReduceOp.SUM
+    for nbytes in [parse_size(s) for s in args.sizes.split(",") if s.strip()]:
+        t = torch.ones(max(1, nbytes // 4))
+        calls = {"dist.all_reduce": lambda: dist.all_reduce(t),
+                 "ProcessGroup.allreduce": lambda: pg.allreduce([t], opts),
+                 "ProcessGroup._run": lambda: pg._run(opts, lambda: ops.all_reduce(
+                     pg.g, t, SUM), [t]),
+                 "ops.all_reduce": lambda: ops.all_reduce(pg.g, t, SUM),
+                 "mpidp.allreduce_": lambda: mpidp.allreduce_(t)}
+        times = {k: [] for k in calls}
+        iters = max(20, min(args.iters * 5, (64 << 20) // max(nbytes, 1)))
+        for _ in range(args.repeats):
+            for name, call in calls.items():
+                for _ in range(args.warmup):
+                    call()
+                comm.Barrier()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    call()
+                mine = (time.perf_counter() - t0) / iters
+                times[name].append(comm.allreduce(mine) / comm.Get_size())
+        if comm.Get_rank() == 0:
+            print(f"# {format_size(t.nbytes)}, {comm.Get_size()} ranks: µs per call, median "
+                  f"of {args.repeats} x {iters}")
+            for name, v in times.items():
+                print(f"{name:24s} {sorted(v)[len(v) // 2] * 1e6:8.2f}")
+    dist.destroy_process_group()
+    return 0
 
 
 def report(out: dict) -> str:

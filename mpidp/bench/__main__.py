@@ -3,7 +3,6 @@ under mpiexec), and the scale model calibrated from them (runs alone: no MPI).""
 from __future__ import annotations
 
 import argparse
-import sys
 
 from ..errors import ConfigError
 from ..runtime.helpformat import DefaultsHelpFormatter, Parser
@@ -42,4 +41,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..runtime.exit import exit_now
+    exit_now(main())  # Note [Ending without the interpreter's teardown] in mpidp/runtime/exit.py

@@ -1,6 +1,5 @@
 """``python -m mpidp.doctor``: see mpidp.doctor."""
-import sys
-
+from ..runtime.exit import exit_now
 from . import main
 
-sys.exit(main())
+exit_now(main())  # Note [Ending without the interpreter's teardown] in mpidp/runtime/exit.py

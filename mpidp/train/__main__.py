@@ -19,4 +19,5 @@ code = main()
 # MPI_Finalize (atexit), where one rank's traceback would leave the others in a collective
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-sys.exit(code)
+from ..runtime.exit import exit_now  # noqa: E402 - here: torch is imported by now anyway
+exit_now(code)  # Note [Ending without the interpreter's teardown]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[2]          # the repository: the jobs' working directory
 BODIES = ROOT / "tests" / "mpi" / "bodies"  # the MPI test bodies
+RUN_BODY = Path(__file__).parent / "run_body.py"  # how body() starts them
 
 
 def mpiexec() -> str:
@@ -57,7 +58,9 @@ def run(n: int, args: list, env: dict | None = None, timeout_s: float = 240, clu
 
 def body(n: int, name: str, env: dict | None = None, timeout_s: float = 240, extra=(),
          cluster=None, per_node: int = 1):
-    return run(n, [BODIES / name, *extra], env, timeout_s, cluster, per_node)
+    """``run`` of ``tests/mpi/bodies/<name> extra...``, through run_body.py (it ends as mpidp's
+    tools end, without the interpreter's teardown)."""
+    return run(n, [RUN_BODY, BODIES / name, *extra], env, timeout_s, cluster, per_node)
 
 
 def assert_ok(proc: subprocess.CompletedProcess, n: int) -> None:

@@ -14,7 +14,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from mpirun import run, BODIES
+from mpirun import BODIES, RUN_BODY, run
 
 EXCLUDED = {
     "test_get_backend": "asserts that the default group's backend is named as the suite's "
@@ -31,7 +31,7 @@ def suite(backend: str, n: int, folder: Path, names=(), timeout_s: float = 900) 
     in ``folder``; AssertionError naming the test a launch ended in where it did not finish."""
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / "results.json"
-    proc = run(n, [BODIES / "body_torch_suite.py", backend, out, *names],
+    proc = run(n, [RUN_BODY, BODIES / "body_torch_suite.py", backend, out, *names],
                env=dict(ENV, TEMP_DIR=str(folder)), timeout_s=timeout_s)
     if proc.returncode != 0 or any(f"ok {r}" not in proc.stdout for r in range(n)):
         progress = folder / "progress-0"
