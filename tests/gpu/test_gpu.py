@@ -1,8 +1,10 @@
 """Tier 3, on a GPU (marked ``gpu``; skipped with the reason where CuPy or a device is
 missing): our kernels against the host kernels bit for bit, at aligned and misaligned
 offsets; multi-tensor pack and unpack; the ring on device buffers for n virtual ranks; and
-under mpiexec every collective and DDP with device arrays (tests/mpi/bodies/body_gpu.py), and the
-torch.distributed backend with CUDA tensors (tests/mpi/bodies/body_dist_gpu.py).
+under mpiexec every collective and DDP with device arrays (tests/mpi/bodies/body_gpu.py), the
+torch.distributed backend with CUDA tensors (tests/mpi/bodies/body_dist_gpu.py), and torch's newer
+layers on it — DeviceMesh, functional collectives, DTensor, FSDP2 — on CUDA
+(tests/mpi/bodies/body_modern_gpu.py).
 Without a GPU the tier-1 tests of the same code run instead: tests/unit/test_gpu_kernels.py."""
 import json
 import threading
@@ -216,3 +218,11 @@ def test_the_training_tool_on_the_gpu(amp, tmp_path):
     resumed, _ = train(2, *flags, "--resume")
     assert resumed["resumed_from"].endswith("ckpt-000000030.pt")
     assert resumed["parameters_sha256"] == whole["parameters_sha256"]
+
+
+@pytest.mark.skipif(not _torch_cuda(), reason="torch sees no CUDA device (a CPU build?)")
+@pytest.mark.parametrize("n", [1, 2])
+def test_torchs_newer_layers_with_cuda_tensors(n):
+    """DeviceMesh on cuda, functional collectives, DTensor and FSDP2 on CUDA tensors over the
+    mpidp backend, equal to the same on the CPU (tests/mpi/bodies/body_modern_gpu.py)."""
+    assert_ok(body(n, "body_modern_gpu.py", env={"MASTER_ADDR": None}, timeout_s=600), n)
