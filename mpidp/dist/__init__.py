@@ -174,9 +174,9 @@ def process_group_for_join():
 def monitored_barrier(group: Any = None, timeout: Optional[timedelta] = None,
                       wait_all_ranks: bool = False) -> None:
     """torch.distributed.monitored_barrier for the mpidp backend (which torch's serves too
-    once mpidp is registered): rank 0 raises a RuntimeError naming the rank (with ``wait_all_ranks`` every rank)
-    that did not arrive within ``timeout``. Every rank of ``group`` (default: the default
-    group) calls it."""
+    once mpidp is registered): rank 0 raises a RuntimeError naming the rank (with
+    ``wait_all_ranks`` every rank) that did not arrive within ``timeout``. Every rank of
+    ``group`` (default: the default group) calls it."""
     import torch.distributed as dist  # deferred for cost, as above
     from .group import ProcessGroup
     pg = dist.distributed_c10d._get_default_group() if group is None else group

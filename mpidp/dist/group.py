@@ -38,14 +38,14 @@ point-to-point (mpidp.engine.doubling), and with a timeout set their receives ar
 against it (MPITransport.take; the one C call across nodes, whose waits are MPI's, is left
 for the Python path then): a rank names the rank that did not answer — with several ranks
 per node, a node's leader answers for its node, so the late rank is one of that node's, all
-of which are named, and a rank waiting for its own node's leader names the leader. A wait past it ends the operation on the waiting rank with
-WaitTimeoutError naming the ranks that had not come, raised as torch's DistBackendError (a
-RuntimeError, as gloo's timeouts are): "<op> timed out: after the timeout of T s, rank R had
-not reached it". An MPI collective cannot be taken back — this rank's arrival is published, and a
-late rank that comes afterwards may complete the operation with what the others left (a
-barrier, a small all-reduce) or time out in its turn — so, as gloo closes its pairs, the group
-is unusable on this rank from then on: every later operation raises at once naming the
-timeout. Destroy the group on every rank (``dist.destroy_process_group(group)``, which the
+of which are named, and a rank waiting for its own node's leader names the leader. A wait
+past it ends the operation on the waiting rank with WaitTimeoutError naming the ranks that
+had not come, raised as torch's DistBackendError (a RuntimeError, as gloo's timeouts are):
+"<op> timed out: after the timeout of T s, rank R had not reached it". An MPI collective
+cannot be taken back — this rank's arrival is published, and a late rank that comes
+afterwards may complete the operation with what the others left (a barrier, a small
+all-reduce) or time out in its turn — so, as gloo closes its pairs, the group is unusable
+on this rank from then on: every later operation raises at once naming the timeout. Destroy the group on every rank (``dist.destroy_process_group(group)``, which the
 late ranks reach too) or end the job. The watchdog stays the backstop: a timeout longer than
 MPIDP_TIMEOUT_S (torch's default is 30 minutes) is reached by the watchdog first, which
 reports the stall and ends the job (exit 124), as before. Not bounded: a wait without the C
@@ -178,11 +178,10 @@ class ProcessGroup(dist.ProcessGroup):
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         if len(tensors) == 1:  # dist.all_reduce's, with one frame less
             t = tensors[0]
-            reduce = sparse.all_reduce if t.layout is torch.sparse_coo else ops.all_reduce
+            reduce = _reduce_for(t)
             return self._run(opts, lambda: reduce(self.g, t, op), tensors)
-        return self._run(opts, lambda: [(sparse.all_reduce if t.layout is torch.sparse_coo
-                                         else ops.all_reduce)(self.g, t, op)
-                                        for t in tensors], tensors)
+        return self._run(opts, lambda: [_reduce_for(t)(self.g, t, op) for t in tensors],
+                         tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -328,6 +327,11 @@ def _unsupported(what: str, instead: str) -> NotImplementedError:
 
 
 _CUDA_BUILT = torch.backends.cuda.is_built()  # without it no tensor is a CUDA one
+
+
+def _reduce_for(t: torch.Tensor):
+    """The all-reduce of tensor ``t``: the sparse one for a sparse COO tensor (as gloo's)."""
+    return sparse.all_reduce if t.layout is torch.sparse_coo else ops.all_reduce
 
 
 def _seconds(timeout) -> Optional[float]:

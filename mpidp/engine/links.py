@@ -25,8 +25,7 @@ class Links:
     node's ShmContext once made (None before, or without the C extension); ``c_exchange``:
     the C context across nodes (csrc/exchange.c) or None; ``wait_timeout_s``: how long the
     header exchange waits for other ranks across nodes (None: as long as it takes). Not
-    thread-safe beyond what a
-    group's collectives already serialise."""
+    thread-safe beyond what a group's collectives already serialise."""
 
     __slots__ = ("rank", "size", "comm", "node_comm", "leader_comm", "local_rank",
                  "local_size", "node_ranks", "node_of", "single_node", "one_per_node", "shm",
