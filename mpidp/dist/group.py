@@ -45,8 +45,9 @@ had not come, raised as torch's DistBackendError (a RuntimeError, as gloo's time
 cannot be taken back — this rank's arrival is published, and a late rank that comes
 afterwards may complete the operation with what the others left (a barrier, a small
 all-reduce) or time out in its turn — so, as gloo closes its pairs, the group is unusable
-on this rank from then on: every later operation raises at once naming the timeout. Destroy the group on every rank (``dist.destroy_process_group(group)``, which the
-late ranks reach too) or end the job. The watchdog stays the backstop: a timeout longer than
+on this rank from then on: every later operation raises at once naming the timeout.
+Destroy the group on every rank (``dist.destroy_process_group(group)``, which the late ranks
+reach too) or end the job. The watchdog stays the backstop: a timeout longer than
 MPIDP_TIMEOUT_S (torch's default is 30 minutes) is reached by the watchdog first, which
 reports the stall and ends the job (exit 124), as before. Not bounded: a wait without the C
 extension on one node (in MPI's own collectives, which cannot be interrupted; the watchdog
