@@ -64,8 +64,10 @@ def flags_of(strategy, fault, directory):
 
 
 def finish(flags, log, resume):
-    """Runs ``flags`` (with --resume) to its end; returns its summary."""
-    with Job(N, [*flags, *(("--resume",) if resume else ())], log, USER) as job:
+    """Runs ``flags`` (with --resume) to its end, its data at full speed (SLOW_S=0: only the
+    faulty run must last long enough to be hit mid-training); returns its summary."""
+    with Job(N, [*flags, *(("--resume",) if resume else ())], log,
+             dict(USER, SLOW_S="0")) as job:
         code = job.wait(RUN_S)
     text = job.text
     assert code == 0, f"exit {code}:\n{text[-4000:]}"

@@ -1,14 +1,9 @@
-"""Tier 2: the collectives under real MPI at n = 2 (n = 1, 3 with the other bodies:
-test_together.py; 4 oversubscribed as a smoke), in every peer mode and with emulated nodes for
-the hierarchical algorithm."""
+"""Tier 2: the collectives under real MPI (at n = 1, 2, 3 as they are: test_together.py; 4
+oversubscribed as a smoke), in every peer mode and with emulated nodes for the hierarchical
+algorithm."""
 import pytest
 
 from mpirun import assert_ok, body
-
-
-@pytest.mark.parametrize("n", [2])  # n = 1, 3 with the other bodies: test_together.py
-def test_collectives(n):
-    assert_ok(body(n, "body_collectives.py"), n)
 
 
 def test_collectives_through_staging_window():

@@ -1,5 +1,5 @@
 """Tier 2: torch.distributed on the "mpidp" backend under mpiexec (tests/mpi/bodies/body_dist.py,
-tests/mpi/bodies/body_dist_faults.py): every collective exact at n = 2 (n = 1, 3 with the
+tests/mpi/bodies/body_dist_faults.py): every collective exact (at n = 1, 2, 3 with the
 other bodies: test_together.py), torch's DDP, ZeRO and
 checkpoint on it; the rendezvous without MASTER_ADDR (over MPI), with mpidp://, and with
 torch's env:// where a launcher set MASTER_ADDR; a stall and an uncaught exception with
@@ -14,11 +14,6 @@ import pytest
 from mpirun import assert_ok, body, run
 
 NO_MASTER = {"MASTER_ADDR": None, "MASTER_PORT": None}
-
-
-@pytest.mark.parametrize("n", [2])  # n = 1, 3 with the other bodies: test_together.py
-def test_every_collective_and_torch_clients_on_the_backend(n):
-    assert_ok(body(n, "body_dist.py", env=NO_MASTER), n)
 
 
 INIT = ("import torch, torch.distributed as dist; dist.init_process_group({args}); "
@@ -59,16 +54,6 @@ def test_stall_through_the_backend_is_named_by_the_watchdog():
     assert re.search(r"mpidp: watchdog: rank 0 of 2 on \S+: collective #\d+, allreduce "
                      r"float32\[4\] op=sum algorithm=\w+, has not completed after \d+ s", out), out
     assert "not arrived: rank 1" in out, out
-
-
-@pytest.mark.parametrize("n", [2])  # n = 1, 3 with the other bodies: test_together.py
-def test_sync_batchnorm_equals_batchnorm_on_the_whole_batch(n):
-    assert_ok(body(n, "body_syncbn.py", env=NO_MASTER), n)
-
-
-@pytest.mark.parametrize("n", [2])  # n = 1, 3 with the other bodies: test_together.py
-def test_join_with_uneven_inputs_ends_as_torch_ddp_on_gloo(n):
-    assert_ok(body(n, "body_join.py", env=NO_MASTER), n)
 
 
 def test_uneven_inputs_without_join_are_named_by_the_watchdog():

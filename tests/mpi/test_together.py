@@ -1,12 +1,17 @@
 """Tier 2: the bodies that pass at any world size, at n = 1 (their size-1 paths: the
-collectives' and the backend's shortcuts, DDP's, ZeRO's, Join's, the audit's) and at n = 3
-(3 ranks on 2 cores), each in one launch: tests/mpi/bodies/body_together.py runs them one
+collectives' and the backend's shortcuts, DDP's, ZeRO's, Join's, the audit's), n = 2 and n = 3
+(3 ranks on 2 cores), each size in one launch: tests/mpi/bodies/body_together.py runs them one
 after another in one process per rank, each as it runs alone, for the price of one start-up
 (mpiexec, and an import of torch on every rank: seconds each on two busy cores; the ten at
-n = 3 took 98 s launched one by one, 32 s together). At n = 2 each runs alone, its own test
-(test_collectives.py, test_ddp.py, test_dist.py, test_hooks.py, test_clients.py);
-body_runtime.py, which must start before anything imports MPI, runs alone at every n
-(test_runtime.py)."""
+n = 3 took 98 s launched one by one, 32 s together). A body that fails is named in the output
+(``body_together: <name> failed``). What they check: the collectives (body_collectives.py),
+mpidp's DistributedDataParallel and the fused helpers (body_ddp.py), every collective of the
+torch.distributed backend with torch's DDP, ZeRO and checkpoint on it (body_dist.py),
+SyncBatchNorm (body_syncbn.py), uneven inputs under torch's Join (body_join.py), torchmetrics
+(body_metrics.py), torch's communication hooks on mpidp's DDP against torch's DDP on gloo
+(body_hooks.py), the replica audit (body_audit.py), mpidp's compression hooks (body_compression.py)
+and ZeRO against the unsharded optimizer (body_zero.py). body_runtime.py, which must start
+before anything imports MPI, runs alone at every n (test_runtime.py)."""
 import pytest
 
 from mpirun import assert_ok, body
@@ -16,7 +21,7 @@ TOGETHER = ("body_collectives.py", "body_ddp.py", "body_dist.py", "body_syncbn.p
             "body_compression.py", "body_zero.py")
 
 
-@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_every_body_together(n):
     proc = body(n, "body_together.py", env={"MASTER_ADDR": None, "MASTER_PORT": None},
                 extra=TOGETHER, timeout_s=600)

@@ -26,7 +26,8 @@ class SlowDataset(Dataset):
         return len(self.base)
 
     def __getitem__(self, i):
-        time.sleep(self.delay_s)
+        if self.delay_s:
+            time.sleep(self.delay_s)
         return self.base[i]
 
 
