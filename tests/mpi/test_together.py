@@ -9,8 +9,9 @@ mpidp's DistributedDataParallel and the fused helpers (body_ddp.py), every colle
 torch.distributed backend with torch's DDP, ZeRO and checkpoint on it (body_dist.py),
 SyncBatchNorm (body_syncbn.py), uneven inputs under torch's Join (body_join.py), torchmetrics
 (body_metrics.py), torch's communication hooks on mpidp's DDP against torch's DDP on gloo
-(body_hooks.py), the replica audit (body_audit.py), mpidp's compression hooks (body_compression.py)
-and ZeRO against the unsharded optimizer (body_zero.py). body_runtime.py, which must start
+(body_hooks.py), the replica audit (body_audit.py), mpidp's compression hooks (body_compression.py),
+ZeRO against the unsharded optimizer (body_zero.py) and a script written for Horovod on
+mpidp.horovod (body_horovod.py). body_runtime.py, which must start
 before anything imports MPI, runs alone at every n (test_runtime.py)."""
 import pytest
 
@@ -18,7 +19,7 @@ from mpirun import assert_ok, body
 
 TOGETHER = ("body_collectives.py", "body_ddp.py", "body_dist.py", "body_syncbn.py",
             "body_join.py", "body_metrics.py", "body_hooks.py", "body_audit.py",
-            "body_compression.py", "body_zero.py")
+            "body_compression.py", "body_zero.py", "body_horovod.py")
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])

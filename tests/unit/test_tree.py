@@ -19,8 +19,8 @@ def test_every_package_is_a_layer_of_the_contract():
     """Each subpackage is named in pyproject.toml's layer contract (Note [Layers])."""
     contract = (ROOT / "pyproject.toml").read_text().split("[tool.importlinter]")[1]
     packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
-    assert packages == ["bench", "comm", "ddp", "dist", "doctor", "engine", "modes", "report",
-                        "runtime", "train", "workloads"]
+    assert packages == ["bench", "comm", "ddp", "dist", "doctor", "engine", "horovod", "modes",
+                        "report", "runtime", "train", "workloads"]
     for name in packages:
         assert f'"mpidp.{name}' in contract or f"| mpidp.{name}" in contract, name
 

@@ -1,0 +1,127 @@
+"""Horovod's basics, as ``horovod.torch`` names them, on mpidp's runtime: init and shutdown,
+ranks and sizes (the node-crossing ones included), the build queries answered for what mpidp
+is, and the reduction ops' constants."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .. import runtime
+from ..errors import NotInitializedError
+
+# Horovod's ReduceOp values, so that a script that stores or compares them sees the numbers
+# it knows
+Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
+OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
+            Product: "Product"}
+
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Horovod's ``init``: starts mpidp (MPI) on ``comm``, an mpi4py communicator (default
+    COMM_WORLD). A list of ranks for ``comm`` and ``process_sets`` other than None are refused
+    in one line until process sets come (docs/horovod.md)."""
+    if process_sets is not None:
+        raise NotImplementedError("mpidp.horovod: process_sets= is not supported yet; run "
+                                  "with the global process set (docs/horovod.md)")
+    if isinstance(comm, (list, tuple)):
+        raise NotImplementedError("mpidp.horovod: init(comm=<list of ranks>) is not supported "
+                                  "yet; pass an mpi4py communicator (MPI.COMM_WORLD.Split)")
+    runtime.init(comm)
+
+
+def shutdown() -> None:
+    runtime.shutdown()
+
+
+def is_initialized() -> bool:
+    return runtime.is_initialized()
+
+
+def _group():
+    if not runtime.is_initialized():
+        raise NotInitializedError("Horovod has not been initialized; use hvd.init().")
+    return runtime.group()
+
+
+# Horovod's names for mpidp's own (which say "call mpidp.init()" before init)
+size, rank, local_size, local_rank = runtime.size, runtime.rank, runtime.local_size, \
+    runtime.local_rank
+
+
+def _local_rank_of() -> list:
+    """Every rank's local rank (its place among its node's ranks, in rank order)."""
+    g = _group()
+    seen: dict = {}
+    out = []
+    for r in range(g.size):
+        node = g.node_of[r]
+        out.append(seen.get(node, 0))
+        seen[node] = out[-1] + 1
+    return out
+
+
+def cross_size() -> int:
+    """How many ranks share this rank's local rank (one per node where nodes are alike)."""
+    mine = local_rank()
+    return sum(1 for lr in _local_rank_of() if lr == mine)
+
+
+def cross_rank() -> int:
+    """This rank's place among the ranks of its local rank, in rank order (its node's index
+    where nodes are alike)."""
+    lrs, me = _local_rank_of(), rank()
+    return sum(1 for r in range(me) if lrs[r] == lrs[me])
+
+
+def is_homogeneous() -> bool:
+    """Whether every node runs the same number of ranks."""
+    g = _group()
+    counts = [g.node_of.count(k) for k in range(g.node_count)]
+    return len(set(counts)) == 1
+
+
+# the build queries: what this runtime is (MPI underneath; no gloo, NCCL only in mpidp's GPU
+# path, which is not Horovod's NCCL build)
+def mpi_built(verbose: bool = False) -> bool:
+    return True
+
+
+def mpi_enabled() -> bool:
+    return True
+
+
+def mpi_threads_supported() -> bool:
+    from mpi4py import MPI  # deferred for cost
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def gloo_built(verbose: bool = False) -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def nccl_built(verbose: bool = False) -> bool:
+    return False
+
+
+def ddl_built(verbose: bool = False) -> bool:
+    return False
+
+
+def ccl_built(verbose: bool = False) -> bool:
+    return False
+
+
+def cuda_built(verbose: bool = False) -> bool:
+    import torch  # deferred for cost
+    return torch.backends.cuda.is_built()
+
+
+def rocm_built(verbose: bool = False) -> bool:
+    return False
+
+
+def op_name(op: Optional[int]) -> str:
+    return OP_NAMES.get(op, repr(op))

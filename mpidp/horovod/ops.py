@@ -1,0 +1,310 @@
+"""Horovod's collectives on torch tensors (``horovod.torch``'s allreduce, allgather,
+broadcast, reducescatter, their in-place, grouped and ``_async`` forms, ``poll`` and
+``synchronize``), on mpidp's collectives: shapes, dtypes and ops that differ between ranks
+raise on every rank (mpidp's header exchange), never hang. Note [Handles that are done]."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional
+
+import torch
+
+from ..comm import collectives, fusion
+from . import basics
+from .basics import Adasum, Average, Max, Min, Product, Sum
+from .compression import Compression
+
+# Note [Handles that are done]
+# mpidp's collectives return once done, so an ``*_async`` call runs when it is made and its
+# handle is already complete: ``poll`` says True and ``synchronize`` returns the result.
+# Scripts written for Horovod's background thread run unchanged (they only hand the handle
+# back); the overlap of gradients with the backward pass, which is what Horovod's thread is
+# for, comes from DistributedOptimizer's hooks (mpidp/horovod/optimizer.py).
+_handles: dict = {}
+_next_handle = itertools.count(1)
+
+_MPIDP_OP = {Average: "avg", Sum: "sum", Min: "min", Max: "max"}
+
+
+def resolve_op(op: Optional[int], average: Optional[bool]) -> int:
+    """Horovod's rule: ``op`` defaults to Average; the deprecated ``average`` maps to Average
+    or Sum and may not be given with ``op``. Adasum is refused (docs/horovod.md)."""
+    if op is not None and average is not None:
+        raise ValueError("op and average cannot both be given; average is deprecated, use op")
+    if op is None:
+        op = Sum if average is False else Average
+    if op == Adasum:
+        raise NotImplementedError("mpidp.horovod: op=hvd.Adasum is not supported; use "
+                                  "hvd.Average (docs/horovod.md)")
+    if op not in basics.OP_NAMES:
+        raise ValueError(f"unknown op {op!r}; accepted: hvd.Average, hvd.Sum, hvd.Min, "
+                         "hvd.Max, hvd.Product")
+    return op
+
+
+def _check_tensor(tensor: Any, what: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
+
+
+def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    if factor != 1.0:
+        x.mul_(factor)
+    return x
+
+
+def _reduce_into(x: torch.Tensor, op: int) -> torch.Tensor:
+    """Reduces ``x`` (a tensor this module owns) in place over every rank."""
+    if op == Product:  # no product kernel: every rank multiplies all inputs in rank order
+        every = collectives.allgather(x.reshape(1, -1))
+        return x.copy_(torch.prod(every, dim=0).reshape(x.shape))
+    if op == Average and (x.is_complex() or not x.is_floating_point()):
+        raise ValueError(f"op=hvd.Average needs a floating tensor, got {x.dtype}; use "
+                         "op=hvd.Sum and divide")
+    collectives.allreduce_(x, _MPIDP_OP[op])
+    return x
+
+
+def reduced(tensor: torch.Tensor, op: int, prescale: float = 1.0,
+            postscale: float = 1.0) -> torch.Tensor:
+    """A new tensor: ``tensor`` times ``prescale``, reduced with ``op``, times ``postscale``."""
+    with torch.no_grad():
+        x = tensor.detach().clone(memory_format=torch.contiguous_format)
+        return _scaled(_reduce_into(_scaled(x, prescale), op), postscale)
+
+
+class _Allreduce(torch.autograd.Function):
+    """Horovod's: the gradient is the all-reduce of the gradient, with the same op and
+    factors."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, prescale, postscale):
+        ctx.args = (op, prescale, postscale)
+        return reduced(tensor, op, prescale, postscale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _Allreduce.apply(grad, *ctx.args), None, None, None
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=None):
+    """The reduction of ``tensor`` over every rank, a new tensor (``tensor`` unchanged);
+    differentiable. ``name`` is accepted and unused (mpidp matches calls by their order)."""
+    _check_tensor(tensor, "allreduce")
+    _global_only(process_set)
+    op = resolve_op(op, average)
+    compressed, ctx = compression.compress(tensor)
+    return compression.decompress(_Allreduce.apply(compressed, op, float(prescale_factor),
+                                                   float(postscale_factor)), ctx)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=None):
+    """In place: ``tensor`` holds the reduction afterwards, and is returned."""
+    _check_tensor(tensor, "allreduce_")
+    _global_only(process_set)
+    op = resolve_op(op, average)
+    with torch.no_grad():
+        if tensor.is_contiguous() and op != Product and prescale_factor == 1.0:
+            if op == Average and not tensor.is_floating_point():
+                _reduce_into(tensor, op)  # raises, naming the dtype
+            collectives.allreduce_(tensor, _MPIDP_OP[op])
+            return _scaled(tensor, float(postscale_factor))
+        return tensor.copy_(reduced(tensor, op, float(prescale_factor),
+                                    float(postscale_factor)))
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=None):
+    """``allreduce`` of each tensor, fused into a few buckets; new tensors."""
+    return _grouped(tensors, False, average, op, prescale_factor, postscale_factor,
+                    process_set, compression)
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=None):
+    """In place, fused into a few buckets; returns the tensors."""
+    return _grouped(tensors, True, average, op, prescale_factor, postscale_factor,
+                    process_set, Compression.none)
+
+
+def _grouped(tensors, in_place, average, op, prescale, postscale, process_set, compression):
+    _global_only(process_set)
+    op = resolve_op(op, average)
+    tensors = list(tensors)
+    for t in tensors:
+        _check_tensor(t, "grouped_allreduce")
+    if op == Product or (any(t.requires_grad for t in tensors) and not in_place):
+        outs = [allreduce(t, op=op, prescale_factor=prescale, postscale_factor=postscale,
+                          compression=compression) for t in tensors]
+        return [t.copy_(o) for t, o in zip(tensors, outs)] if in_place else outs
+    with torch.no_grad():
+        pairs = [compression.compress(t) for t in tensors]
+        work = [c if in_place and c is t else c.detach().clone() for (c, _), t in
+                zip(pairs, tensors)]
+        for w in work:
+            _scaled(w, float(prescale))
+        fusion.grouped_allreduce_(work, _MPIDP_OP[op])
+        outs = [compression.decompress(_scaled(w, float(postscale)), ctx)
+                for w, (_, ctx) in zip(work, pairs)]
+        if in_place:
+            return [t if o is t else t.copy_(o) for t, o in zip(tensors, outs)]
+        return outs
+
+
+def _rows_of_every_rank(tensor: torch.Tensor) -> list:
+    rows = collectives.allgather(torch.tensor([tensor.shape[0]], dtype=torch.int64))
+    return [int(r) for r in rows]
+
+
+class _Allgather(torch.autograd.Function):
+    """Horovod's: the gradient is this rank's rows of the summed gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        ctx.rows = tensor.shape[0]
+        return collectives.allgather(tensor.detach().contiguous())
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = reduced(grad, Sum)
+        rows = _rows_of_every_rank(torch.empty(ctx.rows))
+        start = sum(rows[:basics.rank()])
+        return total.narrow(0, start, ctx.rows)
+
+
+def allgather(tensor, name=None, process_set=None):
+    """Every rank's ``tensor`` concatenated along dimension 0 in rank order (first dimensions
+    may differ); differentiable."""
+    _check_tensor(tensor, "allgather")
+    _global_only(process_set)
+    return _Allgather.apply(tensor)
+
+
+def grouped_allgather(tensors, name=None, process_set=None):
+    return [allgather(t, process_set=process_set) for t in tensors]
+
+
+class _Broadcast(torch.autograd.Function):
+    """Horovod's: root's gradient is the sum of every rank's, the others' zero."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank):
+        ctx.root_rank = root_rank
+        return collectives.broadcast(tensor.detach().contiguous(), root_rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = reduced(grad, Sum)
+        return (total if basics.rank() == ctx.root_rank else total.zero_()), None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=None):
+    """Root's ``tensor`` on every rank, a new tensor; differentiable."""
+    _check_tensor(tensor, "broadcast")
+    _global_only(process_set)
+    return _Broadcast.apply(tensor, root_rank)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=None):
+    """In place: every rank's ``tensor`` holds root's values, and is returned."""
+    _check_tensor(tensor, "broadcast_")
+    _global_only(process_set)
+    with torch.no_grad():
+        if tensor.is_contiguous():
+            return collectives.broadcast_(tensor, root_rank)
+        return tensor.copy_(collectives.broadcast(tensor.contiguous(), root_rank))
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
+                  process_set=None, prescale_factor=1.0, postscale_factor=1.0):
+    """This rank's block (along dimension 0, the first ranks taking one row more where it
+    does not divide) of the reduction of ``tensor`` over every rank."""
+    _check_tensor(tensor, "reducescatter")
+    _global_only(process_set)
+    op = resolve_op(op, None)
+    if op not in (Average, Sum, Min, Max):
+        raise ValueError(f"reducescatter takes hvd.Average, hvd.Sum, hvd.Min or hvd.Max, not "
+                         f"{basics.op_name(op)}")
+    compressed, ctx = compression.compress(tensor)
+    with torch.no_grad():
+        x = _scaled(compressed.detach().clone(memory_format=torch.contiguous_format),
+                    float(prescale_factor))
+        out = collectives.reduce_scatter(x, _MPIDP_OP[op])
+        return compression.decompress(_scaled(out, float(postscale_factor)), ctx)
+
+
+def barrier(process_set=None) -> None:
+    """Returns once every rank has called it."""
+    _global_only(process_set)
+    collectives.allreduce_(torch.zeros(1, dtype=torch.int32), "sum")
+
+
+def _done(result) -> int:
+    handle = next(_next_handle)
+    _handles[handle] = result
+    return handle
+
+
+def _async(fn, name: str):
+    def run(*args, **kwargs):
+        return _done(fn(*args, **kwargs))
+    run.__name__ = run.__qualname__ = name
+    run.__doc__ = f"``{fn.__name__}``, its handle returned (Note [Handles that are done])."
+    return run
+
+
+allreduce_async = _async(allreduce, "allreduce_async")
+allreduce_async_ = _async(allreduce_, "allreduce_async_")
+grouped_allreduce_async = _async(grouped_allreduce, "grouped_allreduce_async")
+grouped_allreduce_async_ = _async(grouped_allreduce_, "grouped_allreduce_async_")
+allgather_async = _async(allgather, "allgather_async")
+grouped_allgather_async = _async(grouped_allgather, "grouped_allgather_async")
+broadcast_async = _async(broadcast, "broadcast_async")
+broadcast_async_ = _async(broadcast_, "broadcast_async_")
+reducescatter_async = _async(reducescatter, "reducescatter_async")
+
+
+def poll(handle: int) -> bool:
+    """Whether the operation of ``handle`` is done (always, Note [Handles that are done])."""
+    if handle not in _handles:
+        raise ValueError(f"handle {handle!r} is not an operation in flight")
+    return True
+
+
+def synchronize(handle: int):
+    """The result of the operation of ``handle``; the handle is spent."""
+    try:
+        return _handles.pop(handle)
+    except KeyError:
+        raise ValueError(f"handle {handle!r} is not an operation in flight") from None
+
+
+def _global_only(process_set) -> None:
+    if process_set is not None and process_set is not global_process_set:
+        raise NotImplementedError("mpidp.horovod: process sets other than the global one are "
+                                  "not supported yet (docs/horovod.md)")
+
+
+class ProcessSet:
+    """Horovod's process set; only the global one (every rank) so far."""
+
+    def __init__(self, ranks=None):
+        self.ranks = ranks
+        self.process_set_id = 0
+
+    def size(self) -> int:
+        return basics.size()
+
+    def rank(self) -> int:
+        return basics.rank()
+
+    def included(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "ProcessSet(process_set_id=0, ranks=<every rank>)"
+
+
+global_process_set = ProcessSet()

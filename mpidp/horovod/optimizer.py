@@ -1,0 +1,226 @@
+"""Horovod's DistributedOptimizer and the broadcasts a Horovod script makes at start-up
+(parameters, optimizer state, objects), on mpidp's fused all-reduce and broadcasts."""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import torch
+
+from ..comm import collectives, fusion, state_broadcast
+from . import basics
+from .basics import Average, Product, Sum
+from .compression import Compression
+from .ops import _MPIDP_OP, _global_only, resolve_op
+
+
+class _DistributedOptimizer:
+    """The methods a DistributedOptimizer adds to the user's optimizer class (Note
+    [Gradients at step])."""
+
+    def _distribute(self, named_parameters, compression, backward_passes_per_step, op,
+                    gradient_predivide_factor, sparse_as_dense):
+        params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+                raise ValueError("named_parameters should be a sequence of tuples (name, "
+                                 "parameter), usually produced by model.named_parameters()")
+            names = [n for n, _ in named]
+            if len(set(names)) != len(names):
+                raise ValueError(f"parameter names in named_parameters must be unique; "
+                                 f"repeated: {sorted({n for n in names if names.count(n) > 1})}")
+            known = {id(p) for _, p in named}
+            missing = [i for i, p in enumerate(params) if id(p) not in known]
+            if missing:
+                raise ValueError(f"named_parameters was specified, but {len(missing)} of the "
+                                 "optimizer's parameters are not in it")
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be a positive int, got "
+                             f"{backward_passes_per_step!r}")
+        if not gradient_predivide_factor > 0:
+            raise ValueError(f"gradient_predivide_factor must be > 0, got "
+                             f"{gradient_predivide_factor!r}")
+        op = resolve_op(op, None)
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor is only valid with op=hvd.Average")
+        if op == Product:
+            raise ValueError("DistributedOptimizer takes op=hvd.Average, hvd.Sum, hvd.Min or "
+                             "hvd.Max, not hvd.Product")
+        self._hvd_params = [p for p in params if p.requires_grad]
+        self._hvd_compression = compression
+        self._hvd_passes = backward_passes_per_step
+        self._hvd_op = op
+        self._hvd_predivide = float(gradient_predivide_factor)
+        self._hvd_sparse_as_dense = sparse_as_dense
+        self._hvd_counts = {p: 0 for p in self._hvd_params}
+        self._hvd_pending = False
+        self._hvd_skip = False
+        for p in self._hvd_params:
+            p.register_post_accumulate_grad_hook(self._hvd_accumulated)
+
+    def _hvd_accumulated(self, p) -> None:
+        self._hvd_counts[p] += 1
+        if self._hvd_counts[p] > self._hvd_passes:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before "
+                "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                "locally.")
+        self._hvd_pending = True
+
+    def synchronize(self) -> None:
+        """All-reduces every gradient now, in fused buckets (zeros for a parameter that has
+        none here: another rank may have one)."""
+        grads = []
+        for p in self._hvd_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            elif p.grad.is_sparse:
+                if not self._hvd_sparse_as_dense:
+                    raise ValueError("mpidp.horovod: sparse gradients are reduced as dense "
+                                     "ones only: pass sparse_as_dense=True")
+                p.grad = p.grad.to_dense()
+            grads.append(p.grad)
+        op, pre, post = self._hvd_op, 1.0, 1.0
+        if op == Average and self._hvd_predivide != 1.0:
+            op, pre, post = Sum, 1.0 / self._hvd_predivide, \
+                self._hvd_predivide / basics.size()
+        with torch.no_grad():
+            pairs = [self._hvd_compression.compress(g) for g in grads]
+            sent = [c for c, _ in pairs]
+            if pre != 1.0:
+                for c in sent:
+                    c.mul_(pre)
+            fusion.grouped_allreduce_(sent, _MPIDP_OP[op])
+            for g, c, (_, ctx) in zip(grads, sent, pairs):
+                if post != 1.0:
+                    c.mul_(post)
+                if c is not g:
+                    g.copy_(self._hvd_compression.decompress(c, ctx))
+        for p in self._hvd_params:
+            self._hvd_counts[p] = 0
+        self._hvd_pending = False
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Within it, ``step`` does not all-reduce (the caller called ``synchronize``)."""
+        self._hvd_skip = True
+        try:
+            yield
+        finally:
+            self._hvd_skip = False
+
+    def step(self, closure=None):
+        if not self._hvd_skip:
+            self.synchronize()
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._hvd_pending:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
+                                 "before optimizer.step() or optimizer.synchronize(). This is "
+                                 "prohibited as it can cause a race condition.")
+        return super().zero_grad(set_to_none)
+
+
+# Note [Gradients at step]
+# Horovod's DistributedOptimizer is the user's optimizer class with the all-reduce of the
+# gradients put before its step: a subclass made on the fly, constructed from the user's
+# param_groups (so isinstance and the hyper-parameters hold), with the user's defaults. Here
+# each gradient is counted as it is accumulated (a hook per parameter: more passes than
+# backward_passes_per_step raise as Horovod's do) and all of them are reduced at step (or at
+# synchronize) in mpidp's fused buckets, in the optimizer's parameter order, the same on
+# every rank. The result is Horovod's; the reduction runs after the backward pass rather
+# than during it.
+def DistributedOptimizer(  # noqa: N802 - Horovod's name
+        optimizer, named_parameters=None, compression=Compression.none,
+        backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0, num_groups=0,
+        groups=None, sparse_as_dense=False, process_set=None):
+    """``optimizer`` (a torch.optim.Optimizer) whose ``step`` first averages (``op``) the
+    gradients over every rank. ``num_groups``/``groups`` are accepted; mpidp's buckets decide
+    the fusion."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    _global_only(process_set)
+    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    distributed = cls.__new__(cls)
+    optimizer.__class__.__init__(distributed, optimizer.param_groups)
+    distributed.defaults = dict(optimizer.defaults)
+    distributed._distribute(named_parameters, compression, backward_passes_per_step, op,
+                            gradient_predivide_factor, sparse_as_dense)
+    return distributed
+
+
+def broadcast_parameters(params, root_rank, process_set=None) -> None:
+    """Every rank's parameters (a state_dict, named_parameters() or tensors) set to root's."""
+    _global_only(process_set)
+    state_broadcast.broadcast_parameters(params, root_rank)
+
+
+def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=None) -> None:
+    """Every rank's optimizer state (moments, steps, hyper-parameters) set to root's."""
+    _global_only(process_set)
+    state_broadcast.broadcast_optimizer_state(optimizer, root_rank)
+
+
+# Note [Objects without pickle]
+# Horovod sends objects pickled; an unpickler runs what the bytes say, so mpidp sends what
+# torch.save writes and reads it back with torch.load(weights_only=True): tensors, numbers,
+# strings, and lists, tuples and dicts of them — what a script broadcasts (an epoch, a
+# learning rate, a metric). Anything else is refused on the sending rank.
+def _to_bytes(obj):
+    """(``obj`` as bytes in a uint8 tensor, None) or (None, why it cannot travel)."""
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf)
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - reported on every rank
+        return None, f"{type(obj).__name__} cannot be sent without pickle ({exc})".split("\n")[0]
+    raw = buf.getvalue()
+    padded = bytearray(raw) + bytearray(-len(raw) % 8)  # in int64 words: mpidp has no uint8
+    return torch.frombuffer(padded, dtype=torch.int64), None
+
+
+def _from_bytes(words: torch.Tensor):
+    return torch.load(io.BytesIO(words.numpy().tobytes()), weights_only=True)
+
+
+def _refused(what: str, ranks: list, why) -> ValueError:
+    return ValueError(f"mpidp.horovod: {what}: the object of rank(s) "
+                      f"{', '.join(map(str, ranks))} is not tensors, numbers, strings or "
+                      f"lists, tuples and dicts of them" + (f": {why}" if why else "") +
+                      " (Note [Objects without pickle])")
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=None):
+    """Root's ``obj`` on every rank (Note [Objects without pickle]); an object that cannot
+    travel raises on every rank."""
+    _global_only(process_set)
+    data, why = _to_bytes(obj) if basics.rank() == root_rank else (None, None)
+    n = -1 if basics.rank() == root_rank and data is None else \
+        (0 if data is None else data.numel())
+    words = int(collectives.broadcast(torch.tensor([n], dtype=torch.int64), root_rank)[0])
+    if words < 0:
+        raise _refused("broadcast_object", [root_rank], why)
+    if basics.rank() != root_rank:
+        data = torch.zeros(words, dtype=torch.int64)
+    return _from_bytes(collectives.broadcast(data, root_rank))
+
+
+def allgather_object(obj, name=None, process_set=None) -> list:
+    """Every rank's ``obj``, in rank order (Note [Objects without pickle]); an object that
+    cannot travel raises on every rank."""
+    _global_only(process_set)
+    data, why = _to_bytes(obj)
+    n = -1 if data is None else data.numel()
+    lengths = collectives.allgather(torch.tensor([n], dtype=torch.int64)).tolist()
+    bad = [r for r, k in enumerate(lengths) if k < 0]
+    if bad:
+        raise _refused("allgather_object", bad, why)
+    every = collectives.allgather(data)
+    out, start = [], 0
+    for k in lengths:
+        out.append(_from_bytes(every[start:start + k]))
+        start += k
+    return out

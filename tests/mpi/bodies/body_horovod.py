@@ -1,0 +1,177 @@
+"""Run under mpiexec at any world size: a script written for Horovod (``import ... as hvd``,
+``hvd.init()``, Horovod's calls and DistributedOptimizer), on mpidp.horovod. Collectives
+exact on small integers for every op, factor, form (new, in place, grouped, async) and for
+autograd as Horovod defines it; DistributedOptimizer training on each rank's share of a
+global batch ending as one process does on the whole batch (with backward_passes_per_step,
+gradient_predivide_factor and fp16 compression); the broadcasts a script makes at start-up;
+and what is refused, refused on every rank."""
+import math
+
+import torch
+
+import mpidp.horovod as hvd
+from bodykit import expect, finish
+
+hvd.init()
+n, r = hvd.size(), hvd.rank()
+expect(hvd.is_initialized() and 0 <= hvd.local_rank() < hvd.local_size() <= n, "basics")
+expect((hvd.cross_size(), hvd.cross_rank(), hvd.is_homogeneous()) == (1, 0, True),
+       "one node: cross_size 1, cross_rank 0, homogeneous")
+expect(hvd.mpi_built() and hvd.mpi_enabled() and not hvd.gloo_enabled(), "build queries")
+
+# ---- collectives: rank r holds r + 1 -------------------------------------------------------
+x = torch.full((5,), float(r + 1))
+expected = {hvd.Sum: n * (n + 1) / 2, hvd.Average: (n + 1) / 2, hvd.Min: 1.0, hvd.Max: float(n),
+            hvd.Product: float(math.factorial(n))}
+for op, value in expected.items():
+    got = hvd.allreduce(x, op=op)
+    expect(torch.equal(got, torch.full((5,), value)), f"allreduce op {op}: {got}")
+expect(torch.equal(x, torch.full((5,), float(r + 1))), "allreduce left its input alone")
+expect(torch.equal(hvd.allreduce(x), torch.full((5,), (n + 1) / 2)), "Average by default")
+expect(torch.equal(hvd.allreduce(x, average=False), torch.full((5,), n * (n + 1) / 2)),
+       "average=False is Sum")
+got = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+expect(torch.equal(got, torch.full((5,), n * (n + 1) / 2)), f"pre/postscale: {got}")
+ints = torch.arange(4, dtype=torch.int64) + r
+expect(torch.equal(hvd.allreduce(ints, op=hvd.Sum), n * torch.arange(4) + n * (n - 1) // 2),
+       "int64 Sum")
+y = x.clone()
+expect(hvd.allreduce_(y, op=hvd.Sum) is y and torch.equal(y, torch.full((5,), n * (n + 1) / 2)),
+       "allreduce_ in place")
+h = hvd.allreduce_async(x, op=hvd.Max)
+expect(hvd.poll(h) and torch.equal(hvd.synchronize(h), torch.full((5,), float(n))), "async")
+pair = [x.clone(), torch.arange(3, dtype=torch.float64) * (r + 1)]
+out = hvd.grouped_allreduce(pair, op=hvd.Sum)
+expect(torch.equal(out[0], torch.full((5,), n * (n + 1) / 2)) and
+       torch.equal(out[1], torch.arange(3, dtype=torch.float64) * n * (n + 1) / 2), "grouped")
+hvd.grouped_allreduce_(pair, op=hvd.Average)
+expect(torch.equal(pair[0], torch.full((5,), (n + 1) / 2)), "grouped in place")
+half = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.fp16)
+expect(half.dtype == torch.float32 and torch.equal(half, torch.full((5,), n * (n + 1) / 2)),
+       "fp16 compression: back to float32, exact on small integers")
+
+rows = torch.full((r + 1, 2), float(r))  # first dimensions differ
+gathered = hvd.allgather(rows)
+expect(torch.equal(gathered, torch.cat([torch.full((q + 1, 2), float(q)) for q in range(n)])),
+       f"allgather: {gathered}")
+root = n - 1
+b = torch.full((3,), float(r))
+expect(torch.equal(hvd.broadcast(b, root), torch.full((3,), float(root))) and
+       torch.equal(b, torch.full((3,), float(r))), "broadcast")
+expect(hvd.broadcast_(b, root) is b and torch.equal(b, torch.full((3,), float(root))),
+       "broadcast_")
+whole = torch.arange(2 * n + 1, dtype=torch.float32).repeat_interleave(2).reshape(-1, 2)
+mine = hvd.reducescatter(whole * (r + 1), op=hvd.Sum)
+block = torch.tensor_split(whole, n)[r] * (n * (n + 1) / 2)
+expect(torch.equal(mine, block), f"reducescatter: {mine} != {block}")
+hvd.barrier()
+
+# ---- autograd, as Horovod defines it --------------------------------------------------------
+a = torch.full((4,), float(r + 1), requires_grad=True)
+hvd.allreduce(a, op=hvd.Sum).sum().backward()
+expect(torch.equal(a.grad, torch.full((4,), float(n))), f"allreduce's gradient: {a.grad}")
+g_in = torch.full((r + 1, 2), 1.0, requires_grad=True)
+weights = torch.arange(n * (n + 1) // 2 * 2, dtype=torch.float32).reshape(-1, 2)
+(hvd.allgather(g_in) * weights).sum().backward()
+start = r * (r + 1) // 2
+expect(torch.equal(g_in.grad, n * weights[start:start + r + 1]), "allgather's gradient")
+c = torch.ones(3, requires_grad=True)
+hvd.broadcast(c, 0).sum().backward()
+expect(torch.equal(c.grad, torch.full((3,), float(n) if r == 0 else 0.0)), "broadcast's gradient")
+
+# ---- the broadcasts a script starts with -----------------------------------------------------
+torch.manual_seed(100 + r)  # every rank starts elsewhere
+model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+first = [p.detach().clone() for p in model.parameters()]
+every = hvd.allgather(torch.cat([p.reshape(-1) for p in first]).reshape(1, -1))
+expect(all(torch.equal(every[0], every[q]) for q in range(n)), "broadcast_parameters")
+expect(hvd.broadcast_object({"epoch": 3 + r, "lr": [0.1]}, root_rank=root) ==
+       {"epoch": 3 + root, "lr": [0.1]}, "broadcast_object")
+expect(hvd.allgather_object(("rank", r)) == [("rank", q) for q in range(n)], "allgather_object")
+
+# ---- DistributedOptimizer: n ranks, each its rows of a global batch == one process --------
+g = torch.Generator().manual_seed(7)
+inputs = torch.randn(4 * n * 6, 6, generator=g)
+labels = torch.randint(0, 3, (4 * n * 6,), generator=g)
+
+
+def loss_of(m, xs, ys):
+    return torch.nn.functional.cross_entropy(m(xs), ys)
+
+
+def train(distributed: bool, passes: int = 1, **options):
+    m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    with torch.no_grad():
+        for p, p0 in zip(m.parameters(), first):
+            p.copy_(p0)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)
+    if distributed:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=m.named_parameters(),
+                                       backward_passes_per_step=passes, **options)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    per_step = 4 * n
+    for step in range(6):
+        rows = slice(step * per_step, (step + 1) * per_step)
+        xs, ys = inputs[rows], labels[rows]
+        opt.zero_grad()
+        for k in range(passes):  # the batch in `passes` parts, gradients summed
+            part = slice(k * per_step // passes, (k + 1) * per_step // passes)
+            px, py = xs[part], ys[part]
+            if distributed:  # this rank's share of the part: every n-th row
+                px, py = px[r::n], py[r::n]
+            loss_of(m, px, py).backward()
+        opt.step()
+    return [p.detach() for p in m.parameters()]
+
+
+reference = train(False)
+for options, passes, tol in (({}, 1, 1e-6), ({}, 2, 1e-6),
+                             ({"gradient_predivide_factor": 2.0}, 1, 1e-6),
+                             ({"compression": hvd.Compression.fp16}, 1, 2e-3)):
+    got = train(True, passes, **options)
+    ref = reference if passes == 1 else train(False, passes)
+    close = all(torch.allclose(p, q, rtol=tol, atol=tol) for p, q in zip(got, ref))
+    expect(close, f"DistributedOptimizer {options} passes={passes}: not one process's result")
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+expect(isinstance(opt, torch.optim.SGD), "the optimizer is still an SGD")
+loss_of(model, inputs[:4], labels[:4]).backward()
+try:
+    opt.zero_grad()
+    expect(False, "zero_grad between backward and step should raise, as Horovod's does")
+except AssertionError as exc:
+    expect("before optimizer.step() or optimizer.synchronize()" in str(exc), str(exc))
+opt.synchronize()
+with opt.skip_synchronize():
+    opt.step()
+
+# ---- SyncBatchNorm: each rank its rows == BatchNorm on the whole batch ----------------------
+whole_x = torch.arange(2 * n * 4, dtype=torch.float32).reshape(2 * n, 4) % 7
+sync_bn, plain = hvd.SyncBatchNorm(4), torch.nn.BatchNorm1d(4)
+mine_x = whole_x[r::n].clone().requires_grad_()
+ref_x = whole_x.clone().requires_grad_()
+(sync_bn(mine_x) * torch.arange(4.0)).sum().backward()
+(plain(ref_x) * torch.arange(4.0)).sum().backward()
+expect(torch.allclose(sync_bn.running_mean, plain.running_mean, atol=1e-6) and
+       torch.allclose(sync_bn.running_var, plain.running_var, atol=1e-6) and
+       torch.allclose(mine_x.grad, ref_x.grad[r::n], atol=1e-5), "SyncBatchNorm")
+
+# ---- refused on every rank, at the same call -------------------------------------------------
+for call, words in ((lambda: hvd.allreduce(x, op=hvd.Adasum), "Adasum"),
+                    (lambda: hvd.alltoall(x), "alltoall"),
+                    (lambda: hvd.broadcast_object(object(), root_rank=0), "broadcast_object"),
+                    (lambda: hvd.allreduce(ints), "Average needs a floating tensor")):
+    try:
+        call()
+        expect(False, f"{words}: should have been refused")
+    except (NotImplementedError, ValueError) as exc:
+        expect(words in str(exc), f"{words}: {exc}")
+if n > 1:  # shapes that differ between ranks: every rank raises, none waits
+    try:
+        hvd.allreduce(torch.ones(2 + (r == 0)), op=hvd.Sum)
+        expect(False, "mismatched shapes should raise")
+    except Exception as exc:  # noqa: BLE001 - mpidp's MismatchError
+        expect("shape" in str(exc) or "differ" in str(exc), f"mismatch: {exc}")
+expect(torch.equal(hvd.allreduce(x, op=hvd.Sum), torch.full((5,), n * (n + 1) / 2)),
+       "usable after the refusals")
+finish(r)

@@ -1,0 +1,86 @@
+"""Tier 1: mpidp.horovod in one process, without MPI — its import, Horovod's op rules, the
+compressors, what the optimizer wrapper refuses and what is refused in one line (the
+collectives and training under mpiexec: tests/mpi/bodies/body_horovod.py, run by
+tests/mpi/test_together.py at n = 1, 2, 3)."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mpidp.horovod as hvd
+from mpidp.horovod import ops
+
+
+def test_import_starts_no_mpi_and_exports_horovods_names():
+    code = ("import sys, mpidp.horovod as hvd; print('mpi4py.MPI' in sys.modules, "
+            "hvd.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["False", "False"], out.stderr
+    for name in ("init", "allreduce", "allreduce_async_", "allgather", "broadcast_",
+                 "reducescatter", "grouped_allreduce", "DistributedOptimizer",
+                 "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+                 "Compression", "SyncBatchNorm", "Average", "Sum", "Adasum", "Product"):
+        assert name in hvd.__all__ and hasattr(hvd, name), name
+    assert sorted(hvd.__all__) == hvd.__all__ == sorted(set(hvd.__all__))
+
+
+def test_ops_follow_horovods_rules():
+    assert ops.resolve_op(None, None) == hvd.Average
+    assert ops.resolve_op(None, False) == hvd.Sum and ops.resolve_op(None, True) == hvd.Average
+    assert ops.resolve_op(hvd.Max, None) == hvd.Max
+    with pytest.raises(ValueError, match="op and average cannot both be given"):
+        ops.resolve_op(hvd.Sum, True)
+    with pytest.raises(NotImplementedError, match="hvd.Adasum is not supported"):
+        ops.resolve_op(hvd.Adasum, None)
+    with pytest.raises(ValueError, match="unknown op 42"):
+        ops.resolve_op(42, None)
+
+
+def test_fp16_compression_round_trip():
+    t = torch.tensor([1.5, -2.0, 3.25])
+    sent, ctx = hvd.Compression.fp16.compress(t)
+    assert sent.dtype == torch.float16 and ctx == torch.float32
+    assert torch.equal(hvd.Compression.fp16.decompress(sent, ctx), t)
+    ints = torch.arange(3)
+    assert hvd.Compression.fp16.compress(ints) == (ints, None)
+    assert hvd.Compression.none.compress(t) == (t, None)
+
+
+def test_distributed_optimizer_refuses_bad_arguments_naming_them():
+    model = torch.nn.Linear(3, 2)
+    sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
+    with pytest.raises(ValueError, match="named_parameters should be a sequence of tuples"):
+        hvd.DistributedOptimizer(sgd(), named_parameters=[model.weight])
+    with pytest.raises(ValueError, match="must be unique; repeated: \\['w'\\]"):
+        hvd.DistributedOptimizer(sgd(), named_parameters=[("w", model.weight),
+                                                          ("w", model.bias)])
+    with pytest.raises(ValueError, match="1 of the optimizer's parameters are not in it"):
+        hvd.DistributedOptimizer(sgd(), named_parameters=[("weight", model.weight)])
+    with pytest.raises(ValueError, match="backward_passes_per_step must be a positive int"):
+        hvd.DistributedOptimizer(sgd(), backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="only valid with op=hvd.Average"):
+        hvd.DistributedOptimizer(sgd(), op=hvd.Sum, gradient_predivide_factor=2.0)
+    with pytest.raises(TypeError, match="must be a torch.optim.Optimizer, got Linear"):
+        hvd.DistributedOptimizer(model)
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01,
+                                                    betas=(0.8, 0.9)),
+                                   named_parameters=model.named_parameters())
+    assert isinstance(opt, torch.optim.Adam) and type(opt).__name__ == "Adam"
+    assert opt.defaults["betas"] == (0.8, 0.9) and opt.param_groups[0]["lr"] == 0.01
+
+
+@pytest.mark.parametrize("name", ["alltoall", "join", "add_process_set", "start_timeline"])
+def test_what_is_not_served_is_refused_in_one_line(name):
+    with pytest.raises(NotImplementedError) as info:
+        getattr(hvd, name)()
+    assert str(info.value).startswith(f"mpidp.horovod: hvd.{name} is not supported yet; ")
+    assert "\n" not in str(info.value)
+
+
+def test_a_process_set_other_than_the_global_one_is_refused():
+    with pytest.raises(NotImplementedError, match="process sets other than the global one"):
+        hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0]))
+    with pytest.raises(NotImplementedError, match="process_sets= is not supported yet"):
+        hvd.init(process_sets=[hvd.ProcessSet([0])])
