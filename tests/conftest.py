@@ -8,17 +8,6 @@ import pytest
 # the harness (mpirun, file_faults, the emulated and the Slurm cluster) imports by module name
 sys.path.insert(0, str(Path(__file__).parent / "harness"))
 _STARTED = time.time()
-
-# Note [MPICH on an oversubscribed machine]
-# The suite runs 3 and 4 ranks on 2 cores, beside pytest and the launcher. MPICH's ranks wait
-# for each other by polling its progress engine without ever giving up the core, so a rank
-# waiting in MPI holds a core that the rank it waits for needs. MPICH's progress throttle makes
-# a rank that polls without progress yield: the body of the collectives at 3 ranks over MPI
-# (MPIDP_EMULATE_NODE_SIZE=1) took 13 s without it and 7.5 s with it, a 3-rank training run
-# 6.1 s and 5.0 s, and 2-rank runs the same. It changes when a waiting rank runs, never what
-# it computes; a value set in the environment is kept. Every job the tests launch inherits it
-# (mpiexec passes the environment on, across the emulated nodes too).
-os.environ.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
 TIERS = ("unit", "mpi", "multinode", "slurm", "gpu")  # one folder of tests/ and one marker each
 
 

@@ -3,6 +3,7 @@ read from its environment variables, so the runtime can cross-check MPI's own an
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Mapping, NamedTuple, Optional
@@ -157,3 +158,13 @@ def prepare_mpi_start() -> None:
                       RuntimeWarning, stacklevel=3)
     elif settings:
         os.environ.update(settings)
+
+
+def mpiexec() -> str:
+    """The mpiexec beside this Python (the mpich wheel's), else the first on PATH;
+    FileNotFoundError naming the fix where there is none."""
+    here = Path(sys.executable).parent / "mpiexec"
+    found = str(here) if here.exists() else shutil.which("mpiexec")
+    if not found:
+        raise FileNotFoundError("no mpiexec found: pip install mpich (see README)")
+    return found

@@ -3,7 +3,6 @@ process never imports mpi4py.MPI)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -11,18 +10,11 @@ import time
 import uuid
 from pathlib import Path
 
+from mpidp.runtime.launcher import mpiexec  # the mpich wheel's, beside this Python
+
 ROOT = Path(__file__).parents[2]          # the repository: the jobs' working directory
 BODIES = ROOT / "tests" / "mpi" / "bodies"  # the MPI test bodies
 RUN_BODY = Path(__file__).parent / "run_body.py"  # how body() starts them
-
-
-def mpiexec() -> str:
-    """The mpiexec beside this Python (the mpich wheel's), else the first on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    found = str(here) if here.exists() else shutil.which("mpiexec")
-    if not found:
-        raise RuntimeError("no mpiexec found: pip install mpich (see README)")
-    return found
 
 
 def command(n: int, args: list, cluster=None, per_node=1) -> list:

@@ -114,9 +114,11 @@ def test_a_groups_timeout_across_nodes_names_the_late_rank(cluster, per_node):
                      rf"\[0, {late}\] is unusable: barrier timed out", proc.stdout), proc.stdout
 
 
-@pytest.mark.parametrize("name", ["body_join.py", "body_hooks.py", "body_syncbn.py"])
+@pytest.mark.parametrize("name", ["body_join.py", "body_hooks.py", "body_syncbn.py",
+                                  "body_horovod.py"])
 def test_join_hooks_and_sync_batchnorm_across_nodes(cluster, name):
-    """Uneven inputs with Join, torch's communication hooks and SyncBatchNorm on 2 nodes x 2."""
+    """Uneven inputs with Join, torch's communication hooks, SyncBatchNorm and a script written
+    for Horovod (mpidp.horovod: cross_rank and cross_size across the nodes) on 2 nodes x 2."""
     assert_ok(body(4, name, env={"MASTER_ADDR": None, "MASTER_PORT": None}, cluster=cluster,
                    per_node=2, timeout_s=240), 4)
 

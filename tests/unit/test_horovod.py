@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mpidp.horovod as hvd
-from mpidp.horovod import ops
+from mpidp.horovod import ops, run
 
 
 def test_import_starts_no_mpi_and_exports_horovods_names():
@@ -84,3 +84,28 @@ def test_a_process_set_other_than_the_global_one_is_refused():
         hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0]))
     with pytest.raises(NotImplementedError, match="process_sets= is not supported yet"):
         hvd.init(process_sets=[hvd.ProcessSet([0])])
+
+
+def test_horovodrun_maps_onto_mpiexec():
+    assert run.command(4, ["python", "train.py"], "a:2,b:2", launcher="mpiexec") == \
+        ["mpiexec", "-n", "4", "-hosts", "a:2,b:2", "python", "train.py"]
+    assert run.command(2, ["python", "t.py"], None, "/tmp/x/ssh", "mpiexec") == \
+        ["mpiexec", "-n", "2", "-launcher", "ssh", "-launcher-exec", "/tmp/x/ssh", "python", "t.py"]
+    text = "# the cluster\nnode1 slots=4\n\nnode2   slots=2  # the small one\nnode3\n"
+    assert run.hosts_of_file(text) == "node1:4,node2:2,node3:1"
+    with pytest.raises(ValueError, match="hf:1: expected 'host slots=N', got 'n1 slots=x'"):
+        run.hosts_of_file("n1 slots=x\n", "hf")
+    with pytest.raises(ValueError, match="expected host:slots"):
+        run.command(2, ["python"], "a:0")
+    with pytest.raises(ValueError, match="no command to run"):
+        run.command(2, [])
+
+
+@pytest.mark.parametrize("flag,words", [("--gloo", "mpidp runs on MPI only"),
+                                        ("--min-np", "horovod elastic is not offered")])
+def test_horovodrun_refuses_what_mpidp_does_not_do_in_one_line(flag, words):
+    proc = subprocess.run([sys.executable, "-m", "mpidp.horovod.run", "-np", "2", flag, "1",
+                           "python", "train.py"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == \
+        f"python -m mpidp.horovod.run: error: {flag} is not supported: {run.REFUSED[flag]}"
+    assert words in proc.stderr

@@ -15,8 +15,10 @@ from bodykit import expect, finish
 hvd.init()
 n, r = hvd.size(), hvd.rank()
 expect(hvd.is_initialized() and 0 <= hvd.local_rank() < hvd.local_size() <= n, "basics")
-expect((hvd.cross_size(), hvd.cross_rank(), hvd.is_homogeneous()) == (1, 0, True),
-       "one node: cross_size 1, cross_rank 0, homogeneous")
+per_node = hvd.local_size()  # ranks placed on nodes of equal size in blocks (-ppn)
+expect((hvd.cross_size(), hvd.cross_rank(), hvd.is_homogeneous()) ==
+       (n // per_node, r // per_node, True), "cross_size, cross_rank, is_homogeneous: "
+       f"{hvd.cross_size(), hvd.cross_rank(), hvd.is_homogeneous()}")
 expect(hvd.mpi_built() and hvd.mpi_enabled() and not hvd.gloo_enabled(), "build queries")
 
 # ---- collectives: rank r holds r + 1 -------------------------------------------------------

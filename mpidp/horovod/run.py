@@ -1,0 +1,141 @@
+"""``python -m mpidp.horovod.run -np 4 -H host1:2,host2:2 python train.py``: horovodrun's
+command line for those coming from Horovod, mapped onto MPICH's ``mpiexec`` (Hydra, the one
+beside this Python from the mpich wheel, else the first on PATH). It prints the mpiexec line it
+runs, runs it, and exits with its exit code. Note [horovodrun on Hydra]."""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..runtime.launcher import mpiexec
+
+# Note [horovodrun on Hydra]
+# -np N is Hydra's -n N; -H a:2,b:2 is its -hosts (the same host:slots list); a Horovod
+# hostfile ("host slots=N" per line, # comments) becomes that list too. -p PORT, the ssh port,
+# has no Hydra flag: Hydra's ssh launcher runs one executable, so the port goes into a
+# two-line script given as -launcher-exec, removed when the job ends. Without hosts the job
+# runs on this machine, as horovodrun's does. horovodrun's other options (elastic, gloo,
+# the timeline, tuning) are refused naming what mpidp offers instead.
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m mpidp.horovod.run",
+        description="horovodrun's command line on mpidp's MPI launcher (MPICH's mpiexec)")
+    p.add_argument("-np", "--num-proc", dest="np", type=int, required=True,
+                   help="number of processes")
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", help="host:slots,host:slots,... (default: this machine)")
+    hosts.add_argument("-hostfile", "--hostfile", help="a Horovod hostfile: 'host slots=N' lines")
+    p.add_argument("-p", "--ssh-port", type=int, help="the port ssh reaches the hosts on")
+    p.add_argument("--verbose", action="store_true", help="say what is mapped to what")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs")
+    return p
+
+
+REFUSED = {
+    "--gloo": "mpidp runs on MPI only",
+    "--min-np": "horovod elastic is not offered: a failed job resumes from its checkpoint on "
+                "any number of ranks (python -m mpidp.train --resume)",
+    "--max-np": "horovod elastic is not offered: resume from a checkpoint on any number of ranks",
+    "--host-discovery-script": "horovod elastic is not offered: resume from a checkpoint",
+    "--timeline-filename": "set MPIDP_TIMELINE=file.json (docs/configuration.md)",
+    "--fusion-threshold-mb": "mpidp.DistributedDataParallel takes bucket_cap_mb",
+    "--cycle-time-ms": "mpidp has no cycle: each collective runs when called",
+}
+
+
+_VALUED = {"-np", "--num-proc", "-H", "--hosts", "-hostfile", "--hostfile", "-p", "--ssh-port"}
+
+
+def hosts_of_file(text: str, path: str = "hostfile") -> str:
+    """Hydra's host list from a Horovod hostfile's ``text``."""
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, *rest = line.split()
+        slots = 1
+        for word in rest:
+            key, _, value = word.partition("=")
+            if key != "slots" or not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{path}:{number}: expected 'host slots=N', got {line!r}")
+            slots = int(value)
+        out.append(f"{host}:{slots}")
+    if not out:
+        raise ValueError(f"{path}: no hosts in it")
+    return ",".join(out)
+
+
+def check_hosts(hosts: str) -> str:
+    for item in hosts.split(","):
+        host, _, slots = item.partition(":")
+        if not host or (slots and (not slots.isdigit() or int(slots) < 1)):
+            raise ValueError(f"-H {hosts}: expected host:slots,host:slots,... (got {item!r})")
+    return hosts
+
+
+def command(np: int, command: Sequence[str], hosts: Optional[str] = None,
+            launcher_exec: Optional[str] = None, launcher: str = "mpiexec") -> list:
+    """The mpiexec line for horovodrun's ``-np``, ``-H`` and ``-p`` (as its launcher-exec)."""
+    if np < 1:
+        raise ValueError(f"-np {np}: at least one process")
+    if not command:
+        raise ValueError("no command to run: python -m mpidp.horovod.run -np N python train.py")
+    line = [launcher, "-n", str(np)]
+    if hosts:
+        line += ["-hosts", check_hosts(hosts)]
+    if launcher_exec:
+        line += ["-launcher", "ssh", "-launcher-exec", launcher_exec]
+    return line + list(command)
+
+
+def _ssh_with_port(port: int, directory: str) -> str:
+    path = Path(directory) / "ssh"
+    path.write_text(f"#!/bin/sh\nexec ssh -p {int(port)} \"$@\"\n")
+    path.chmod(stat.S_IRWXU)
+    return str(path)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    i = 0
+    while i < len(argv) and argv[i] != "--":  # horovodrun's own options, up to the command
+        name = argv[i].split("=", 1)[0]
+        if name in REFUSED:
+            parser.error(f"{name} is not supported: {REFUSED[name]}")
+        if name == "--mpi":  # what mpidp always does
+            del argv[i]
+            continue
+        if not argv[i].startswith("-"):
+            break
+        i += 2 if name in _VALUED and "=" not in argv[i] else 1
+    args = parser.parse_args(argv)
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        hosts = args.hosts
+        if args.hostfile:
+            hosts = hosts_of_file(Path(args.hostfile).read_text(), args.hostfile)
+        with tempfile.TemporaryDirectory(prefix="mpidp-hvdrun-") as tmp:
+            exec_ = _ssh_with_port(args.ssh_port, tmp) if args.ssh_port else None
+            line = command(args.np, cmd, hosts, exec_, mpiexec())
+            print(f"mpidp.horovod.run: {shlex.join(line)}", file=sys.stderr, flush=True)
+            if args.verbose and args.ssh_port:
+                print(f"mpidp.horovod.run: {exec_} runs ssh -p {args.ssh_port}", file=sys.stderr)
+            return subprocess.run(line, env=os.environ).returncode
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
