@@ -107,10 +107,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     op = resolve_op(op, average)
     with torch.no_grad():
         if tensor.is_contiguous() and op != Product and prescale_factor == 1.0:
-            if op == Average and not tensor.is_floating_point():
-                _reduce_into(tensor, op)  # raises, naming the dtype
-            collectives.allreduce_(tensor, _MPIDP_OP[op])
-            return _scaled(tensor, float(postscale_factor))
+            return _scaled(_reduce_into(tensor, op), float(postscale_factor))
         return tensor.copy_(reduced(tensor, op, float(prescale_factor),
                                     float(postscale_factor)))
 
@@ -139,23 +136,30 @@ def _grouped(tensors, in_place, average, op, prescale, postscale, process_set, c
         outs = [allreduce(t, op=op, prescale_factor=prescale, postscale_factor=postscale,
                           compression=compression) for t in tensors]
         return [t.copy_(o) for t, o in zip(tensors, outs)] if in_place else outs
+    return fused(tensors, in_place, op, float(prescale), float(postscale), compression)
+
+
+def fused(tensors: list, in_place: bool, op: int, prescale: float, postscale: float,
+          compression) -> list:
+    """``tensors`` (not requiring grad; ``op`` resolved, not Product) compressed, scaled,
+    all-reduced in mpidp's fused buckets, scaled and decompressed: into new tensors, or back
+    into ``tensors`` with ``in_place``."""
     with torch.no_grad():
         pairs = [compression.compress(t) for t in tensors]
         work = [c if in_place and c is t else c.detach().clone() for (c, _), t in
                 zip(pairs, tensors)]
         for w in work:
-            _scaled(w, float(prescale))
+            _scaled(w, prescale)
         fusion.grouped_allreduce_(work, _MPIDP_OP[op])
-        outs = [compression.decompress(_scaled(w, float(postscale)), ctx)
+        outs = [compression.decompress(_scaled(w, postscale), ctx)
                 for w, (_, ctx) in zip(work, pairs)]
         if in_place:
             return [t if o is t else t.copy_(o) for t, o in zip(tensors, outs)]
         return outs
 
 
-def _rows_of_every_rank(tensor: torch.Tensor) -> list:
-    rows = collectives.allgather(torch.tensor([tensor.shape[0]], dtype=torch.int64))
-    return [int(r) for r in rows]
+def _rows_of_every_rank(rows: int) -> list:
+    return collectives.allgather(torch.tensor([rows], dtype=torch.int64)).tolist()
 
 
 class _Allgather(torch.autograd.Function):
@@ -169,8 +173,7 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         total = reduced(grad, Sum)
-        rows = _rows_of_every_rank(torch.empty(ctx.rows))
-        start = sum(rows[:basics.rank()])
+        start = sum(_rows_of_every_rank(ctx.rows)[:basics.rank()])
         return total.narrow(0, start, ctx.rows)
 
 

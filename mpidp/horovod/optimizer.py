@@ -7,11 +7,13 @@ import io
 
 import torch
 
-from ..comm import collectives, fusion, state_broadcast
+from .. import runtime
+from ..comm import collectives, state_broadcast
+from ..engine.header import ALLREDUCE
 from . import basics
 from .basics import Average, Product, Sum
 from .compression import Compression
-from .ops import _MPIDP_OP, _global_only, resolve_op
+from .ops import _global_only, fused, resolve_op
 
 
 class _DistributedOptimizer:
@@ -53,9 +55,8 @@ class _DistributedOptimizer:
         self._hvd_op = op
         self._hvd_predivide = float(gradient_predivide_factor)
         self._hvd_sparse_as_dense = sparse_as_dense
-        self._hvd_counts = {p: 0 for p in self._hvd_params}
-        self._hvd_pending = False
-        self._hvd_skip = False
+        self._hvd_counts = {p: 0 for p in self._hvd_params}  # backward passes since the last
+        self._hvd_skip = False  # synchronize
         for p in self._hvd_params:
             p.register_post_accumulate_grad_hook(self._hvd_accumulated)
 
@@ -66,40 +67,29 @@ class _DistributedOptimizer:
                 "Gradients were computed more than backward_passes_per_step times before "
                 "call to step(). Increase backward_passes_per_step to accumulate gradients "
                 "locally.")
-        self._hvd_pending = True
 
     def synchronize(self) -> None:
         """All-reduces every gradient now, in fused buckets (zeros for a parameter that has
         none here: another rank may have one)."""
-        grads = []
+        sparse = [p for p in self._hvd_params if p.grad is not None and p.grad.is_sparse]
+        if sparse and not self._hvd_sparse_as_dense:  # refused on every rank, none waits
+            exc = ValueError("mpidp.horovod: sparse gradients are reduced as dense ones only: "
+                             "pass sparse_as_dense=True to DistributedOptimizer")
+            collectives.refuse(runtime.group(), ALLREDUCE, exc)
+            raise exc
         for p in self._hvd_params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             elif p.grad.is_sparse:
-                if not self._hvd_sparse_as_dense:
-                    raise ValueError("mpidp.horovod: sparse gradients are reduced as dense "
-                                     "ones only: pass sparse_as_dense=True")
                 p.grad = p.grad.to_dense()
-            grads.append(p.grad)
+        grads = [p.grad for p in self._hvd_params]
         op, pre, post = self._hvd_op, 1.0, 1.0
         if op == Average and self._hvd_predivide != 1.0:
             op, pre, post = Sum, 1.0 / self._hvd_predivide, \
                 self._hvd_predivide / basics.size()
-        with torch.no_grad():
-            pairs = [self._hvd_compression.compress(g) for g in grads]
-            sent = [c for c, _ in pairs]
-            if pre != 1.0:
-                for c in sent:
-                    c.mul_(pre)
-            fusion.grouped_allreduce_(sent, _MPIDP_OP[op])
-            for g, c, (_, ctx) in zip(grads, sent, pairs):
-                if post != 1.0:
-                    c.mul_(post)
-                if c is not g:
-                    g.copy_(self._hvd_compression.decompress(c, ctx))
+        fused(grads, True, op, pre, post, self._hvd_compression)
         for p in self._hvd_params:
             self._hvd_counts[p] = 0
-        self._hvd_pending = False
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -116,7 +106,7 @@ class _DistributedOptimizer:
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._hvd_pending:
+        if any(self._hvd_counts.values()):
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize(). This is "
                                  "prohibited as it can cause a race condition.")

@@ -174,6 +174,25 @@ if n > 1:  # shapes that differ between ranks: every rank raises, none waits
         expect(False, "mismatched shapes should raise")
     except Exception as exc:  # noqa: BLE001 - mpidp's MismatchError
         expect("shape" in str(exc) or "differ" in str(exc), f"mismatch: {exc}")
+    emb = torch.nn.Embedding(5, 2, sparse=(r == 0))  # sparse gradients on rank 0 only
+    sparse_opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1))
+    emb(torch.tensor([1, 2])).sum().backward()
+    try:
+        sparse_opt.step()
+        expect(False, "sparse gradients without sparse_as_dense should raise on every rank")
+    except Exception as exc:  # noqa: BLE001 - the sparse rank's ValueError, a MismatchError
+        expect("sparse_as_dense=True" in str(exc) or "do not agree" in str(exc), str(exc))
+emb = torch.nn.Embedding(5, 2, sparse=True)
+hvd.broadcast_parameters(emb.state_dict(), root_rank=0)
+start_w = emb.weight.detach().clone()
+dense_opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0),
+                                     sparse_as_dense=True)
+emb(torch.tensor([r % 5])).sum().backward()
+dense_opt.step()
+lookups = torch.zeros(5, 2)
+for q in range(n):
+    lookups[q % 5] += 1.0 / n  # the averaged gradient of every rank's one lookup
+expect(torch.allclose(emb.weight.detach(), start_w - lookups, atol=1e-6), "sparse_as_dense")
 expect(torch.equal(hvd.allreduce(x, op=hvd.Sum), torch.full((5,), n * (n + 1) / 2)),
        "usable after the refusals")
 finish(r)
