@@ -46,13 +46,14 @@ class Config:
     timeline: str = ""                 # MPIDP_TIMELINE: a Chrome-trace JSON file ("": off)
     audit_every: int = 0               # MPIDP_AUDIT_EVERY: DDP's replica audit (0: off)
     audit_action: str = "raise"        # MPIDP_AUDIT_ACTION: raise | warn (Note [Replica audit])
+    horovod_fusion_bytes: int = 64 << 20  # MPIDP_HOROVOD_FUSION_BYTES: mpidp.horovod's buckets
 
 
 # settings of the algorithms that must be the same on every rank (compared by mpidp.init):
 # ranks that disagree would move data differently, pair the wrong calls or hang
 AGREED = ("algorithm", "ring_piece_bytes", "shm_chunk_bytes", "shm_inline_bytes", "shm_peers",
           "hier_min_bytes", "doubling_max_bytes", "emulate_node_size", "debug", "extension", "timeline",
-          "audit_every", "audit_action")
+          "audit_every", "audit_action", "horovod_fusion_bytes")
 
 
 def agreed(cfg: Config) -> tuple:
@@ -143,6 +144,8 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
         kw["audit_action"] = _parse_choice("MPIDP_AUDIT_ACTION", v, AUDIT_ACTIONS)
     if (v := get("MPIDP_EXTENSION")) is not None:
         kw["extension"] = _parse_bool("MPIDP_EXTENSION", v)
+    if (v := get("MPIDP_HOROVOD_FUSION_BYTES")) is not None:
+        kw["horovod_fusion_bytes"] = _parse_int("MPIDP_HOROVOD_FUSION_BYTES", v, 1)
     v = get("MPIDP_REQUIRE_EXTENSION")
     if v is not None:
         kw["require_extension"] = _parse_bool("MPIDP_REQUIRE_EXTENSION", v)
@@ -163,6 +166,15 @@ def get() -> Config:
     return _current
 
 
+def adopt(overrides: Mapping[str, str]) -> Config:
+    """The process-wide Config read again from the environment with ``overrides`` (``MPIDP_*``
+    names) where the environment sets no value of its own: how mpidp.horovod's ``init`` applies
+    the HOROVOD_* variables it maps (mpidp/horovod/settings.py). Called before ``mpidp.init``."""
+    global _current
+    _current = from_env({**overrides, **os.environ})
+    return _current
+
+
 def check_group_size(cfg: Config, size: int) -> None:
     """ConfigError where a setting cannot apply to a group of ``size`` ranks: an emulated node
     larger than the group (the nodes of a k that does not divide it are k ranks each and
@@ -175,7 +187,8 @@ def check_group_size(cfg: Config, size: int) -> None:
 
 
 def timeline_requested() -> bool:
-    """Whether ``MPIDP_TIMELINE`` names a file, read without the other settings (so it never
-    raises): what mpidp.runtime.timeline's ``traced`` decides by when a module is imported (Note
-    [Timeline cost]); the timeline itself starts with ``mpidp.init()``."""
-    return bool(_timeline(os.environ))
+    """Whether ``MPIDP_TIMELINE`` (or HOROVOD_TIMELINE, which mpidp.horovod maps to it) names
+    a file, read without the other settings (so it never raises): what
+    mpidp.runtime.timeline's ``traced`` decides by when a module is imported (Note [Timeline
+    cost]); the timeline itself starts with ``mpidp.init()``."""
+    return bool(_timeline(os.environ) or os.environ.get("HOROVOD_TIMELINE", "").strip())

@@ -11,6 +11,12 @@ _STARTED = time.time()
 TIERS = ("unit", "mpi", "multinode", "slurm", "gpu")  # one folder of tests/ and one marker each
 
 
+def pytest_addoption(parser):
+    parser.addoption("--horovod-examples", metavar="DIR", default=None,
+                     help="examples/pytorch of a Horovod checkout: run its scripts on mpidp "
+                          "(tests/mpi/test_horovod_examples.py; the project carries no copy)")
+
+
 def pytest_collection_modifyitems(config, items):
     """Marks each test with its tier, the folder of tests/ it is in (docs/tests.md), so that
     ``pytest -m unit`` or ``-m "not multinode"`` selects by tier; explicit marks stay."""

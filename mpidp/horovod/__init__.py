@@ -10,17 +10,19 @@ from .basics import (Adasum, Average, Max, Min, Product, Sum, ccl_built, cross_r
                      is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
                      mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
                      size)
+from .alltoall import alltoall, alltoall_async
 from .compression import Compression
-from .ops import (ProcessSet, allgather, allgather_async, allreduce, allreduce_,
+from .ops import (allgather, allgather_async, allreduce, allreduce_,
                   allreduce_async, allreduce_async_, barrier, broadcast, broadcast_,
-                  broadcast_async, broadcast_async_, global_process_set, grouped_allgather,
+                  broadcast_async, broadcast_async_, grouped_allgather,
                   grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
                   grouped_allreduce_async, grouped_allreduce_async_, poll, reducescatter,
                   reducescatter_async, synchronize)
 from .optimizer import (DistributedOptimizer, allgather_object, broadcast_object,
                         broadcast_optimizer_state, broadcast_parameters)
-from .refused import (add_process_set, alltoall, alltoall_async, join, remove_process_set,
-                      start_timeline, stop_timeline)
+from .process_sets import (ProcessSet, add_process_set, global_process_set,
+                           remove_process_set)
+from .refused import join, start_timeline, stop_timeline
 
 __all__ = ["Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min",
            "ProcessSet", "Product", "Sum", "SyncBatchNorm", "add_process_set", "allgather",

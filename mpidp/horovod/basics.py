@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .. import runtime
+from .. import config, runtime
 from ..errors import NotInitializedError
+from . import process_sets as process_sets_
+from . import settings
 
 # Horovod's ReduceOp values, so that a script that stores or compares them sees the numbers
 # it knows
@@ -17,18 +19,25 @@ OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Horovod's ``init``: starts mpidp (MPI) on ``comm``, an mpi4py communicator (default
-    COMM_WORLD). A list of ranks for ``comm`` and ``process_sets`` other than None are refused
-    in one line until process sets come (docs/horovod.md)."""
-    if process_sets is not None:
-        raise NotImplementedError("mpidp.horovod: process_sets= is not supported yet; run "
-                                  "with the global process set (docs/horovod.md)")
+    COMM_WORLD), with the HOROVOD_* variables mpidp maps (mpidp/horovod/settings.py), then
+    adds ``process_sets`` (a list of hvd.ProcessSet; "dynamic" or None: none; sets can
+    always be added later). A list of ranks for ``comm`` is refused in one line."""
     if isinstance(comm, (list, tuple)):
-        raise NotImplementedError("mpidp.horovod: init(comm=<list of ranks>) is not supported "
-                                  "yet; pass an mpi4py communicator (MPI.COMM_WORLD.Split)")
+        raise NotImplementedError("mpidp.horovod: init(comm=<list of ranks>) is not supported; "
+                                  "pass an mpi4py communicator (MPI.COMM_WORLD.Split)")
+    if process_sets not in (None, "dynamic") and not isinstance(process_sets, (list, tuple)):
+        raise ValueError(f"process_sets must be a list of hvd.ProcessSet or 'dynamic', got "
+                         f"{process_sets!r}")
+    if not runtime.is_initialized():
+        config.adopt(settings.mapped())  # HOROVOD_* variables: mapped, or one line refusing
     runtime.init(comm)
+    process_sets_.started()
+    for ps in process_sets if isinstance(process_sets, (list, tuple)) else ():
+        process_sets_.add_process_set(ps)
 
 
 def shutdown() -> None:
+    process_sets_.forget()
     runtime.shutdown()
 
 

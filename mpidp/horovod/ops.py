@@ -9,8 +9,10 @@ from typing import Any, Optional
 
 import torch
 
+from .. import config, runtime
 from ..comm import collectives, fusion
 from . import basics
+from .process_sets import local_root, on
 from .basics import Adasum, Average, Max, Min, Product, Sum
 from .compression import Compression
 
@@ -42,7 +44,7 @@ def resolve_op(op: Optional[int], average: Optional[bool]) -> int:
     return op
 
 
-def _check_tensor(tensor: Any, what: str) -> None:
+def check_tensor(tensor: Any, what: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
 
@@ -78,34 +80,34 @@ class _Allreduce(torch.autograd.Function):
     factors."""
 
     @staticmethod
-    def forward(ctx, tensor, op, prescale, postscale):
-        ctx.args = (op, prescale, postscale)
-        return reduced(tensor, op, prescale, postscale)
+    def forward(ctx, tensor, op, prescale, postscale, g):
+        ctx.args = (op, prescale, postscale, g)
+        with runtime.using(g):
+            return reduced(tensor, op, prescale, postscale)
 
     @staticmethod
     def backward(ctx, grad):
-        return _Allreduce.apply(grad, *ctx.args), None, None, None
+        return _Allreduce.apply(grad, *ctx.args), None, None, None, None
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """The reduction of ``tensor`` over every rank, a new tensor (``tensor`` unchanged);
     differentiable. ``name`` is accepted and unused (mpidp matches calls by their order)."""
-    _check_tensor(tensor, "allreduce")
-    _global_only(process_set)
+    check_tensor(tensor, "allreduce")
     op = resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
-    return compression.decompress(_Allreduce.apply(compressed, op, float(prescale_factor),
-                                                   float(postscale_factor)), ctx)
+    with on(process_set) as g:
+        return compression.decompress(_Allreduce.apply(compressed, op, float(prescale_factor),
+                                                       float(postscale_factor), g), ctx)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=None):
     """In place: ``tensor`` holds the reduction afterwards, and is returned."""
-    _check_tensor(tensor, "allreduce_")
-    _global_only(process_set)
+    check_tensor(tensor, "allreduce_")
     op = resolve_op(op, average)
-    with torch.no_grad():
+    with torch.no_grad(), on(process_set):
         if tensor.is_contiguous() and op != Product and prescale_factor == 1.0:
             return _scaled(_reduce_into(tensor, op), float(postscale_factor))
         return tensor.copy_(reduced(tensor, op, float(prescale_factor),
@@ -127,30 +129,31 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 
 def _grouped(tensors, in_place, average, op, prescale, postscale, process_set, compression):
-    _global_only(process_set)
     op = resolve_op(op, average)
     tensors = list(tensors)
     for t in tensors:
-        _check_tensor(t, "grouped_allreduce")
+        check_tensor(t, "grouped_allreduce")
     if op == Product or (any(t.requires_grad for t in tensors) and not in_place):
         outs = [allreduce(t, op=op, prescale_factor=prescale, postscale_factor=postscale,
-                          compression=compression) for t in tensors]
+                          compression=compression, process_set=process_set) for t in tensors]
         return [t.copy_(o) for t, o in zip(tensors, outs)] if in_place else outs
-    return fused(tensors, in_place, op, float(prescale), float(postscale), compression)
+    with on(process_set):
+        return fused(tensors, in_place, op, float(prescale), float(postscale), compression)
 
 
 def fused(tensors: list, in_place: bool, op: int, prescale: float, postscale: float,
           compression) -> list:
     """``tensors`` (not requiring grad; ``op`` resolved, not Product) compressed, scaled,
-    all-reduced in mpidp's fused buckets, scaled and decompressed: into new tensors, or back
-    into ``tensors`` with ``in_place``."""
+    all-reduced in mpidp's fused buckets on the current group, scaled and decompressed: into
+    new tensors, or back into ``tensors`` with ``in_place``."""
     with torch.no_grad():
         pairs = [compression.compress(t) for t in tensors]
         work = [c if in_place and c is t else c.detach().clone() for (c, _), t in
                 zip(pairs, tensors)]
         for w in work:
             _scaled(w, prescale)
-        fusion.grouped_allreduce_(work, _MPIDP_OP[op])
+        fusion.grouped_allreduce_(work, _MPIDP_OP[op],
+                                  bucket_cap_mb=config.get().horovod_fusion_bytes / 2**20)
         outs = [compression.decompress(_scaled(w, postscale), ctx)
                 for w, (_, ctx) in zip(work, pairs)]
         if in_place:
@@ -166,23 +169,25 @@ class _Allgather(torch.autograd.Function):
     """Horovod's: the gradient is this rank's rows of the summed gradient."""
 
     @staticmethod
-    def forward(ctx, tensor):
-        ctx.rows = tensor.shape[0]
-        return collectives.allgather(tensor.detach().contiguous())
+    def forward(ctx, tensor, g):
+        ctx.rows, ctx.g = tensor.shape[0], g
+        with runtime.using(g):
+            return collectives.allgather(tensor.detach().contiguous())
 
     @staticmethod
     def backward(ctx, grad):
-        total = reduced(grad, Sum)
-        start = sum(_rows_of_every_rank(ctx.rows)[:basics.rank()])
-        return total.narrow(0, start, ctx.rows)
+        with runtime.using(ctx.g):
+            total = reduced(grad, Sum)
+            start = sum(_rows_of_every_rank(ctx.rows)[:ctx.g.rank])
+        return total.narrow(0, start, ctx.rows), None
 
 
 def allgather(tensor, name=None, process_set=None):
     """Every rank's ``tensor`` concatenated along dimension 0 in rank order (first dimensions
     may differ); differentiable."""
-    _check_tensor(tensor, "allgather")
-    _global_only(process_set)
-    return _Allgather.apply(tensor)
+    check_tensor(tensor, "allgather")
+    with on(process_set) as g:
+        return _Allgather.apply(tensor, g)
 
 
 def grouped_allgather(tensors, name=None, process_set=None):
@@ -193,45 +198,47 @@ class _Broadcast(torch.autograd.Function):
     """Horovod's: root's gradient is the sum of every rank's, the others' zero."""
 
     @staticmethod
-    def forward(ctx, tensor, root_rank):
-        ctx.root_rank = root_rank
-        return collectives.broadcast(tensor.detach().contiguous(), root_rank)
+    def forward(ctx, tensor, root, g):
+        ctx.root, ctx.g = root, g  # root: a rank of g
+        with runtime.using(g):
+            return collectives.broadcast(tensor.detach().contiguous(), root)
 
     @staticmethod
     def backward(ctx, grad):
-        total = reduced(grad, Sum)
-        return (total if basics.rank() == ctx.root_rank else total.zero_()), None
+        with runtime.using(ctx.g):
+            total = reduced(grad, Sum)
+        return (total if ctx.g.rank == ctx.root else total.zero_()), None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=None):
-    """Root's ``tensor`` on every rank, a new tensor; differentiable."""
-    _check_tensor(tensor, "broadcast")
-    _global_only(process_set)
-    return _Broadcast.apply(tensor, root_rank)
+    """Root's ``tensor`` on every rank, a new tensor; differentiable. ``root_rank`` is a
+    global rank, also with a process set (as in Horovod)."""
+    check_tensor(tensor, "broadcast")
+    with on(process_set) as g:
+        return _Broadcast.apply(tensor, local_root(process_set, root_rank), g)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):
     """In place: every rank's ``tensor`` holds root's values, and is returned."""
-    _check_tensor(tensor, "broadcast_")
-    _global_only(process_set)
-    with torch.no_grad():
+    check_tensor(tensor, "broadcast_")
+    with torch.no_grad(), on(process_set):
+        root = local_root(process_set, root_rank)
         if tensor.is_contiguous():
-            return collectives.broadcast_(tensor, root_rank)
-        return tensor.copy_(collectives.broadcast(tensor.contiguous(), root_rank))
+            return collectives.broadcast_(tensor, root)
+        return tensor.copy_(collectives.broadcast(tensor.contiguous(), root))
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=None, prescale_factor=1.0, postscale_factor=1.0):
     """This rank's block (along dimension 0, the first ranks taking one row more where it
     does not divide) of the reduction of ``tensor`` over every rank."""
-    _check_tensor(tensor, "reducescatter")
-    _global_only(process_set)
+    check_tensor(tensor, "reducescatter")
     op = resolve_op(op, None)
     if op not in (Average, Sum, Min, Max):
         raise ValueError(f"reducescatter takes hvd.Average, hvd.Sum, hvd.Min or hvd.Max, not "
                          f"{basics.op_name(op)}")
     compressed, ctx = compression.compress(tensor)
-    with torch.no_grad():
+    with torch.no_grad(), on(process_set):
         x = _scaled(compressed.detach().clone(memory_format=torch.contiguous_format),
                     float(prescale_factor))
         out = collectives.reduce_scatter(x, _MPIDP_OP[op])
@@ -239,12 +246,12 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
 
 
 def barrier(process_set=None) -> None:
-    """Returns once every rank has called it."""
-    _global_only(process_set)
-    collectives.allreduce_(torch.zeros(1, dtype=torch.int32), "sum")
+    """Returns once every rank (of ``process_set``) has called it."""
+    with on(process_set):
+        collectives.allreduce_(torch.zeros(1, dtype=torch.int32), "sum")
 
 
-def _done(result) -> int:
+def done_handle(result) -> int:
     handle = next(_next_handle)
     _handles[handle] = result
     return handle
@@ -252,7 +259,7 @@ def _done(result) -> int:
 
 def _async(fn, name: str):
     def run(*args, **kwargs):
-        return _done(fn(*args, **kwargs))
+        return done_handle(fn(*args, **kwargs))
     run.__name__ = run.__qualname__ = name
     run.__doc__ = f"``{fn.__name__}``, its handle returned (Note [Handles that are done])."
     return run
@@ -282,32 +289,3 @@ def synchronize(handle: int):
         return _handles.pop(handle)
     except KeyError:
         raise ValueError(f"handle {handle!r} is not an operation in flight") from None
-
-
-def _global_only(process_set) -> None:
-    if process_set is not None and process_set is not global_process_set:
-        raise NotImplementedError("mpidp.horovod: process sets other than the global one are "
-                                  "not supported yet (docs/horovod.md)")
-
-
-class ProcessSet:
-    """Horovod's process set; only the global one (every rank) so far."""
-
-    def __init__(self, ranks=None):
-        self.ranks = ranks
-        self.process_set_id = 0
-
-    def size(self) -> int:
-        return basics.size()
-
-    def rank(self) -> int:
-        return basics.rank()
-
-    def included(self) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return "ProcessSet(process_set_id=0, ranks=<every rank>)"
-
-
-global_process_set = ProcessSet()

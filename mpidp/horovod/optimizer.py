@@ -7,13 +7,12 @@ import io
 
 import torch
 
-from .. import runtime
 from ..comm import collectives, state_broadcast
 from ..engine.header import ALLREDUCE
-from . import basics
 from .basics import Average, Product, Sum
 from .compression import Compression
-from .ops import _global_only, fused, resolve_op
+from .ops import fused, resolve_op
+from .process_sets import group_of, local_root, on
 
 
 class _DistributedOptimizer:
@@ -71,11 +70,17 @@ class _DistributedOptimizer:
     def synchronize(self) -> None:
         """All-reduces every gradient now, in fused buckets (zeros for a parameter that has
         none here: another rank may have one)."""
+        with on(self._hvd_process_set) as g:
+            self._hvd_reduce(g)
+        for p in self._hvd_params:
+            self._hvd_counts[p] = 0
+
+    def _hvd_reduce(self, g) -> None:
         sparse = [p for p in self._hvd_params if p.grad is not None and p.grad.is_sparse]
         if sparse and not self._hvd_sparse_as_dense:  # refused on every rank, none waits
             exc = ValueError("mpidp.horovod: sparse gradients are reduced as dense ones only: "
                              "pass sparse_as_dense=True to DistributedOptimizer")
-            collectives.refuse(runtime.group(), ALLREDUCE, exc)
+            collectives.refuse(g, ALLREDUCE, exc)
             raise exc
         for p in self._hvd_params:
             if p.grad is None:
@@ -85,11 +90,8 @@ class _DistributedOptimizer:
         grads = [p.grad for p in self._hvd_params]
         op, pre, post = self._hvd_op, 1.0, 1.0
         if op == Average and self._hvd_predivide != 1.0:
-            op, pre, post = Sum, 1.0 / self._hvd_predivide, \
-                self._hvd_predivide / basics.size()
+            op, pre, post = Sum, 1.0 / self._hvd_predivide, self._hvd_predivide / g.size
         fused(grads, True, op, pre, post, self._hvd_compression)
-        for p in self._hvd_params:
-            self._hvd_counts[p] = 0
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -132,26 +134,28 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    _global_only(process_set)
+    if process_set is not None:
+        group_of(process_set)  # a set this rank is in, or the error
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     distributed = cls.__new__(cls)
     optimizer.__class__.__init__(distributed, optimizer.param_groups)
     distributed.defaults = dict(optimizer.defaults)
     distributed._distribute(named_parameters, compression, backward_passes_per_step, op,
                             gradient_predivide_factor, sparse_as_dense)
+    distributed._hvd_process_set = process_set
     return distributed
 
 
 def broadcast_parameters(params, root_rank, process_set=None) -> None:
     """Every rank's parameters (a state_dict, named_parameters() or tensors) set to root's."""
-    _global_only(process_set)
-    state_broadcast.broadcast_parameters(params, root_rank)
+    with on(process_set):
+        state_broadcast.broadcast_parameters(params, local_root(process_set, root_rank))
 
 
 def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=None) -> None:
     """Every rank's optimizer state (moments, steps, hyper-parameters) set to root's."""
-    _global_only(process_set)
-    state_broadcast.broadcast_optimizer_state(optimizer, root_rank)
+    with on(process_set):
+        state_broadcast.broadcast_optimizer_state(optimizer, local_root(process_set, root_rank))
 
 
 # Note [Objects without pickle]
@@ -186,29 +190,29 @@ def _refused(what: str, ranks: list, why) -> ValueError:
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """Root's ``obj`` on every rank (Note [Objects without pickle]); an object that cannot
     travel raises on every rank."""
-    _global_only(process_set)
-    data, why = _to_bytes(obj) if basics.rank() == root_rank else (None, None)
-    n = -1 if basics.rank() == root_rank and data is None else \
-        (0 if data is None else data.numel())
-    words = int(collectives.broadcast(torch.tensor([n], dtype=torch.int64), root_rank)[0])
-    if words < 0:
-        raise _refused("broadcast_object", [root_rank], why)
-    if basics.rank() != root_rank:
-        data = torch.zeros(words, dtype=torch.int64)
-    return _from_bytes(collectives.broadcast(data, root_rank))
+    with on(process_set) as g:
+        root = local_root(process_set, root_rank)
+        data, why = _to_bytes(obj) if g.rank == root else (None, None)
+        n = -1 if g.rank == root and data is None else (0 if data is None else data.numel())
+        words = int(collectives.broadcast(torch.tensor([n], dtype=torch.int64), root)[0])
+        if words < 0:
+            raise _refused("broadcast_object", [root_rank], why)
+        if g.rank != root:
+            data = torch.zeros(words, dtype=torch.int64)
+        return _from_bytes(collectives.broadcast(data, root))
 
 
 def allgather_object(obj, name=None, process_set=None) -> list:
     """Every rank's ``obj``, in rank order (Note [Objects without pickle]); an object that
     cannot travel raises on every rank."""
-    _global_only(process_set)
     data, why = _to_bytes(obj)
     n = -1 if data is None else data.numel()
-    lengths = collectives.allgather(torch.tensor([n], dtype=torch.int64)).tolist()
-    bad = [r for r, k in enumerate(lengths) if k < 0]
-    if bad:
-        raise _refused("allgather_object", bad, why)
-    every = collectives.allgather(data)
+    with on(process_set):
+        lengths = collectives.allgather(torch.tensor([n], dtype=torch.int64)).tolist()
+        bad = [r for r, k in enumerate(lengths) if k < 0]
+        if bad:
+            raise _refused("allgather_object", bad, why)  # ranks of the set
+        every = collectives.allgather(data)
     out, start = [], 0
     for k in lengths:
         out.append(_from_bytes(every[start:start + k]))

@@ -12,14 +12,9 @@ def _not_yet(name: str, instead: str):
     return refused
 
 
-alltoall = _not_yet("alltoall", "use torch.distributed.all_to_all_single on the mpidp backend")
-alltoall_async = _not_yet("alltoall_async", "use torch.distributed.all_to_all_single on the "
-                          "mpidp backend")
 join = _not_yet("join", "give every rank the same number of batches, or use "
                 "mpidp.DistributedDataParallel's join()")
-add_process_set = _not_yet("add_process_set", "run on the global process set, or give "
-                           "mpidp.init a sub-communicator")
-remove_process_set = _not_yet("remove_process_set", "run on the global process set")
-start_timeline = _not_yet("start_timeline", "set MPIDP_TIMELINE=file.json before the job "
-                          "starts (docs/configuration.md)")
-stop_timeline = _not_yet("stop_timeline", "set MPIDP_TIMELINE=file.json before the job starts")
+start_timeline = _not_yet("start_timeline", "set HOROVOD_TIMELINE=file.json (or "
+                          "MPIDP_TIMELINE) before the job starts")
+stop_timeline = _not_yet("stop_timeline", "set HOROVOD_TIMELINE=file.json (or MPIDP_TIMELINE) "
+                         "before the job starts")

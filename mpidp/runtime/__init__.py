@@ -231,6 +231,13 @@ def group() -> Group:
     return g
 
 
+def init_group() -> Group:
+    """The group made by ``init``, also inside a ``using`` block; NotInitializedError before."""
+    if _group is None:
+        raise NotInitializedError("call mpidp.init() on every rank before using mpidp")
+    return _group
+
+
 def is_initialized() -> bool:
     return _group is not None
 

@@ -52,6 +52,7 @@ GARBAGE = {
     "MPIDP_EXTENSION": ("c", "expected one of 1, 0, true, false, yes, no, on, off"),
     "MPIDP_AUDIT_EVERY": ("often", "expected an integer >= 0"),
     "MPIDP_AUDIT_ACTION": ("stop", "expected one of raise, warn"),
+    "MPIDP_HOROVOD_FUSION_BYTES": ("64M", "expected an integer >= 1"),
 }
 DOCS = Path(__file__).parents[2] / "docs" / "configuration.md"
 

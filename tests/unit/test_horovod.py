@@ -71,7 +71,7 @@ def test_distributed_optimizer_refuses_bad_arguments_naming_them():
     assert opt.defaults["betas"] == (0.8, 0.9) and opt.param_groups[0]["lr"] == 0.01
 
 
-@pytest.mark.parametrize("name", ["alltoall", "join", "add_process_set", "start_timeline"])
+@pytest.mark.parametrize("name", ["join", "start_timeline", "stop_timeline"])
 def test_what_is_not_served_is_refused_in_one_line(name):
     with pytest.raises(NotImplementedError) as info:
         getattr(hvd, name)()
@@ -79,11 +79,22 @@ def test_what_is_not_served_is_refused_in_one_line(name):
     assert "\n" not in str(info.value)
 
 
-def test_a_process_set_other_than_the_global_one_is_refused():
-    with pytest.raises(NotImplementedError, match="process sets other than the global one"):
-        hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0]))
-    with pytest.raises(NotImplementedError, match="process_sets= is not supported yet"):
-        hvd.init(process_sets=[hvd.ProcessSet([0])])
+def test_process_sets_are_checked_as_horovod_checks_them():
+    ps = hvd.ProcessSet([2, 0])
+    assert ps.ranks == [0, 2] and ps.process_set_id is None and ps.size() is None
+    assert hvd.global_process_set.process_set_id == 0
+    with pytest.raises(ValueError, match="a list of process ranks"):
+        hvd.ProcessSet([0, "1"])
+    with pytest.raises(NotImplementedError, match="of an MPI communicator is not supported"):
+        hvd.ProcessSet(object())
+    with pytest.raises(ValueError, match="has not been added"):
+        hvd.allreduce(torch.ones(2), process_set=ps)
+    with pytest.raises(TypeError, match="must be an hvd.ProcessSet, got list"):
+        hvd.broadcast_(torch.ones(2), 0, process_set=[0, 1])
+    with pytest.raises(ValueError, match="must be a list of hvd.ProcessSet or 'dynamic'"):
+        hvd.init(process_sets=ps)
+    assert hvd.remove_process_set(ps) is False and \
+        hvd.remove_process_set(hvd.global_process_set) is False
 
 
 def test_horovodrun_maps_onto_mpiexec():
@@ -109,3 +120,44 @@ def test_horovodrun_refuses_what_mpidp_does_not_do_in_one_line(flag, words):
     assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == \
         f"python -m mpidp.horovod.run: error: {flag} is not supported: {run.REFUSED[flag]}"
     assert words in proc.stderr
+
+
+def test_horovod_variables_map_to_mpidp_settings_or_are_refused_in_one_line():
+    from mpidp import config
+    from mpidp.horovod import settings
+    assert settings.mapped({"HOROVOD_FUSION_THRESHOLD": "1048576", "HOROVOD_TIMELINE": "t.json",
+                            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30",
+                            "HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "PATH": "/bin"}) == {
+        "MPIDP_HOROVOD_FUSION_BYTES": "1048576", "MPIDP_TIMELINE": "t.json",
+        "MPIDP_TIMEOUT_S": "30", "MPIDP_ALGORITHM": "hier"}
+    assert settings.mapped({"HOROVOD_FUSION_THRESHOLD": "0",
+                            "HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}) == \
+        {"MPIDP_HOROVOD_FUSION_BYTES": "1"}  # Horovod's "no fusion": a bucket per tensor
+    # left in a profile by Horovod's build: nothing at run time
+    assert settings.mapped({"HOROVOD_WITH_PYTORCH": "1", "HOROVOD_GPU_OPERATIONS": "NCCL",
+                            "HOROVOD_WITHOUT_GLOO": "1"}) == {}
+    refusals = {"HOROVOD_CYCLE_TIME": "no background cycle",
+                "HOROVOD_STALL_CHECK_TIME_SECONDS": "MPIDP_TIMEOUT_S",
+                "HOROVOD_LOG_LEVEL": "MPIDP_\\* variables",
+                "HOROVOD_TIMELINE": "start_timeline is not supported",
+                "HOROVOD_FUSION_THRESHOLD": "integer >= 0",
+                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "seconds > 0"}
+    values = {"HOROVOD_TIMELINE": "DYNAMIC", "HOROVOD_FUSION_THRESHOLD": "-1",
+              "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"}
+    for name, why in refusals.items():
+        with pytest.raises(ValueError, match=f"^{name}=.*{why}") as caught:
+            settings.mapped({name: values.get(name, "1")})
+        assert "\n" not in str(caught.value)
+    # mapped values are read as mpidp's own; an MPIDP_* variable of the user's wins
+    cfg = config.from_env({**settings.mapped({"HOROVOD_FUSION_THRESHOLD": "4096"})})
+    assert cfg.horovod_fusion_bytes == 4096 and config.Config().horovod_fusion_bytes == 64 << 20
+    with pytest.raises(ValueError, match="MPIDP_HOROVOD_FUSION_BYTES='0'"):
+        config.from_env({"MPIDP_HOROVOD_FUSION_BYTES": "0"})
+
+
+def test_adopt_lets_the_users_own_mpidp_variables_win(monkeypatch):
+    from mpidp import config
+    monkeypatch.setattr(config, "_current", None)
+    monkeypatch.setenv("MPIDP_TIMEOUT_S", "7")
+    cfg = config.adopt({"MPIDP_TIMEOUT_S": "30", "MPIDP_HOROVOD_FUSION_BYTES": "2048"})
+    assert (cfg.timeout_s, cfg.horovod_fusion_bytes) == (7.0, 2048) and config.get() is cfg

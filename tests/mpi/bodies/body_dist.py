@@ -5,6 +5,7 @@ on it: DistributedDataParallel against one process on the concatenated batch,
 ZeroRedundancyOptimizer against the unsharded optimizer, torch.distributed.checkpoint.
 Prints 'ok <rank>'."""
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -414,6 +415,9 @@ loaded = {"model": net(6).state_dict(), "step": torch.tensor(-1)}
 dcp.load(loaded, checkpoint_id=where[0])
 for k, v in state["model"].items():
     equal(loaded["model"][k], v, f"checkpoint {k}")
+dist.barrier()  # every rank has read before rank 0 removes it
+if rank == 0:
+    shutil.rmtree(where[0])
 
 if failures:
     print(f"rank {rank}: " + "\n".join(failures), flush=True)

@@ -4,7 +4,8 @@ exact on small integers for every op, factor, form (new, in place, grouped, asyn
 autograd as Horovod defines it; DistributedOptimizer training on each rank's share of a
 global batch ending as one process does on the whole batch (with backward_passes_per_step,
 gradient_predivide_factor and fp16 compression); the broadcasts a script makes at start-up;
-and what is refused, refused on every rank."""
+alltoall with and without splits; process sets added and removed while running; and what is
+refused, refused on every rank."""
 import math
 
 import torch
@@ -158,9 +159,63 @@ expect(torch.allclose(sync_bn.running_mean, plain.running_mean, atol=1e-6) and
        torch.allclose(sync_bn.running_var, plain.running_var, atol=1e-6) and
        torch.allclose(mine_x.grad, ref_x.grad[r::n], atol=1e-5), "SyncBatchNorm")
 
+# ---- alltoall: rank r sends rank j j + 1 rows of 10 r + j ------------------------------------
+sent = torch.cat([torch.full((j + 1, 2), 10.0 * r + j) for j in range(n)]).requires_grad_()
+got, received = hvd.alltoall(sent, splits=torch.arange(1, n + 1, dtype=torch.int32))
+expect(torch.equal(got, torch.cat([torch.full((r + 1, 2), 10.0 * j + r) for j in range(n)]))
+       and received.tolist() == [r + 1] * n, f"alltoall with splits: {got} {received}")
+(got * (r + 1)).sum().backward()  # rows that went to rank j come back with j + 1
+expect(torch.equal(sent.grad, torch.cat([torch.full((j + 1, 2), j + 1.0) for j in range(n)])),
+       f"alltoall's gradient: {sent.grad}")
+even = torch.arange(2 * n, dtype=torch.int64).reshape(-1, 1) + 100 * r  # 2 rows to each rank
+out, counts = hvd.synchronize(hvd.alltoall_async(even))
+expect(torch.equal(hvd.alltoall(even), out) and counts.tolist() == [2] * n and
+       torch.equal(out.flatten(), torch.tensor([100 * j + 2 * r + k for j in range(n)
+                                                for k in (0, 1)])), f"alltoall even: {out}")
+
+# ---- process sets, added and removed while running ------------------------------------------
+evens = list(range(0, n, 2))
+if n == 1:  # the one rank's set is the global one's
+    try:
+        hvd.add_process_set(evens)
+        expect(False, "a duplicate of the global set should be refused")
+    except ValueError as exc:
+        expect("duplicate process set" in str(exc), str(exc))
+else:
+    ps = hvd.add_process_set(evens)
+    expect(ps.process_set_id == 1 and ps.size() == len(evens) and ps.included() == (r % 2 == 0),
+           f"process set: {ps}")
+    if ps.included():
+        expect(ps.rank() == r // 2, "rank in the set")
+        total = hvd.allreduce(x, op=hvd.Sum, process_set=ps)
+        expect(torch.equal(total, torch.full((5,), float(sum(q + 1 for q in evens)))),
+               f"allreduce on a set: {total}")
+        expect(torch.equal(hvd.broadcast(b * 0 + r, evens[-1], process_set=ps),
+                           torch.full((3,), float(evens[-1]))), "broadcast on a set, global root")
+        expect(torch.equal(hvd.allgather(torch.tensor([r]), process_set=ps), torch.tensor(evens)),
+               "allgather on a set")
+        model = torch.nn.Linear(2, 1, bias=False)
+        torch.nn.init.constant_(model.weight, float(r))
+        hvd.broadcast_parameters(model.state_dict(), root_rank=evens[-1], process_set=ps)
+        set_opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                           process_set=ps)
+        model(torch.full((1, 2), float(r + 1))).sum().backward()
+        set_opt.step()  # the gradient averaged over the set: mean of (q + 1) over evens
+        mean = sum(q + 1 for q in evens) / len(evens)
+        expect(torch.equal(model.weight.detach(), torch.full((1, 2), evens[-1] - mean)),
+               f"DistributedOptimizer on a set: {model.weight}")
+        hvd.barrier(process_set=ps)
+    else:
+        try:
+            hvd.allreduce(x, process_set=ps)
+            expect(False, "a rank outside the set should be refused")
+        except ValueError as exc:
+            expect(f"rank {r} is not in" in str(exc), str(exc))
+    expect(hvd.remove_process_set(ps) and ps.process_set_id is None, "remove_process_set")
+
 # ---- refused on every rank, at the same call -------------------------------------------------
 for call, words in ((lambda: hvd.allreduce(x, op=hvd.Adasum), "Adasum"),
-                    (lambda: hvd.alltoall(x), "alltoall"),
+                    (lambda: hvd.alltoall(torch.ones(3), splits=[5] * n), "do not split"),
                     (lambda: hvd.broadcast_object(object(), root_rank=0), "broadcast_object"),
                     (lambda: hvd.allreduce(ints), "Average needs a floating tensor")):
     try:

@@ -28,6 +28,7 @@ for bit; at n = 3, a few Adam or SGD steps keep the difference within rtol 1e-5,
 Prints 'ok <rank>'."""
 import argparse
 import os
+import shutil
 import tempfile
 import warnings
 
@@ -395,6 +396,10 @@ def main():
                  loaded(mesh(b, (n,), ("dp",)), os.path.join(args.load, b)), expected[b])
     print(f"rank {rank}: at n = {n} the largest difference from gloo where float sums "
           f"differ in order: {worst[0]:.3g}", flush=True)
+    if not args.save:  # a temporary folder of this launch's own
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(work)
 
 
 main()
