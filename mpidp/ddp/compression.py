@@ -22,13 +22,13 @@ cannot see it) auto."""
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from ..comm import collectives
 from .. import runtime
-from ..engine.dtypes import BF16, F16, F32
+from ..engine.dtypes import BF16, F16
 
 
 def _check_state(state: Any, name: str) -> None:
