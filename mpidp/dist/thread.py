@@ -97,12 +97,17 @@ def run_now(fn: Callable[[], None], result) -> Work:
     return Work(f)
 
 
-def _complete(f: torch.futures.Future, fn: Callable[[], None], result) -> None:
+def _complete(f: torch.futures.Future, fn: Callable[[], None], result,
+              ran: Callable[[], None] = lambda: None) -> None:
+    """Runs ``fn``, then ``ran()``, then completes ``f`` (whose waiters and callbacks see
+    what ``ran`` did)."""
     try:
         fn()
     except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+        ran()
         f.set_exception(exc)
     else:
+        ran()
         f.set_result(result)
 
 
@@ -163,9 +168,11 @@ class CommThread:
                 if task is None:
                     return
                 fn, f, result = task
-                with self.running:
-                    _complete(f, fn, result)
-                    self.finished += 1
+                with self.running:  # counted done before its waiter wakes: a synchronous
+                    _complete(f, fn, result, self._count)  # call after wait() finds it idle
+
+    def _count(self) -> None:
+        self.finished += 1
 
     def stop(self, timeout_s: float) -> bool:
         """Ends the thread after the operation it is in; operations still queued fail
