@@ -62,6 +62,21 @@ def assert_ok(proc: subprocess.CompletedProcess, n: int) -> None:
         assert f"ok {r}" in proc.stdout, f"rank {r} did not finish:\n{out[-6000:]}"
 
 
+def together(n: int, names, env: dict | None = None, timeout_s: float = 600, cluster=None,
+             per_node: int = 1) -> subprocess.CompletedProcess:
+    """The bodies ``names`` one after another in one launch (tests/mpi/bodies/body_together.py:
+    one start-up for all), checked: every rank started and ended each (lines of different
+    ranks may interleave: counted, not parsed)."""
+    proc = body(n, "body_together.py", env, timeout_s, list(names), cluster, per_node)
+    assert_ok(proc, n)
+    out = proc.stdout
+    for name in names:
+        assert out.count(f"body_together: {name}") == n, (name, out[-6000:])
+    for r in range(n):
+        assert out.count(f"ok {r}") == len(names), (r, out[-6000:])
+    return proc
+
+
 class Job:
     """``mpiexec -n n python args...`` started in the background, in a session of its own, its
     output to ``log`` and a tag in every process's environment (so that the test finds the

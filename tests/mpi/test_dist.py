@@ -9,8 +9,6 @@ tests/mpi/bodies/body_join.py, tests/mpi/bodies/body_uneven.py)."""
 import re
 import socket
 
-import pytest
-
 from mpirun import assert_ok, body, run
 
 NO_MASTER = {"MASTER_ADDR": None, "MASTER_PORT": None}
@@ -72,11 +70,6 @@ def test_monitored_barrier_names_the_late_rank():
         proc.stdout
     assert "caught 1: Rank 1 successfully reached monitoredBarrier, but received errors while " \
         "waiting for send/recv from rank 0" in proc.stdout, proc.stdout
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_synchronous_calls_run_on_the_caller_and_asynchronous_ones_in_order_on_the_thread(n):
-    assert_ok(body(n, "body_dist_calls.py", env=NO_MASTER), n)
 
 
 def test_a_groups_timeout_raises_naming_the_operation_and_the_late_rank():

@@ -10,25 +10,19 @@ torch.distributed backend with torch's DDP, ZeRO and checkpoint on it (body_dist
 SyncBatchNorm (body_syncbn.py), uneven inputs under torch's Join (body_join.py), torchmetrics
 (body_metrics.py), torch's communication hooks on mpidp's DDP against torch's DDP on gloo
 (body_hooks.py), the replica audit (body_audit.py), mpidp's compression hooks (body_compression.py),
-ZeRO against the unsharded optimizer (body_zero.py) and a script written for Horovod on
-mpidp.horovod (body_horovod.py). body_runtime.py, which must start
-before anything imports MPI, runs alone at every n (test_runtime.py)."""
+ZeRO against the unsharded optimizer (body_zero.py), a script written for Horovod on
+mpidp.horovod (body_horovod.py) and which thread runs the backend's calls
+(body_dist_calls.py). body_runtime.py, which must start before anything imports MPI, runs
+alone at every n (test_runtime.py)."""
 import pytest
 
-from mpirun import assert_ok, body
+from mpirun import together
 
 TOGETHER = ("body_collectives.py", "body_ddp.py", "body_dist.py", "body_syncbn.py",
             "body_join.py", "body_metrics.py", "body_hooks.py", "body_audit.py",
-            "body_compression.py", "body_zero.py", "body_horovod.py")
+            "body_compression.py", "body_zero.py", "body_horovod.py", "body_dist_calls.py")
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_every_body_together(n):
-    proc = body(n, "body_together.py", env={"MASTER_ADDR": None, "MASTER_PORT": None},
-                extra=TOGETHER, timeout_s=600)
-    assert_ok(proc, n)
-    out = proc.stdout  # lines of different ranks may interleave: counted, not parsed
-    for name in TOGETHER:  # every rank started each body
-        assert out.count(f"body_together: {name}") == n, (name, out[-6000:])
-    for r in range(n):  # and ended each
-        assert out.count(f"ok {r}") == len(TOGETHER), (r, out[-6000:])
+    together(n, TOGETHER, env={"MASTER_ADDR": None, "MASTER_PORT": None})

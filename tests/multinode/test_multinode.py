@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mpidp.train import checkpoint
-from mpirun import BODIES, Job, assert_ok, body, run
+from mpirun import BODIES, Job, assert_ok, body, run, together
 from multinode_cluster import Cluster, unavailable
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -54,12 +54,23 @@ def test_node_map_and_shared_memory_per_node(cluster, nodes, per_node):
     assert_ok(proc, n)
 
 
+# the bodies of tests/mpi at each shape, one launch per shape (mpirun.together): the
+# collectives, every algorithm exact; the torch.distributed backend (every operation, the store
+# over MPI, point-to-point, sub-groups, errors, torch's DDP, ZeRO, checkpoint); and on 2 x 2
+# mpidp's DDP against one process, uneven inputs with Join, torch's communication hooks,
+# SyncBatchNorm and a script written for Horovod (cross_rank and cross_size across the nodes)
+ACROSS = {(2, 1): ("body_collectives.py", "body_dist.py"),
+          (2, 2): ("body_collectives.py", "body_ddp.py", "body_dist.py", "body_syncbn.py",
+                   "body_join.py", "body_hooks.py", "body_horovod.py"),
+          (3, 1): ("body_collectives.py",)}
+
+
 @pytest.mark.parametrize("nodes,per_node", SHAPES, ids=IDS)
-def test_every_collective_and_algorithm_is_exact_across_nodes(cluster, nodes, per_node):
+def test_the_bodies_are_exact_across_nodes(cluster, nodes, per_node):
     n = nodes * per_node
     big = {} if n == 2 else {"BODY_BIG_COUNT": str(1 << 18)}  # the 12 MiB case once
-    assert_ok(body(n, "body_collectives.py", env=big, cluster=cluster, per_node=per_node,
-                   timeout_s=240), n)
+    together(n, ACROSS[nodes, per_node], env={"MASTER_ADDR": None, "MASTER_PORT": None, **big},
+             cluster=cluster, per_node=per_node, timeout_s=400)
 
 
 def test_nodes_of_unequal_sizes(cluster):
@@ -83,19 +94,6 @@ def test_bad_inputs_between_two_nodes(cluster):
                    cluster=cluster, per_node=1, timeout_s=120), 2)
 
 
-def test_ddp_across_nodes_equals_one_process(cluster):
-    assert_ok(body(4, "body_ddp.py", cluster=cluster, per_node=2, timeout_s=240), 4)
-
-
-@pytest.mark.parametrize("per_node", [1, 2], ids=["2x1", "2x2"])
-def test_torch_distributed_backend_across_nodes(cluster, per_node):
-    """The torch.distributed backend (tests/mpi/bodies/body_dist.py: every operation, the store over
-    MPI, point-to-point, sub-groups, errors, torch's DDP, ZeRO, checkpoint) on 2 nodes."""
-    n = 2 * per_node
-    assert_ok(body(n, "body_dist.py", env={"MASTER_ADDR": None, "MASTER_PORT": None},
-                   cluster=cluster, per_node=per_node, timeout_s=240), n)
-
-
 @pytest.mark.parametrize("per_node", [1, 2], ids=["2x1", "2x2"])
 def test_a_groups_timeout_across_nodes_names_the_late_rank(cluster, per_node):
     """A torch group of rank 0 and the last rank, one on each node, with a 1 s timeout: the
@@ -112,15 +110,6 @@ def test_a_groups_timeout_across_nodes_names_the_late_rank(cluster, per_node):
     assert caught and float(caught.group(1)) >= 1.0, proc.stdout
     assert re.search(rf"after 0: DistBackendError: mpidp: rank 0: process group \S+ of ranks "
                      rf"\[0, {late}\] is unusable: barrier timed out", proc.stdout), proc.stdout
-
-
-@pytest.mark.parametrize("name", ["body_join.py", "body_hooks.py", "body_syncbn.py",
-                                  "body_horovod.py"])
-def test_join_hooks_and_sync_batchnorm_across_nodes(cluster, name):
-    """Uneven inputs with Join, torch's communication hooks, SyncBatchNorm and a script written
-    for Horovod (mpidp.horovod: cross_rank and cross_size across the nodes) on 2 nodes x 2."""
-    assert_ok(body(4, name, env={"MASTER_ADDR": None, "MASTER_PORT": None}, cluster=cluster,
-                   per_node=2, timeout_s=240), 4)
 
 
 def test_the_doctor_across_nodes(cluster):
