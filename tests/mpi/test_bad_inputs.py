@@ -1,13 +1,9 @@
-"""Tier 2: no silent wrong answer (tests/mpi/bodies/body_bad_inputs.py) at n = 2 and 3, on one node
-and across emulated nodes; ranks started with settings that must agree but do not."""
+"""Tier 2: no silent wrong answer (tests/mpi/bodies/body_bad_inputs.py; at n = 2 and 3 on one
+node with the other bodies, test_together.py) across emulated nodes and through the staging
+window; ranks started with settings that must agree but do not."""
 import pytest
 
 from mpirun import assert_ok, body, run
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_bad_inputs_raise_everywhere_and_the_next_collective_is_exact(n):
-    assert_ok(body(n, "body_bad_inputs.py"), n)
 
 
 def test_bad_inputs_across_emulated_nodes():

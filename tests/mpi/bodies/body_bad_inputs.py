@@ -1,4 +1,4 @@
-"""Run under mpiexec at any world size: no silent wrong answer. Bad input on some ranks — a
+"""Run under mpiexec at 2 ranks or more: no silent wrong answer. Bad input on some ranks — a
 read-only array, counts that differ, a sparse tensor, a wrong dtype or type, a bad op, root or
 algorithm — raises on every rank (its own error where it is bad, MismatchError elsewhere) and
 the next collective is exact; a randomized round of such calls with a seeded generator; NaN
