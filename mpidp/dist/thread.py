@@ -134,7 +134,8 @@ class CommThread:
         """Runs operation ``fn`` as ``run(fn)``: here, where ``sync`` and the group is idle
         (Note [Synchronous calls on the caller's thread]: its error raised, None returned),
         else on the thread (``submit``: its Work)."""
-        if sync and self.finished == self.queued:
+        if sync and self.finished == self.queued and \
+                threading.current_thread() is not self.thread:  # a callback's: run_now, below
             with self.running:
                 if self.finished == self.queued and not self.stopped:
                     run(fn)

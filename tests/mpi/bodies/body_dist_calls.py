@@ -3,9 +3,9 @@ on the "mpidp" backend (Note [Synchronous calls on the caller's thread] in
 mpidp/dist/thread.py), recorded with ``threading.get_ident()`` inside the operation — a
 synchronous call on the caller's thread, an asynchronous one on the group's thread, a
 synchronous call made while asynchronous work is queued or running behind it and in order,
-torch's DDP's bucket all-reduces on the group's thread (so backward goes on meanwhile) — with
-every result exact (at n = 1, where the group has no thread, nothing to check). Prints
-'ok <rank>'."""
+torch's DDP's bucket all-reduces on the group's thread (so backward goes on meanwhile), a
+synchronous call from a Work's callback — with every result exact (at n = 1, where the
+group has no thread, nothing to check). Prints 'ok <rank>'."""
 import sys
 import threading
 import time
@@ -68,6 +68,17 @@ after_b = first.is_completed()
 first.wait()
 order = list(log)
 
+# ---- a synchronous call made from a Work's callback (on the group's thread) completes ----
+inner = torch.full((2,), rank + 1.0)
+
+
+def from_callback(fut):
+    dist.all_reduce(inner)  # the group's thread is running this callback: it runs here
+    return fut.value()
+
+
+dist.all_reduce(torch.ones(1), async_op=True).get_future().then(from_callback).wait()
+
 # ---- torch's DDP: its bucket all-reduces run on the group's thread ------------------------
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -89,6 +100,7 @@ expect(torch.equal(u, torch.full((5,), total)), f"asynchronous all_reduce: {u.to
 expect([count for count, _ in order] == [3, 6], f"order of the all-reduces: {order}")
 expect(len({thread for _, thread in order}) == 1 and order[0][1] != caller,
        f"the queued one and the synchronous one behind it ran on {order} (caller {caller})")
+expect(torch.equal(inner, torch.full((2,), total)), f"all_reduce from a callback: {inner}")
 expect(after_b, "the synchronous all_reduce returned before the asynchronous one queued "
        "before it completed")
 expect(torch.equal(a, torch.full((3,), total)) and torch.equal(b, torch.full((6,), total)),
