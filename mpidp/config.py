@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .algorithms import HOST, NAMES
 from .errors import ConfigError
@@ -46,7 +46,7 @@ class Config:
     timeline: str = ""                 # MPIDP_TIMELINE: a Chrome-trace JSON file ("": off)
     audit_every: int = 0               # MPIDP_AUDIT_EVERY: DDP's replica audit (0: off)
     audit_action: str = "raise"        # MPIDP_AUDIT_ACTION: raise | warn (Note [Replica audit])
-    horovod_fusion_bytes: int = 64 << 20  # MPIDP_HOROVOD_FUSION_BYTES: mpidp.horovod's buckets
+    horovod_fusion_bytes: int = 128 << 20  # MPIDP_HOROVOD_FUSION_BYTES: hvd's fused buckets
 
 
 # settings of the algorithms that must be the same on every rank (compared by mpidp.init):
@@ -155,6 +155,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
 
 
 _current: Config | None = None
+_overrides: Callable[[], Mapping[str, str]] | None = None  # set by ``adopt``
 
 
 def get() -> Config:
@@ -162,17 +163,19 @@ def get() -> Config:
     at init]); ConfigError, at every call, while a value is bad."""
     global _current
     if _current is None:
-        _current = from_env()
+        extra = _overrides() if _overrides is not None else {}
+        _current = from_env({**extra, **os.environ} if extra else None)
     return _current
 
 
-def adopt(overrides: Mapping[str, str]) -> Config:
-    """The process-wide Config read again from the environment with ``overrides`` (``MPIDP_*``
-    names) where the environment sets no value of its own: how mpidp.horovod's ``init`` applies
-    the HOROVOD_* variables it maps (mpidp/horovod/settings.py). Called before ``mpidp.init``."""
-    global _current
-    _current = from_env({**overrides, **os.environ})
-    return _current
+def adopt(overrides: Callable[[], Mapping[str, str]]) -> None:
+    """From now on the settings are read with ``overrides()`` (``MPIDP_*`` names and values)
+    where the environment sets no value of its own, at the next ``get``: inside mpidp.init's
+    agreement, so that a ConfigError ``overrides`` raises is reported on every rank, as a bad
+    MPIDP_* value is. How mpidp.horovod's ``init`` applies the HOROVOD_* variables it maps
+    (mpidp/horovod/settings.py); called before ``mpidp.init``."""
+    global _current, _overrides
+    _current, _overrides = None, overrides
 
 
 def check_group_size(cfg: Config, size: int) -> None:

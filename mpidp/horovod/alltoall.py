@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import runtime
 from ..comm import collectives
 from ..dist import ops as dist_ops
+from ..engine.header import ALLGATHER
 from .ops import check_tensor, done_handle
 from .process_sets import on
 
@@ -20,19 +20,27 @@ def _received(g, splits: list) -> list:
     return every[:, g.rank].tolist()
 
 
-def _exchange(tensor: torch.Tensor, splits, g) -> tuple:
+def _splits(tensor: torch.Tensor, splits, size: int) -> list:
+    """The rows this rank sends each rank: ``splits``, checked, or equal blocks."""
     rows = tensor.shape[0] if tensor.dim() else 1
     if splits is None:
-        if rows % g.size:
+        if rows % size:
             raise ValueError(f"alltoall: the tensor's {rows} rows do not split evenly among "
-                             f"{g.size} ranks; pass splits")
-        splits = [rows // g.size] * g.size
-    else:
-        splits = [int(k) for k in (splits.tolist() if isinstance(splits, torch.Tensor)
-                                   else splits)]
-        if len(splits) != g.size or min(splits) < 0 or sum(splits) != rows:
-            raise ValueError(f"alltoall: splits {splits} do not split the tensor's {rows} rows "
-                             f"among {g.size} ranks")
+                             f"{size} ranks; pass splits")
+        return [rows // size] * size
+    splits = [int(k) for k in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+    if len(splits) != size or min(splits) < 0 or sum(splits) != rows:
+        raise ValueError(f"alltoall: splits {splits} do not split the tensor's {rows} rows "
+                         f"among {size} ranks")
+    return splits
+
+
+def _exchange(tensor: torch.Tensor, splits, g) -> tuple:
+    try:
+        splits = _splits(tensor, splits, g.size)
+    except Exception as exc:  # refused on every rank: the others wait in _received's gather
+        collectives.refuse(g, ALLGATHER, exc)
+        raise
     received = _received(g, splits)
     x = tensor.detach().contiguous()
     out = x.new_empty((sum(received), *x.shape[1:]))
@@ -42,18 +50,18 @@ def _exchange(tensor: torch.Tensor, splits, g) -> tuple:
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, splits, g):
-        with runtime.using(g):
+    def forward(ctx, tensor, splits, process_set):
+        with on(process_set) as g:
             out, received = _exchange(tensor, splits, g)
-        ctx.g, ctx.received = g, received
+        ctx.process_set, ctx.received = process_set, received
         counts = torch.tensor(received, dtype=torch.int32)
         ctx.mark_non_differentiable(counts)
         return out, counts
 
     @staticmethod
     def backward(ctx, grad, _):
-        with runtime.using(ctx.g):
-            back, _ = _exchange(grad, ctx.received, ctx.g)
+        with on(ctx.process_set) as g:
+            back, _ = _exchange(grad, ctx.received, g)
         return back, None, None
 
 
@@ -61,8 +69,7 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
     """The blocks every rank sent this one, in rank order (and, with ``splits``, a tensor of
     the rows received from each rank); differentiable."""
     check_tensor(tensor, "alltoall")
-    with on(process_set) as g:
-        out, received = _Alltoall.apply(tensor, splits, g)
+    out, received = _Alltoall.apply(tensor, splits, process_set)
     return out if splits is None else (out, received)
 
 
@@ -70,5 +77,4 @@ def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
     """``alltoall``, its handle returned; ``synchronize`` gives (tensor, received splits), as
     Horovod's does."""
     check_tensor(tensor, "alltoall")
-    with on(process_set) as g:
-        return done_handle(_Alltoall.apply(tensor, splits, g))
+    return done_handle(_Alltoall.apply(tensor, splits, process_set))

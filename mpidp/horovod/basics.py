@@ -29,7 +29,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         raise ValueError(f"process_sets must be a list of hvd.ProcessSet or 'dynamic', got "
                          f"{process_sets!r}")
     if not runtime.is_initialized():
-        config.adopt(settings.mapped())  # HOROVOD_* variables: mapped, or one line refusing
+        config.adopt(settings.mapped)  # HOROVOD_* variables: mapped, or one line refusing
     runtime.init(comm)
     process_sets_.started()
     for ps in process_sets if isinstance(process_sets, (list, tuple)) else ():

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import torch
 
-from .. import config, runtime
+from .. import config
 from ..comm import collectives, fusion
 from . import basics
 from .process_sets import local_root, on
@@ -81,9 +81,9 @@ class _Allreduce(torch.autograd.Function):
     factors."""
 
     @staticmethod
-    def forward(ctx, tensor, op, prescale, postscale, g):
-        ctx.args = (op, prescale, postscale, g)
-        with runtime.using(g):
+    def forward(ctx, tensor, op, prescale, postscale, process_set):
+        ctx.args = (op, prescale, postscale, process_set)  # the set, not its group: Note
+        with on(process_set):                              # [Process sets in autograd]
             return reduced(tensor, op, prescale, postscale)
 
     @staticmethod
@@ -98,17 +98,17 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     check_tensor(tensor, "allreduce")
     op = resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
-    with on(process_set) as g:
-        return compression.decompress(_Allreduce.apply(compressed, op, float(prescale_factor),
-                                                       float(postscale_factor), g), ctx)
+    return compression.decompress(_Allreduce.apply(compressed, op, float(prescale_factor),
+                                                   float(postscale_factor), process_set), ctx)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=None):
     """In place: ``tensor`` holds the reduction afterwards, and is returned."""
-    if (op is None or type(op) is int) and op in _PLAIN and average is None and process_set is None and prescale_factor == 1.0 \
-            and postscale_factor == 1.0 and type(tensor) is torch.Tensor and \
-            tensor.is_contiguous() and (op in (Sum, Min, Max) or tensor.is_floating_point()):
+    if (op is None or type(op) is int) and op in _PLAIN and average is None and \
+            process_set is None and prescale_factor == 1.0 and postscale_factor == 1.0 and \
+            type(tensor) is torch.Tensor and tensor.is_contiguous() and \
+            (op in (Sum, Min, Max) or tensor.is_floating_point()):
         collectives.allreduce_(tensor, _PLAIN[op])  # the common call, straight to mpidp's
         return tensor
     check_tensor(tensor, "allreduce_")
@@ -185,16 +185,16 @@ class _Allgather(torch.autograd.Function):
     """Horovod's: the gradient is this rank's rows of the summed gradient."""
 
     @staticmethod
-    def forward(ctx, tensor, g):
-        ctx.rows, ctx.g = tensor.shape[0], g
-        with runtime.using(g):
+    def forward(ctx, tensor, process_set):
+        ctx.rows, ctx.process_set = tensor.shape[0], process_set
+        with on(process_set):
             return collectives.allgather(tensor.detach().contiguous())
 
     @staticmethod
     def backward(ctx, grad):
-        with runtime.using(ctx.g):
+        with on(ctx.process_set) as g:
             total = reduced(grad, Sum)
-            start = sum(_rows_of_every_rank(ctx.rows)[:ctx.g.rank])
+            start = sum(_rows_of_every_rank(ctx.rows)[:g.rank])
         return total.narrow(0, start, ctx.rows), None
 
 
@@ -202,8 +202,7 @@ def allgather(tensor, name=None, process_set=None):
     """Every rank's ``tensor`` concatenated along dimension 0 in rank order (first dimensions
     may differ); differentiable."""
     check_tensor(tensor, "allgather")
-    with on(process_set) as g:
-        return _Allgather.apply(tensor, g)
+    return _Allgather.apply(tensor, process_set)
 
 
 def grouped_allgather(tensors, name=None, process_set=None):
@@ -214,24 +213,23 @@ class _Broadcast(torch.autograd.Function):
     """Horovod's: root's gradient is the sum of every rank's, the others' zero."""
 
     @staticmethod
-    def forward(ctx, tensor, root, g):
-        ctx.root, ctx.g = root, g  # root: a rank of g
-        with runtime.using(g):
+    def forward(ctx, tensor, root, process_set):
+        ctx.root, ctx.process_set = root, process_set  # root: a rank of the set's group
+        with on(process_set):
             return collectives.broadcast(tensor.detach().contiguous(), root)
 
     @staticmethod
     def backward(ctx, grad):
-        with runtime.using(ctx.g):
+        with on(ctx.process_set) as g:
             total = reduced(grad, Sum)
-        return (total if ctx.g.rank == ctx.root else total.zero_()), None, None
+        return (total if g.rank == ctx.root else total.zero_()), None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=None):
     """Root's ``tensor`` on every rank, a new tensor; differentiable. ``root_rank`` is a
     global rank, also with a process set (as in Horovod)."""
     check_tensor(tensor, "broadcast")
-    with on(process_set) as g:
-        return _Broadcast.apply(tensor, local_root(process_set, root_rank), g)
+    return _Broadcast.apply(tensor, local_root(process_set, root_rank), process_set)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):

@@ -113,6 +113,11 @@ def group_of(process_set: Optional[ProcessSet]):
     return process_set._group
 
 
+# Note [Process sets in autograd]
+# A differentiable operation keeps its ProcessSet, not the set's group, for its backward: the
+# set may be removed (its group freed) before backward runs, and the gradient's collective
+# then raises Horovod's "not added or was removed" ValueError on every member, where a freed
+# group would fail somewhere inside MPI.
 @contextlib.contextmanager
 def on(process_set: Optional[ProcessSet]):
     """Runs the block's collectives on ``process_set``'s group; yields it."""

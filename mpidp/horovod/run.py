@@ -21,8 +21,10 @@ from ..runtime.launcher import mpiexec
 # hostfile ("host slots=N" per line, # comments) becomes that list too. -p PORT, the ssh port,
 # has no Hydra flag: Hydra's ssh launcher runs one executable, so the port goes into a
 # two-line script given as -launcher-exec, removed when the job ends. Without hosts the job
-# runs on this machine, as horovodrun's does. horovodrun's other options (elastic, gloo,
-# the timeline, tuning) are refused naming what mpidp offers instead.
+# runs on this machine, as horovodrun's does. --timeline-filename and --fusion-threshold-mb
+# set the HOROVOD_* variables mpidp.horovod maps, in the job's environment (Hydra passes it
+# to every rank). horovodrun's other options (elastic, gloo, the cycle) are refused naming
+# what mpidp offers instead.
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     hosts.add_argument("-H", "--hosts", help="host:slots,host:slots,... (default: this machine)")
     hosts.add_argument("-hostfile", "--hostfile", help="a Horovod hostfile: 'host slots=N' lines")
     p.add_argument("-p", "--ssh-port", type=int, help="the port ssh reaches the hosts on")
+    p.add_argument("--timeline-filename", help="HOROVOD_TIMELINE for the job (its timeline)")
+    p.add_argument("--fusion-threshold-mb", type=float,
+                   help="HOROVOD_FUSION_THRESHOLD for the job, in MiB")
     p.add_argument("--verbose", action="store_true", help="say what is mapped to what")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs")
     return p
@@ -46,13 +51,12 @@ REFUSED = {
                 "any number of ranks (python -m mpidp.train --resume)",
     "--max-np": "horovod elastic is not offered: resume from a checkpoint on any number of ranks",
     "--host-discovery-script": "horovod elastic is not offered: resume from a checkpoint",
-    "--timeline-filename": "set MPIDP_TIMELINE=file.json (docs/configuration.md)",
-    "--fusion-threshold-mb": "mpidp.DistributedDataParallel takes bucket_cap_mb",
     "--cycle-time-ms": "mpidp has no cycle: each collective runs when called",
 }
 
 
-_VALUED = {"-np", "--num-proc", "-H", "--hosts", "-hostfile", "--hostfile", "-p", "--ssh-port"}
+_VALUED = {"-np", "--num-proc", "-H", "--hosts", "-hostfile", "--hostfile", "-p", "--ssh-port",
+           "--timeline-filename", "--fusion-threshold-mb"}
 
 
 def hosts_of_file(text: str, path: str = "hostfile") -> str:
@@ -98,6 +102,19 @@ def command(np: int, command: Sequence[str], hosts: Optional[str] = None,
     return line + list(command)
 
 
+def variables(timeline: Optional[str], fusion_mb: Optional[float]) -> dict:
+    """The HOROVOD_* variables horovodrun's ``--timeline-filename`` and
+    ``--fusion-threshold-mb`` set for the job (mpidp.horovod maps them: docs/horovod.md)."""
+    out = {}
+    if timeline:
+        out["HOROVOD_TIMELINE"] = timeline
+    if fusion_mb is not None:
+        if fusion_mb < 0:
+            raise ValueError(f"--fusion-threshold-mb {fusion_mb}: expected MiB >= 0")
+        out["HOROVOD_FUSION_THRESHOLD"] = str(int(fusion_mb * (1 << 20)))
+    return out
+
+
 def _ssh_with_port(port: int, directory: str) -> str:
     path = Path(directory) / "ssh"
     path.write_text(f"#!/bin/sh\nexec ssh -p {int(port)} \"$@\"\n")
@@ -128,10 +145,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with tempfile.TemporaryDirectory(prefix="mpidp-hvdrun-") as tmp:
             exec_ = _ssh_with_port(args.ssh_port, tmp) if args.ssh_port else None
             line = command(args.np, cmd, hosts, exec_, mpiexec())
-            print(f"mpidp.horovod.run: {shlex.join(line)}", file=sys.stderr, flush=True)
+            extra = variables(args.timeline_filename, args.fusion_threshold_mb)
+            shown = [f"{k}={v}" for k, v in extra.items()] + line  # Hydra passes them on
+            print(f"mpidp.horovod.run: {shlex.join(shown)}", file=sys.stderr, flush=True)
             if args.verbose and args.ssh_port:
                 print(f"mpidp.horovod.run: {exec_} runs ssh -p {args.ssh_port}", file=sys.stderr)
-            return subprocess.run(line, env=os.environ).returncode
+            return subprocess.run(line, env={**os.environ, **extra}).returncode
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     return 2

@@ -1,9 +1,9 @@
 """The HOROVOD_* variables a Horovod user may have set, read by ``hvd.init``: each one Horovod
-reads at run time is mapped to mpidp's setting or refused in one line naming what mpidp has
-instead (docs/horovod.md). Horovod's build-time variables (HOROVOD_WITH_*, HOROVOD_GPU_*, ...,
-often left in a shell's profile after ``pip install horovod``) mean nothing at run time and are
-ignored. Every rank reads the environment mpiexec gave it, so every rank maps or refuses at
-the same point."""
+reads at run time is mapped to mpidp's setting, accepted where it changes nothing mpidp does,
+or refused in one line naming what mpidp has instead (docs/horovod.md). Horovod's build-time
+variables (HOROVOD_WITH_*, HOROVOD_GPU_*, ..., often left in a shell's profile after ``pip
+install horovod``) mean nothing at run time and are ignored. mpidp.init reads them in its
+agreement of the ranks' settings, so a refusal is raised on every rank."""
 from __future__ import annotations
 
 import os
@@ -32,6 +32,12 @@ REFUSED = {
     "HOROVOD_MPI_THREADS_DISABLE": "mpidp needs MPI's thread level MULTIPLE",
     "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "Adasum is refused (use hvd.Average)",
 }
+# Horovod's run-time variables that change nothing mpidp does (logging, thread pinning,
+# NCCL streams, NVTX, XLA, gloo's interface): accepted and ignored
+NO_EFFECT = ("HOROVOD_LOG_LEVEL", "HOROVOD_LOG_HIDE_TIME", "HOROVOD_THREAD_AFFINITY",
+             "HOROVOD_NUM_NCCL_STREAMS", "HOROVOD_DISABLE_NVTX_RANGES", "HOROVOD_ENABLE_XLA_OPS",
+             "HOROVOD_ENABLE_ASYNC_COMPLETION", "HOROVOD_GLOO_IFACE",
+             "HOROVOD_GLOO_TIMEOUT_SECONDS")
 # prefixes of the variables Horovod's build reads (setup.py, CMake), not its run time
 BUILD_TIME = ("HOROVOD_WITH", "HOROVOD_WITHOUT", "HOROVOD_GPU", "HOROVOD_CPU_OPERATIONS",
               "HOROVOD_CUDA", "HOROVOD_ROCM", "HOROVOD_NCCL", "HOROVOD_BUILD",
@@ -62,20 +68,18 @@ def _stall_shutdown(value: str) -> dict:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
+    if seconds == 0:  # Horovod's default, "never": mpidp's watchdog keeps MPIDP_TIMEOUT_S
+        return {}
+    if not 0 < seconds < float("inf"):
         raise ConfigError("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", value,
-                          f"expected seconds > 0: {WATCHDOG}")
+                          f"expected seconds >= 0: {WATCHDOG}")
     return {"MPIDP_TIMEOUT_S": value}
-
-
-def _hierarchical(value: str) -> dict:
-    on = value.strip().lower() in ("1", "true", "yes", "on")
-    return {"MPIDP_ALGORITHM": "hier"} if on else {}
 
 
 MAPPED = {"HOROVOD_FUSION_THRESHOLD": _fusion, "HOROVOD_TIMELINE": _timeline,
           "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": _stall_shutdown,
-          "HOROVOD_HIERARCHICAL_ALLREDUCE": _hierarchical,
+          # auto already takes the hierarchical all-reduce across nodes where it pays
+          "HOROVOD_HIERARCHICAL_ALLREDUCE": lambda value: {},
           "HOROVOD_DYNAMIC_PROCESS_SETS": lambda value: {}}  # sets may always be added
 
 
@@ -87,7 +91,7 @@ def mapped(env: Mapping[str, str] | None = None) -> dict:
     for name in sorted(k for k in env if k.startswith("HOROVOD_")):
         if name in MAPPED:
             out.update(MAPPED[name](env[name]))
-        elif not name.startswith(BUILD_TIME):
+        elif not name.startswith(BUILD_TIME) and name not in NO_EFFECT:
             raise ConfigError(name, env[name], "not supported by mpidp.horovod: "
                               + REFUSED.get(name, CONFIGURATION))
     return out

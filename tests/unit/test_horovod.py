@@ -97,6 +97,14 @@ def test_process_sets_are_checked_as_horovod_checks_them():
         hvd.remove_process_set(hvd.global_process_set) is False
 
 
+def test_horovodrun_maps_its_timeline_and_fusion_flags_to_horovods_variables():
+    assert run.variables("t.json", 64) == {"HOROVOD_TIMELINE": "t.json",
+                                           "HOROVOD_FUSION_THRESHOLD": str(64 << 20)}
+    assert run.variables(None, None) == {}
+    with pytest.raises(ValueError, match="--fusion-threshold-mb -1"):
+        run.variables(None, -1)
+
+
 def test_horovodrun_maps_onto_mpiexec():
     assert run.command(4, ["python", "train.py"], "a:2,b:2", launcher="mpiexec") == \
         ["mpiexec", "-n", "4", "-hosts", "a:2,b:2", "python", "train.py"]
@@ -129,35 +137,45 @@ def test_horovod_variables_map_to_mpidp_settings_or_are_refused_in_one_line():
                             "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30",
                             "HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "PATH": "/bin"}) == {
         "MPIDP_HOROVOD_FUSION_BYTES": "1048576", "MPIDP_TIMELINE": "t.json",
-        "MPIDP_TIMEOUT_S": "30", "MPIDP_ALGORITHM": "hier"}
+        "MPIDP_TIMEOUT_S": "30"}  # hierarchical: auto takes it where it pays
     assert settings.mapped({"HOROVOD_FUSION_THRESHOLD": "0",
-                            "HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}) == \
-        {"MPIDP_HOROVOD_FUSION_BYTES": "1"}  # Horovod's "no fusion": a bucket per tensor
-    # left in a profile by Horovod's build: nothing at run time
+                            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"}) == \
+        {"MPIDP_HOROVOD_FUSION_BYTES": "1"}  # Horovod's "no fusion": a bucket per tensor;
+    # its "never shut down": the watchdog as it is
+    # left in a profile by Horovod's build, or changing nothing mpidp does: nothing
     assert settings.mapped({"HOROVOD_WITH_PYTORCH": "1", "HOROVOD_GPU_OPERATIONS": "NCCL",
-                            "HOROVOD_WITHOUT_GLOO": "1"}) == {}
+                            "HOROVOD_WITHOUT_GLOO": "1", "HOROVOD_LOG_LEVEL": "debug",
+                            "HOROVOD_THREAD_AFFINITY": "0,1"}) == {}
     refusals = {"HOROVOD_CYCLE_TIME": "no background cycle",
                 "HOROVOD_STALL_CHECK_TIME_SECONDS": "MPIDP_TIMEOUT_S",
-                "HOROVOD_LOG_LEVEL": "MPIDP_\\* variables",
+                "HOROVOD_TORUS_ALLREDUCE": "MPIDP_\\* variables",
                 "HOROVOD_TIMELINE": "start_timeline is not supported",
                 "HOROVOD_FUSION_THRESHOLD": "integer >= 0",
-                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "seconds > 0"}
+                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "seconds >= 0"}
     values = {"HOROVOD_TIMELINE": "DYNAMIC", "HOROVOD_FUSION_THRESHOLD": "-1",
-              "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"}
+              "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "-1"}
     for name, why in refusals.items():
         with pytest.raises(ValueError, match=f"^{name}=.*{why}") as caught:
             settings.mapped({name: values.get(name, "1")})
         assert "\n" not in str(caught.value)
     # mapped values are read as mpidp's own; an MPIDP_* variable of the user's wins
     cfg = config.from_env({**settings.mapped({"HOROVOD_FUSION_THRESHOLD": "4096"})})
-    assert cfg.horovod_fusion_bytes == 4096 and config.Config().horovod_fusion_bytes == 64 << 20
+    assert cfg.horovod_fusion_bytes == 4096 and config.Config().horovod_fusion_bytes == 128 << 20
     with pytest.raises(ValueError, match="MPIDP_HOROVOD_FUSION_BYTES='0'"):
         config.from_env({"MPIDP_HOROVOD_FUSION_BYTES": "0"})
 
 
-def test_adopt_lets_the_users_own_mpidp_variables_win(monkeypatch):
+def test_adopt_lets_the_users_own_mpidp_variables_win_and_refuses_at_the_next_read(
+        monkeypatch):
     from mpidp import config
+    from mpidp.horovod import settings
     monkeypatch.setattr(config, "_current", None)
+    monkeypatch.setattr(config, "_overrides", None)
     monkeypatch.setenv("MPIDP_TIMEOUT_S", "7")
-    cfg = config.adopt({"MPIDP_TIMEOUT_S": "30", "MPIDP_HOROVOD_FUSION_BYTES": "2048"})
+    config.adopt(lambda: {"MPIDP_TIMEOUT_S": "30", "MPIDP_HOROVOD_FUSION_BYTES": "2048"})
+    cfg = config.get()
     assert (cfg.timeout_s, cfg.horovod_fusion_bytes) == (7.0, 2048) and config.get() is cfg
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "5")
+    config.adopt(settings.mapped)  # nothing raised yet: mpidp.init's read reports it
+    with pytest.raises(ValueError, match="HOROVOD_CYCLE_TIME='5': not supported"):
+        config.get()

@@ -204,7 +204,26 @@ else:
         mean = sum(q + 1 for q in evens) / len(evens)
         expect(torch.equal(model.weight.detach(), torch.full((1, 2), evens[-1] - mean)),
                f"DistributedOptimizer on a set: {model.weight}")
+        k, total = len(evens), sum(q + 1 for q in evens)
+        rows = torch.arange(2.0 * k).reshape(k, 2)
+        expect(torch.equal(hvd.reducescatter(rows * (r + 1), op=hvd.Sum, process_set=ps),
+                           (rows * total)[ps.rank():ps.rank() + 1]), "reducescatter on a set")
+        y2 = torch.full((3,), float(r))
+        hvd.allreduce_(y2, op=hvd.Max, process_set=ps)
+        expect(torch.equal(y2, torch.full((3,), float(evens[-1]))), "allreduce_ on a set")
+        pair2 = hvd.grouped_allreduce([torch.ones(2), torch.ones(3, dtype=torch.float64)],
+                                      op=hvd.Sum, process_set=ps)
+        expect(torch.equal(pair2[1], torch.full((3,), float(k), dtype=torch.float64)),
+               "grouped_allreduce on a set")
+        expect(hvd.broadcast_object({"r": r}, root_rank=evens[-1], process_set=ps) ==
+               {"r": evens[-1]} and hvd.allgather_object(r, process_set=ps) == evens,
+               "object calls on a set")
+        expect(torch.equal(hvd.alltoall(torch.full((k, 1), float(r)), process_set=ps),
+                           torch.tensor(evens, dtype=torch.float32).reshape(k, 1)),
+               "alltoall on a set")
         hvd.barrier(process_set=ps)
+        leaf = torch.ones(2, requires_grad=True)
+        pending = hvd.allreduce(leaf, op=hvd.Sum, process_set=ps)  # its backward comes later
     else:
         try:
             hvd.allreduce(x, process_set=ps)
@@ -212,6 +231,12 @@ else:
         except ValueError as exc:
             expect(f"rank {r} is not in" in str(exc), str(exc))
     expect(hvd.remove_process_set(ps) and ps.process_set_id is None, "remove_process_set")
+    if r % 2 == 0:  # Note [Process sets in autograd]: the removed set is named, on every member
+        try:
+            pending.sum().backward()
+            expect(False, "backward through a removed set should raise")
+        except ValueError as exc:
+            expect("has not been added" in str(exc), f"backward after removal: {exc}")
 
 # ---- refused on every rank, at the same call -------------------------------------------------
 for call, words in ((lambda: hvd.allreduce(x, op=hvd.Adasum), "Adasum"),
@@ -229,6 +254,11 @@ if n > 1:  # shapes that differ between ranks: every rank raises, none waits
         expect(False, "mismatched shapes should raise")
     except Exception as exc:  # noqa: BLE001 - mpidp's MismatchError
         expect("shape" in str(exc) or "differ" in str(exc), f"mismatch: {exc}")
+    try:  # rows that do not split on rank 0 only
+        hvd.alltoall(torch.ones(n + (r == 0)))
+        expect(False, "alltoall of rows that do not split should raise on every rank")
+    except Exception as exc:  # noqa: BLE001 - rank 0's ValueError, a MismatchError elsewhere
+        expect("do not split evenly" in str(exc) or "rank 0" in str(exc), f"alltoall: {exc}")
     emb = torch.nn.Embedding(5, 2, sparse=(r == 0))  # sparse gradients on rank 0 only
     sparse_opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1))
     emb(torch.tensor([1, 2])).sum().backward()
