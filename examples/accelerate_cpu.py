@@ -53,6 +53,8 @@ def main():
         torch.save({"weights": accelerator.unwrap_model(model).state_dict(), "loss": mean},
                    args.out)
     accelerator.end_training()
+    if dist.is_initialized():
+        dist.destroy_process_group()  # as torch asks, before the interpreter ends
 
 
 if __name__ == "__main__":

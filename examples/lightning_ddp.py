@@ -66,6 +66,7 @@ def main():
               + ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())), flush=True)
         if args.out:
             torch.save({"weights": model.state_dict(), "metrics": metrics}, args.out)
+    torch.distributed.destroy_process_group()  # as torch asks, before the interpreter ends
 
 
 if __name__ == "__main__":
