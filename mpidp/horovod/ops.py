@@ -113,21 +113,11 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
         return tensor
     check_tensor(tensor, "allreduce_")
     op = resolve_op(op, average)
-    if process_set is None:  # no group to enter (a few µs at 8 bytes)
-        return _allreduce_here_(tensor, op, prescale_factor, postscale_factor)
-    with on(process_set):
-        return _allreduce_here_(tensor, op, prescale_factor, postscale_factor)
-
-
-def _allreduce_here_(tensor, op, prescale, postscale):
-    if tensor.is_contiguous() and op != Product and prescale == 1.0:
-        _reduce_into(tensor, op)  # mpidp writes the data; autograd sees no operation
-        if postscale != 1.0:
-            with torch.no_grad():
-                tensor.mul_(postscale)
-        return tensor
-    with torch.no_grad():
-        return tensor.copy_(reduced(tensor, op, float(prescale), float(postscale)))
+    with torch.no_grad(), on(process_set):
+        if tensor.is_contiguous() and op != Product and prescale_factor == 1.0:
+            return _scaled(_reduce_into(tensor, op), float(postscale_factor))
+        return tensor.copy_(reduced(tensor, op, float(prescale_factor),
+                                    float(postscale_factor)))
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
