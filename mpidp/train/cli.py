@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import shlex
 import signal
 import sys
@@ -23,7 +24,8 @@ from ..runtime.abort import FORWARD_S, abort_job
 from ..errors import ConfigError, LaunchError, MismatchError, OutputError
 from ..runtime.helpformat import DefaultsHelpFormatter, Parser
 from . import checkpoint
-from .interrupts import PROG, end_while_starting, launcher_rank, raise_interrupted, signal_of
+from .interrupts import (PROG, claim_ending, end_while_starting, launcher_rank,
+                         raise_interrupted, signal_of, wait_for_the_end, watching_interrupts)
 from .loop import Trainer
 from .on_signal import StoppedOnSignal, recording_signals
 from .metrics import emit
@@ -187,8 +189,9 @@ def build(settings: TrainSettings) -> tuple:
 # the signal's number, as shells report a process a signal ended (130 for SIGINT, 143 for
 # SIGTERM); the other ranks give it time to do so (Note [Forwarding before abort] in
 # mpidp/runtime/abort.py) before they abort the job themselves with the same line, naming their rank:
-# the signal reached that rank alone (`kill` of one process), or rank 0 is stuck in a wait
-# that no signal ends (an MPI call). With --checkpoint-on-signal, SIGTERM and SIGUSR1 are only
+# the signal reached that rank alone (`kill` of one process). A rank whose main thread lost
+# the interrupt, or waits where no signal reaches it, is ended by a watching thread instead,
+# with the same line (Note [A lost interrupt] in interrupts.py). With --checkpoint-on-signal, SIGTERM and SIGUSR1 are only
 # recorded, and the run ends this way after every rank has checkpointed at one step (Note
 # [Checkpoint on signal] in on_signal.py); SIGINT still ends it at once. Before MPI has started
 # (the imports of `python -m mpidp.train`, which take seconds, and MPI_Init) there is no job
@@ -233,6 +236,15 @@ def _end_interrupted(exc: BaseException, settings: TrainSettings, argv: Sequence
         ((signal.SIGUSR1,) if settings.checkpoint_on_signal else ())
     for s in quiet:  # a second signal must not interrupt this
         signal.signal(s, signal.SIG_IGN)
+    if not claim_ending():  # the watcher ends the run (Note [A lost interrupt])
+        wait_for_the_end()
+    _end_job(exc, settings, argv, rank, world_size)
+
+
+def _end_job(exc: BaseException, settings: TrainSettings, argv: Sequence[str], rank: int,
+             world_size: int) -> None:
+    """``_end_interrupted`` once this thread has claimed the ending: the line, then the
+    abort. Does not return."""
     signum = exc.signum if isinstance(exc, StoppedOnSignal) else signal_of(exc)
     who = "" if rank == 0 else f"rank {rank} "
     if rank != 0:  # rank 0 ends the job, with its line, before this, if the signal reached it
@@ -272,18 +284,11 @@ def _run(settings: TrainSettings, argv: Sequence[str]) -> int:
         fail(str(exc))
     except KeyboardInterrupt as exc:  # MPI may be half started: every rank ends on its own
         end_while_starting(exc)
+    ending = functools.partial(_end_job, settings=settings, argv=argv, rank=g.rank,
+                               world_size=g.size)
     try:
-        agree(g, lambda: check_world(settings, g.size))  # before the banner names the ranks
-        model, sets = agree(g, lambda: build(settings))
-        if g.rank == 0:
-            servers = settings.num_ps or 1
-            ranks = f"{g.size} ranks ({g.size - servers} worker(s), {servers} server(s))" \
-                if settings.strategy == "ps" else f"{g.size} rank(s)"
-            emit(f"{PROG}: {settings.strategy} on {ranks}, {g.node_count} node(s); "
-                 f"{data.describe(settings.dataset, sets)}; model {settings.model} "
-                 f"({sum(p.numel() for p in model.parameters()):,} parameters)")
-        Trainer(settings).fit(model, sets.train, sets.test,
-                              names=(settings.model, settings.dataset))
+        with watching_interrupts(ending):  # Note [A lost interrupt] in interrupts.py
+            _train(settings, g)
     except SetupError as exc:
         fail(str(exc), g.rank)
     except OutputError as exc:  # a checkpoint or the log could not be written: the job ends
@@ -296,6 +301,20 @@ def _run(settings: TrainSettings, argv: Sequence[str]) -> int:
             raise
         _end_interrupted(interrupt, settings, argv, g.rank, g.size)
     return 0
+
+
+def _train(settings: TrainSettings, g) -> None:
+    """The run on group ``g``, from the checks every rank agrees on to the last epoch."""
+    agree(g, lambda: check_world(settings, g.size))  # before the banner names the ranks
+    model, sets = agree(g, lambda: build(settings))
+    if g.rank == 0:
+        servers = settings.num_ps or 1
+        ranks = f"{g.size} ranks ({g.size - servers} worker(s), {servers} server(s))" \
+            if settings.strategy == "ps" else f"{g.size} rank(s)"
+        emit(f"{PROG}: {settings.strategy} on {ranks}, {g.node_count} node(s); "
+             f"{data.describe(settings.dataset, sets)}; model {settings.model} "
+             f"({sum(p.numel() for p in model.parameters()):,} parameters)")
+    Trainer(settings).fit(model, sets.train, sets.test, names=(settings.model, settings.dataset))
 
 
 def _interrupt_behind(exc: BaseException) -> Optional[KeyboardInterrupt]:

@@ -41,11 +41,18 @@ def inject(kind):
     """The fault ``kind`` happens now: raise, sleep (a stall: FAULT_SLEEP_S, default 600 s),
     stop (SIGSTOP: the process neither runs nor dies), kill (SIGKILL of this process, its
     pid first written to FAULT_PID_FILE if set) or usr1 (SIGUSR1 to this process alone, as
-    a signal that reaches one rank before the others)."""
+    a signal that reaches one rank before the others) or lost_int (Ctrl-C to this process
+    alone, its KeyboardInterrupt caught and dropped, as a library's bare ``except`` or
+    Python's "Exception ignored" would: Note [A lost interrupt] in mpidp/train/interrupts.py)."""
     if kind == "raise":
         raise RuntimeError("injected fault: this rank's data loader failed")
     if kind == "usr1":
         os.kill(os.getpid(), signal.SIGUSR1)
+    elif kind == "lost_int":
+        try:
+            signal.raise_signal(signal.SIGINT)  # its handler runs before this returns
+        except KeyboardInterrupt:
+            pass
     elif kind == "sleep":
         time.sleep(float(os.environ.get("FAULT_SLEEP_S", "600")))
     elif kind == "stop":
