@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..runtime import hostlist
 from ..runtime.launcher import mpiexec
 
 # Note [horovodrun on Hydra]
@@ -60,31 +61,8 @@ _VALUED = {"-np", "--num-proc", "-H", "--hosts", "-hostfile", "--hostfile", "-p"
 
 
 def hosts_of_file(text: str, path: str = "hostfile") -> str:
-    """Hydra's host list from a Horovod hostfile's ``text``."""
-    out = []
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        host, *rest = line.split()
-        slots = 1
-        for word in rest:
-            key, _, value = word.partition("=")
-            if key != "slots" or not value.isdigit() or int(value) < 1:
-                raise ValueError(f"{path}:{number}: expected 'host slots=N', got {line!r}")
-            slots = int(value)
-        out.append(f"{host}:{slots}")
-    if not out:
-        raise ValueError(f"{path}: no hosts in it")
-    return ",".join(out)
-
-
-def check_hosts(hosts: str) -> str:
-    for item in hosts.split(","):
-        host, _, slots = item.partition(":")
-        if not host or (slots and (not slots.isdigit() or int(slots) < 1)):
-            raise ValueError(f"-H {hosts}: expected host:slots,host:slots,... (got {item!r})")
-    return hosts
+    """Hydra's host list from a hostfile's ``text`` (Horovod's 'host slots=N' lines)."""
+    return hostlist.format_hosts(hostlist.of_file(text, path))
 
 
 def command(np: int, command: Sequence[str], hosts: Optional[str] = None,
@@ -96,7 +74,7 @@ def command(np: int, command: Sequence[str], hosts: Optional[str] = None,
         raise ValueError("no command to run: python -m mpidp.horovod.run -np N python train.py")
     line = [launcher, "-n", str(np)]
     if hosts:
-        line += ["-hosts", check_hosts(hosts)]
+        line += ["-hosts", hostlist.format_hosts(hostlist.parse(hosts))]
     if launcher_exec:
         line += ["-launcher", "ssh", "-launcher-exec", launcher_exec]
     return line + list(command)

@@ -22,9 +22,9 @@ import torch
 
 from .. import files
 from ..errors import OutputError
+from .checkpoint_names import NAME as _NAME, existing, path_for  # noqa: F401 - re-exported
 
 FORMAT = "mpidp-checkpoint-1"
-_NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 MODE = 0o600  # checkpoints are readable by their owner only
 # what a training checkpoint holds (the loop's _save writes them, set-up and resume read them)
 KEYS = ("format", "model", "optimizer", "epoch", "step_in_epoch", "global_step", "world_size",
@@ -91,19 +91,6 @@ class Checkpoint(NamedTuple):
     path: Path
     state: dict
     sha256: str
-
-
-def path_for(directory: Path, global_step: int) -> Path:
-    return Path(directory) / f"ckpt-{global_step:09d}.pt"
-
-
-def existing(directory: Path) -> list:
-    """Checkpoint files in ``directory``, newest (highest step) first."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found, reverse=True)]
 
 
 def shared_directory_problem(directory: Path) -> Optional[str]:

@@ -65,9 +65,10 @@ def end_while_starting(exc: KeyboardInterrupt) -> None:
 # while the run trains, a thread watches too: Python writes the number of each signal it
 # catches to a wakeup descriptor (signal.set_wakeup_fd) from its C handler, at once, whatever
 # the main thread is doing. Where the signal ends the run (its handler is still the one that
-# raises, not --checkpoint-on-signal's recorder, not SIG_IGN) and the main thread has not
-# claimed the ending within GRACE_S, the watcher claims it and ends the run with the same
-# line. Whichever claims first ends the job; the other waits for the abort.
+# raises, not --checkpoint-on-signal's recorder, not SIG_IGN) and within GRACE_S the main
+# thread has neither left the run (its exception on the way to the ending, or the run over)
+# nor claimed the ending, the watcher claims it and ends the run with the same line.
+# Whichever claims first ends the job; the other waits for the abort.
 
 _ending = threading.Lock()
 
@@ -98,6 +99,8 @@ def watching_interrupts(end: Callable[[KeyboardInterrupt], None]) -> Iterator[No
     os.set_blocking(write_fd, False)  # the C handler must never block on it
     previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
 
+    over = threading.Event()  # the run left the block: whatever comes now is not the watcher's
+
     def watch() -> None:
         acted = False
         with os.fdopen(read_fd, "rb", buffering=0) as pipe:
@@ -106,8 +109,7 @@ def watching_interrupts(end: Callable[[KeyboardInterrupt], None]) -> Iterator[No
                     if not acted and signum in (signal.SIGINT, signal.SIGTERM) \
                             and _ends_run(signum):
                         acted = True
-                        time.sleep(GRACE_S)
-                        if claim_ending():
+                        if not over.wait(GRACE_S) and claim_ending():
                             end(Interrupted(signum))
 
     thread = threading.Thread(target=watch, name="mpidp-interrupt-watch", daemon=True)
@@ -115,5 +117,6 @@ def watching_interrupts(end: Callable[[KeyboardInterrupt], None]) -> Iterator[No
     try:
         yield
     finally:
+        over.set()
         signal.set_wakeup_fd(previous)
         os.close(write_fd)  # the watcher reads the end of the pipe, closes it and returns

@@ -17,10 +17,17 @@ BODIES = ROOT / "tests" / "mpi" / "bodies"  # the MPI test bodies
 RUN_BODY = Path(__file__).parent / "run_body.py"  # how body() starts them
 
 
-def command(n: int, args: list, cluster=None, per_node=1) -> list:
+def command(n: int, args: list, cluster=None, per_node=1, supervised=None) -> list:
     """``mpiexec -n n python args...``; on an emulated cluster (tests/harness/multinode_cluster.py),
     run from its head with ``per_node`` ranks on each of its first n / per_node nodes, or
-    with ``per_node`` a Hydra host list ("node0:2,node1:1": nodes of unequal sizes)."""
+    with ``per_node`` a Hydra host list ("node0:2,node1:1": nodes of unequal sizes).
+    ``supervised``: the supervisor's options; it launches the job (``python -m mpidp.run``)."""
+    if supervised is not None:
+        hosts = [] if cluster is None else ["--hosts", per_node if isinstance(per_node, str)
+                                            else cluster.hosts(per_node, n // per_node)]
+        line = [sys.executable, "-m", "mpidp.run", "-n", str(n), *hosts,
+                *map(str, supervised), "--", sys.executable, *map(str, args)]
+        return line if cluster is None else cluster.head_command(line)
     if cluster is None:
         return [mpiexec(), "-n", str(n), sys.executable, *map(str, args)]
     place = ["-hosts", per_node] if isinstance(per_node, str) else \
@@ -83,14 +90,15 @@ class Job:
     ranks and anything left behind). A context manager: leaving it kills whatever still runs."""
 
     def __init__(self, n: int, args: list, log: Path, env: dict | None = None, cluster=None,
-                 per_node: int = 1):
+                 per_node: int = 1, supervised=None):
         self.tag = uuid.uuid4().hex
         self.log = Path(log)
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", MPIDP_TEST_TAG=self.tag)
         full_env.update(cluster.env() if cluster is not None else {})
         full_env.update(env or {})
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(command(n, args, cluster, per_node), stdout=out,
+            self.proc = subprocess.Popen(command(n, args, cluster, per_node, supervised),
+                                         stdout=out,
                                          stderr=subprocess.STDOUT, env=full_env,
                                          cwd=ROOT,
                                          start_new_session=True)

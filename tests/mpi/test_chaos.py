@@ -11,7 +11,10 @@ these to a random rank:
 The job must end within a bound with the fault's exit code, no segfault, no process left, and
 every checkpoint in its directory whole. Then the run is continued as a user would (--resume
 if a checkpoint exists, else from the start) and must end with the parameters of an
-uninterrupted run, bit for bit. Strategies: mirrored, central, and ps with one worker and
+uninterrupted run, bit for bit. The kill and stop trials run under the supervisor (python -m
+mpidp.run, --max-restarts 1): it relaunches the job from its newest checkpoint itself, which
+then ends as the uninterrupted run (or, before the first checkpoint, it says why not and the
+test runs it again from the start). Strategies: mirrored, central, and ps with one worker and
 staleness 0 (a deterministic schedule; with more workers ps is asynchronous by design).
 
 Seeded: trial i takes strategy i mod 3 and fault i mod 4, and draws the rank and the moment
@@ -53,6 +56,9 @@ END_S = 25     # from the fault to the end of the job (a stop: the watchdog's bo
 RUN_S = 120    # a whole run
 SIGSEGV = re.compile(r"Segmentation fault|SIGSEGV|signal 11\b|EXIT CODE: 139")
 EXPECTED = {"stop": 124, "int": 128 + signal.SIGINT, "term": 128 + signal.SIGTERM}
+# the faults a relaunch can help run under the supervisor (python -m mpidp.run), which
+# relaunches the job from its newest checkpoint itself: the supervised variant
+SUPERVISED = ("kill", "stop")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "int": signal.SIGINT,
            "term": signal.SIGTERM}
 _reference = {}
@@ -113,10 +119,11 @@ def test_a_fault_at_a_random_moment_then_resume_ends_as_uninterrupted(
     expected = reference(strategy, tmp_path_factory)
     directory = tmp_path / "ckpt"
     flags = flags_of(strategy, fault, directory)
+    supervised = fault in SUPERVISED
     what = (f"MPIDP_CHAOS_SEED={SEED} trial {trial}: {strategy}, SIG{fault.upper()} to rank "
-            f"{rank} {delay_s} s into training")
-    with Job(N, flags, tmp_path / "faulty.txt",
-             dict(USER, MPIDP_TIMEOUT_S=str(TIMEOUT_S))) as job:
+            f"{rank} {delay_s} s into training" + (" under the supervisor" if supervised else ""))
+    with Job(N, flags, tmp_path / "faulty.txt", dict(USER, MPIDP_TIMEOUT_S=str(TIMEOUT_S)),
+             supervised=("--max-restarts", 1) if supervised else None) as job:
         job.wait_for(lambda: f"mpidp.train: {strategy} on" in job.text, START_S)
         victim = job.rank_pid(rank)
         time.sleep(delay_s)
@@ -124,23 +131,38 @@ def test_a_fault_at_a_random_moment_then_resume_ends_as_uninterrupted(
             os.kill(victim, SIGNALS[fault])
         except ProcessLookupError:  # the run ended first
             pass
-        code = job.wait(END_S + (TIMEOUT_S if fault == "stop" else 0))
+        code = job.wait(END_S + (TIMEOUT_S if fault == "stop" else 0)
+                        + (RUN_S if supervised else 0))
         left = job.left_behind()
     text = job.text
     where = f"{what}: exit {code}\n{text[-5000:]}"
     assert not SIGSEGV.search(text), where
     assert not left, f"processes {left} of the job still run; {where}"
     finished = summaries_in(text)
-    if finished:  # the signal came after the last step: the run must have ended as usual
+    restarted = "mpidp.run: the job failed after " in text
+    if finished and not restarted:  # the signal came after the last step: the run ended as usual
         assert code == 0 and sha256_of(finished[0]) == expected, where
         print(f"{what}: too late, the run had finished")
         return
     if fault == "kill":
-        assert code != 0 and re.search(r"KILLED BY SIGNAL: 9|Killed", text), where
-    else:
-        assert code == EXPECTED[fault], where
+        assert re.search(r"KILLED BY SIGNAL: 9|Killed", text), where
     if fault == "stop":
         assert f"(MPIDP_TIMEOUT_S={TIMEOUT_S}); aborting the job" in text, where
+    if supervised and restarted:  # Note [Supervising a run] in mpidp/run/supervisor.py
+        cause = "exit 124: the watchdog ended it" if fault == "stop" else r"exit \d+: "
+        assert re.search(rf"^mpidp\.run: the job failed after [\d.]+ s \({cause}.*\); restart "
+                         r"1 of 1: 2 rank\(s\), from ckpt-\d{9}\.pt$", text, re.M), where
+        assert code == 0 and len(finished) == 1 and finished[0]["resumed_from"], where
+        assert sha256_of(finished[0]) == expected, f"{what}: resumed to other parameters"
+        assert not [p.name for p in directory.iterdir() if ".tmp-" in p.name], where
+        print(f"{what}: relaunched from {finished[0]['resumed_from']}")
+        return
+    if supervised:  # before the first checkpoint: not relaunched (Note [What is retried])
+        assert "before its first checkpoint: nothing to resume from); not relaunched" in text
+    if fault == "kill":
+        assert code != 0, where
+    else:
+        assert code == EXPECTED[fault], where
     if fault in ("int", "term"):  # one line, from rank 0 or the rank that had the signal
         assert "Traceback" not in text, where
         name = SIGNALS[fault].name

@@ -112,7 +112,7 @@ def test_horovodrun_maps_onto_mpiexec():
         ["mpiexec", "-n", "2", "-launcher", "ssh", "-launcher-exec", "/tmp/x/ssh", "python", "t.py"]
     text = "# the cluster\nnode1 slots=4\n\nnode2   slots=2  # the small one\nnode3\n"
     assert run.hosts_of_file(text) == "node1:4,node2:2,node3:1"
-    with pytest.raises(ValueError, match="hf:1: expected 'host slots=N', got 'n1 slots=x'"):
+    with pytest.raises(ValueError, match="hf:1: expected 'host slots=N' or 'host:N', got 'n1 slots=x'"):
         run.hosts_of_file("n1 slots=x\n", "hf")
     with pytest.raises(ValueError, match="expected host:slots"):
         run.command(2, ["python"], "a:0")

@@ -20,12 +20,12 @@ def test_every_package_is_a_layer_of_the_contract():
     contract = (ROOT / "pyproject.toml").read_text().split("[tool.importlinter]")[1]
     packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
     assert packages == ["bench", "comm", "ddp", "dist", "doctor", "engine", "horovod", "modes",
-                        "report", "runtime", "train", "workloads"]
+                        "report", "run", "runtime", "train", "workloads"]
     for name in packages:
         assert f'"mpidp.{name}' in contract or f"| mpidp.{name}" in contract, name
 
 
-@pytest.mark.parametrize("tool", ["train", "bench", "doctor", "report"])
+@pytest.mark.parametrize("tool", ["train", "bench", "doctor", "report", "run"])
 def test_every_tool_runs_as_a_module(tool):
     proc = subprocess.run([sys.executable, "-m", f"mpidp.{tool}", "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

@@ -1,0 +1,87 @@
+"""``python -m mpidp.run -n 4 [--hosts a:2,b:2 | --hostfile F] [--max-restarts K]
+[--min-ranks M] -- python -m mpidp.train --checkpoint-dir DIR ...``: runs the command on N
+ranks through MPICH's mpiexec and relaunches it from its newest checkpoint when it fails
+(Note [Supervising a run] in supervisor.py, Note [What is retried] in policy.py). Exits with
+the last attempt's exit code."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..runtime import hostlist
+from ..runtime.launcher import mpiexec
+from .supervisor import HEARTBEAT_S, PROG, Supervisor, option_value
+from . import probe
+
+EPILOG = """Retried: a rank killed or crashed, a node lost, a stall the watchdog ended (124),
+an exception on a rank (1). Never retried: refused input (2), the job interrupted (130, 143,
+138), a fresh run failing before its first checkpoint, and any failure after the supervisor
+itself got Ctrl-C or SIGTERM (it passes them on to the job). The command must take
+--checkpoint-dir and --resume as python -m mpidp.train does; restarts append --resume."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"python -m {PROG}", epilog=EPILOG,
+        description="Run a training job on N ranks and relaunch it from its newest checkpoint "
+                    "on the nodes that still answer when it fails.")
+    p.add_argument("-n", "-np", dest="ranks", type=int, required=True, help="number of ranks")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--hosts", "-H", help="host:slots,host:slots,... (default: this machine)")
+    where.add_argument("--hostfile", help="one host per line: 'host slots=N' or 'host:N' "
+                       "(default: HYDRA_HOST_FILE's, where it is set)")
+    p.add_argument("--max-restarts", type=int, default=3, help="relaunches at most")
+    p.add_argument("--min-ranks", type=int, default=1,
+                   help="relaunch on fewer ranks than -n, if nodes are lost, down to this many")
+    p.add_argument("--probe-timeout", type=float, default=probe.PROBE_S,
+                   help="seconds a node has to run a process before it is taken as lost")
+    p.add_argument("--heartbeat", type=float, default=HEARTBEAT_S,
+                   help="with a host list, probe the job's nodes this often while it runs, "
+                   "and end and relaunch it when one does not answer (0: never)")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="-- then the command every rank runs")
+    return p
+
+
+def check(args: argparse.Namespace, command: Sequence[str]) -> Optional[list]:
+    """The host list (None: this machine); ValueError naming what is wrong."""
+    if not command:
+        raise ValueError("no command: python -m mpidp.run -n N -- python -m mpidp.train "
+                         "--checkpoint-dir DIR ...")
+    if args.ranks < 1:
+        raise ValueError(f"-n {args.ranks}: at least one rank")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts {args.max_restarts}: expected 0 or more")
+    if not 1 <= args.min_ranks <= args.ranks:
+        raise ValueError(f"--min-ranks {args.min_ranks}: expected 1 to -n {args.ranks}")
+    if args.heartbeat < 0:
+        raise ValueError(f"--heartbeat {args.heartbeat}: expected seconds >= 0")
+    if args.probe_timeout <= 0:
+        raise ValueError(f"--probe-timeout {args.probe_timeout}: expected seconds > 0")
+    if not option_value(command, "--checkpoint-dir"):
+        raise ValueError("the command has no --checkpoint-dir: a relaunch would have nothing "
+                         "to resume from")
+    if args.hosts is not None and not args.hosts.strip():
+        raise ValueError("--hosts is empty: give host:slots,... or leave it out")
+    hostfile = args.hostfile or os.environ.get("HYDRA_HOST_FILE")  # where Hydra would look
+    hosts = hostlist.parse(args.hosts, "--hosts") if args.hosts else \
+        hostlist.of_file(Path(hostfile).read_text(), hostfile) if hostfile else None
+    if hosts is not None and sum(h.slots for h in hosts) < args.ranks:
+        raise ValueError(f"-n {args.ranks}: the hosts have {sum(h.slots for h in hosts)} "
+                         f"slot(s) ({hostlist.format_hosts(hosts)})")
+    return hosts
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        hosts = check(args, command)
+        launcher = mpiexec()
+    except (ValueError, OSError) as exc:
+        parser().error(str(exc))
+    return Supervisor(command, args.ranks, hosts, args.max_restarts, args.min_ranks,
+                      launcher, args.probe_timeout, args.heartbeat).run()

@@ -1,0 +1,252 @@
+"""Tier 1: the supervisor (python -m mpidp.run) against a stand-in launcher: a script that
+plays a planned sequence of job ends (an exit code, the checkpoints written, steps logged),
+answers the node probes of the hosts it is told are up, and records every command line. The
+real launcher's runs are in tests/mpi/test_train.py (a killed rank relaunched) and
+tests/multinode/test_multinode.py (a lost node)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from mpidp.run import cli, policy, probe
+from mpidp.run.supervisor import Supervisor, option_value
+from mpidp.runtime import hostlist
+from mpidp.runtime.hostlist import Host
+
+FAKE = textwrap.dedent("""\
+    #!{python}
+    # a stand-in mpiexec: -n 1 -hosts H true is a probe (answered if H is in UP, or in the
+    # file UP_FILE; else it fails, or hangs if H is in HANG); anything else plays the next step of PLAN (a JSON list of
+    # {{"code", "checkpoints", "steps", "wait"}}) and records its argv in CALLS
+    import json, os, sys, time
+    from pathlib import Path
+    argv = sys.argv[1:]
+    if argv[:2] == ["-n", "1"] and argv[-1] == "true":
+        up = Path(os.environ["UP_FILE"]).read_text() if "UP_FILE" in os.environ \
+            else os.environ.get("UP", "")
+        if argv[3] in up.split(","):
+            sys.exit(0)
+        if argv[3] in os.environ.get("HANG", "").split(","):
+            time.sleep(60)
+        sys.exit(1)
+    calls = Path(os.environ["CALLS"])
+    done = calls.read_text().count("\\n") if calls.exists() else 0
+    with open(calls, "a") as f:
+        f.write(json.dumps(argv) + "\\n")
+    step = json.loads(os.environ["PLAN"])[done]
+    directory = Path(argv[argv.index("--checkpoint-dir") + 1])
+    directory.mkdir(parents=True, exist_ok=True)
+    for n in step.get("checkpoints", []):
+        (directory / f"ckpt-{{n:09d}}.pt").write_bytes(b"x")
+    if "--log-json" in argv:
+        with open(argv[argv.index("--log-json") + 1], "a") as f:
+            for n in step.get("steps", []):
+                f.write(json.dumps({{"event": "epoch", "global_step": n}}) + "\\n")
+    time.sleep(step.get("wait", 0))
+    sys.exit(step["code"])
+""")
+
+TRAIN = ["python", "-m", "mpidp.train", "--epochs", "3"]
+
+
+@pytest.fixture
+def fake(tmp_path):
+    path = tmp_path / "mpiexec"
+    path.write_text(FAKE.format(python=sys.executable))
+    path.chmod(0o755)
+    return path
+
+
+def supervise(tmp_path, fake, plan, ranks=2, hosts=None, max_restarts=3, min_ranks=1,
+              up=(), command=TRAIN, heartbeat_s=0.0):
+    os.environ.update(PLAN=json.dumps(plan), CALLS=str(tmp_path / "calls"), UP=",".join(up))
+    try:
+        cmd = [*command, "--checkpoint-dir", str(tmp_path / "ck"), "--log-json",
+               str(tmp_path / "log.json")]
+        code = Supervisor(cmd, ranks, hosts, max_restarts, min_ranks, str(fake), 1.0,
+                          heartbeat_s).run()
+    finally:
+        for k in ("PLAN", "CALLS", "UP"):
+            del os.environ[k]
+    calls = [json.loads(l) for l in (tmp_path / "calls").read_text().splitlines()]
+    log = tmp_path / "log.json"
+    events = [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
+    return code, calls, [e for e in events if e["event"] in ("restart", "supervised")]
+
+
+def test_a_killed_rank_is_relaunched_with_resume_from_the_newest_checkpoint(tmp_path, fake,
+                                                                            capfd):
+    plan = [{"code": 137, "checkpoints": [10, 20], "steps": [23, 24]}, {"code": 0}]
+    code, calls, events = supervise(tmp_path, fake, plan)
+    err = capfd.readouterr().err
+    assert code == 0 and len(calls) == 2
+    assert calls[0][:2] == ["-n", "2"] and "--resume" not in calls[0]
+    assert calls[1][:2] == ["-n", "2"] and calls[1][-1] == "--resume"
+    assert "exit 137: a rank was killed (SIGKILL)); restart 1 of 3: 2 rank(s), from " \
+        "ckpt-000000020.pt" in err
+    assert "mpidp.run: the run finished after 1 restart(s); 4 step(s) lost" in err
+    restart, end = events
+    assert restart["restart"] == 1 and restart["steps_lost"] == 4 and restart["ranks"] == 2
+    assert restart["resumed_from"].endswith("ckpt-000000020.pt")
+    assert end == {"event": "supervised", "exit_code": 0, "restarts": 1, "steps_lost": 4,
+                   "ended": "exit 0: the run finished"}
+
+
+@pytest.mark.parametrize("code,why", [(2, "the command's input was refused"),
+                                      (130, "interrupted by SIGINT"),
+                                      (143, "interrupted by SIGTERM")])
+def test_what_a_relaunch_cannot_help_is_not_retried(tmp_path, fake, capfd, code, why):
+    got, calls, events = supervise(tmp_path, fake, [{"code": code, "checkpoints": [10]}])
+    assert got == code and len(calls) == 1
+    assert f"(exit {code}: {why}); not relaunched" in capfd.readouterr().err and events[-1]["restarts"] == 0
+
+
+def test_a_failure_before_the_first_checkpoint_is_not_retried(tmp_path, fake, capfd):
+    code, calls, _ = supervise(tmp_path, fake, [{"code": 1}])
+    assert code == 1 and len(calls) == 1
+    assert "before its first checkpoint: nothing to resume from); not relaunched" in \
+        capfd.readouterr().err
+
+
+def test_max_restarts_spent_ends_with_the_jobs_exit_and_one_line(tmp_path, fake, capfd):
+    plan = [{"code": 124, "checkpoints": [5]}, {"code": 124}, {"code": 124}]
+    code, calls, events = supervise(tmp_path, fake, plan, max_restarts=2)
+    err = capfd.readouterr().err
+    assert code == 124 and len(calls) == 3 and all(c[-1] == "--resume" for c in calls[1:])
+    assert err.count("not relaunched") == 1 and "--max-restarts 2 spent" in err
+    assert [e["event"] for e in events] == ["restart", "restart", "supervised"]
+
+
+def test_a_lost_node_is_left_out_and_back_once_it_answers(tmp_path, fake, capfd):
+    hosts = [Host("a", 2), Host("b", 2)]
+    plan = [{"code": 124, "checkpoints": [10]}, {"code": 137, "checkpoints": [20]}, {"code": 0}]
+    code, calls, events = supervise(tmp_path, fake, plan, ranks=4, hosts=hosts, up=["a"])
+    assert code == 0
+    assert calls[0][:4] == ["-n", "4", "-hosts", "a:2,b:2"]
+    assert calls[1][:4] == ["-n", "2", "-hosts", "a:2"]  # b does not answer
+    assert "b does not answer; on a:2, 2 rank(s), from ckpt-000000010.pt" in \
+        capfd.readouterr().err
+    assert events[0]["lost_hosts"] == ["b"] and events[0]["probe_s"] >= 0
+
+
+def test_a_node_that_goes_silent_while_the_job_runs_ends_it_and_is_left_out(tmp_path, fake,
+                                                                            capfd):
+    """Note [Heartbeat]: both nodes answer at first; b goes silent while the job runs (it
+    would wait 60 s): the heartbeat ends the job and it is relaunched on a alone."""
+    up = tmp_path / "up"
+    up.write_text("a,b")
+
+    def lose_b():  # once the job has its checkpoint; replaced whole, never seen half-written
+        while not (tmp_path / "ck" / "ckpt-000000010.pt").exists():
+            time.sleep(0.05)
+        (tmp_path / "up.new").write_text("a")
+        os.replace(tmp_path / "up.new", up)
+
+    threading.Thread(target=lose_b, daemon=True).start()
+    os.environ["UP_FILE"] = str(up)
+    try:
+        code, calls, events = supervise(
+            tmp_path, fake, [{"code": 0, "checkpoints": [10], "wait": 60}, {"code": 0}],
+            ranks=2, hosts=[Host("a", 1), Host("b", 1)], heartbeat_s=0.5)
+    finally:
+        del os.environ["UP_FILE"]
+    err = capfd.readouterr().err
+    assert code == 0 and len(calls) == 2 and calls[1][:4] == ["-n", "1", "-hosts", "a:1"], err
+    assert "mpidp.run: b stopped answering while the job ran (twice no answer within 1 s): " \
+        "ending the job\n" in err
+    assert "(exit 130: b stopped answering and the supervisor ended it); restart 1 of 3: b " \
+        "does not answer; on a:1, 1 rank(s), from ckpt-000000010.pt" in err, err
+    assert events[0]["lost_hosts"] == ["b"]
+
+
+def test_only_the_nodes_that_hold_ranks_are_launched_on_and_watched(tmp_path, fake):
+    code, calls, _ = supervise(tmp_path, fake, [{"code": 0}], ranks=2,
+                               hosts=[Host("a", 2), Host("b", 2)])
+    assert code == 0 and calls[0][:4] == ["-n", "2", "-hosts", "a:2"]
+
+
+def test_fewer_slots_than_min_ranks_ends_the_supervision(tmp_path, fake, capfd):
+    hosts = [Host("a", 2), Host("b", 2)]
+    code, calls, _ = supervise(tmp_path, fake, [{"code": 124, "checkpoints": [10]}], ranks=4,
+                               hosts=hosts, min_ranks=3, up=["a"])
+    assert code == 124 and len(calls) == 1
+    assert "fewer than --min-ranks 3" in capfd.readouterr().err
+
+
+def test_the_probe_keeps_the_nodes_that_answer_in_time(tmp_path, fake):
+    os.environ.update(UP="a,c", HANG="b")
+    try:
+        alive = probe.answering([Host("a", 1), Host("b", 1), Host("c", 2), Host("d", 1)],
+                                str(fake), 3.0)
+    finally:
+        del os.environ["UP"], os.environ["HANG"]
+    assert alive == [Host("a", 1), Host("c", 2)]  # b hung past the timeout, d failed
+
+
+def test_sigint_to_the_supervisor_reaches_the_job_once_and_is_not_retried(tmp_path):
+    """The supervisor in a process of its own, on the real mpiexec; the job (a stand-in)
+    waits 60 s once ready; Ctrl-C comes to the supervisor alone: it passes it on, and the
+    job's end is final."""
+    ready = tmp_path / "ready"
+    script = tmp_path / "fake-train"
+    script.write_text(f"#!{sys.executable}\nimport signal, sys, time\n"
+                      "signal.signal(signal.SIGINT, lambda s, f: sys.exit(130))\n"
+                      f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n")
+    script.chmod(0o755)
+    proc = subprocess.Popen([sys.executable, "-m", "mpidp.run", "-n", "1", "--", str(script),
+                             "--checkpoint-dir", str(tmp_path / "ck")],
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not ready.exists() and time.monotonic() - t0 < 60:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        subprocess.run(["pkill", "-KILL", "-f", str(script)])
+    assert proc.returncode == 130, err
+    assert "the supervisor was sent SIGINT" in err and "not relaunched" in err
+
+
+def test_the_command_line_is_checked_before_anything_runs(tmp_path, capsys):
+    for argv, words in [(["-n", "2", "--", "python", "t.py"], "has no --checkpoint-dir"),
+                        (["-n", "0", "--", "x", "--checkpoint-dir", "d"], "-n 0"),
+                        (["-n", "4", "--hosts", "a:1,b:2", "--", "x", "--checkpoint-dir=d"],
+                         "the hosts have 3 slot(s)"),
+                        (["-n", "2", "--min-ranks", "3", "--", "x", "--checkpoint-dir", "d"],
+                         "--min-ranks 3"),
+                        (["-n", "2"], "no command")]:
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_the_supervisor_imports_neither_torch_nor_mpi():
+    code = ("import sys, mpidp.run.cli\n"
+            "assert 'torch' not in sys.modules and 'mpi4py.MPI' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_option_values_and_host_lists():
+    assert option_value(["x", "--checkpoint-dir", "a", "--checkpoint-dir=b"],
+                        "--checkpoint-dir") == "b"
+    assert option_value(["--log-json"], "--log-json") is None
+    assert hostlist.parse("a:2,b") == [Host("a", 2), Host("b", 1)]
+    assert hostlist.of_file("a slots=2\nb:3 # big\n\nc\n") == \
+        [Host("a", 2), Host("b", 3), Host("c", 1)]
+    with pytest.raises(ValueError, match="hf:1: expected"):
+        hostlist.of_file("a:2 slots=3\n", "hf")
+    assert policy.verdict(137, True, None).retry
+    assert not policy.verdict(137, True, signal.SIGTERM).retry
+    assert not policy.verdict(1, False, None).retry  # nothing to resume from
+    assert policy.verdict(130, True, None, ["b"]).retry  # the supervisor's own SIGINT
