@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -14,7 +15,7 @@ from typing import Optional, Sequence
 from ..runtime import hostlist
 from ..runtime.launcher import mpiexec
 from .supervisor import HEARTBEAT_S, PROG, Supervisor, option_value
-from . import probe
+from . import allocation, probe
 
 EPILOG = """Retried: a rank killed or crashed, a node lost, a stall the watchdog ended (124),
 an exception on a rank (1). Never retried: refused input (2), the job interrupted (130, 143,
@@ -32,7 +33,8 @@ def parser() -> argparse.ArgumentParser:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--hosts", "-H", help="host:slots,host:slots,... (default: this machine)")
     where.add_argument("--hostfile", help="one host per line: 'host slots=N' or 'host:N' "
-                       "(default: HYDRA_HOST_FILE's, where it is set)")
+                       "(default: HYDRA_HOST_FILE's where it is set, else the Slurm "
+                       "allocation's nodes inside one, else this machine)")
     p.add_argument("--max-restarts", type=int, default=3, help="relaunches at most")
     p.add_argument("--min-ranks", type=int, default=1,
                    help="relaunch on fewer ranks than -n, if nodes are lost, down to this many")
@@ -68,7 +70,8 @@ def check(args: argparse.Namespace, command: Sequence[str]) -> Optional[list]:
         raise ValueError("--hosts is empty: give host:slots,... or leave it out")
     hostfile = args.hostfile or os.environ.get("HYDRA_HOST_FILE")  # where Hydra would look
     hosts = hostlist.parse(args.hosts, "--hosts") if args.hosts else \
-        hostlist.of_file(Path(hostfile).read_text(), hostfile) if hostfile else None
+        hostlist.of_file(Path(hostfile).read_text(), hostfile) if hostfile else \
+        allocation.hosts(os.environ)  # Note [Inside an allocation]
     if hosts is not None and sum(h.slots for h in hosts) < args.ranks:
         raise ValueError(f"-n {args.ranks}: the hosts have {sum(h.slots for h in hosts)} "
                          f"slot(s) ({hostlist.format_hosts(hosts)})")
@@ -81,7 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         hosts = check(args, command)
         launcher = mpiexec()
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, subprocess.SubprocessError) as exc:
         parser().error(str(exc))
     return Supervisor(command, args.ranks, hosts, args.max_restarts, args.min_ranks,
                       launcher, args.probe_timeout, args.heartbeat).run()

@@ -25,12 +25,14 @@ PROBE_S = 10.0  # a node that has not run the probe by then is taken as lost
 
 def answering(hosts: Sequence[Host], mpiexec: str, timeout_s: float = PROBE_S) -> list:
     """The hosts of ``hosts`` on which ``mpiexec`` ran a process within ``timeout_s``."""
+    env = dict(os.environ, SLURM_OVERLAP="1")  # Note [Inside an allocation] in allocation.py
     procs: list = []
     try:
         for h in hosts:
             procs.append(subprocess.Popen([mpiexec, "-n", "1", "-hosts", h.name, "true"],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL, start_new_session=True))
+                                          stderr=subprocess.DEVNULL, start_new_session=True,
+                                          env=env))
         deadline = time.monotonic() + timeout_s
         codes = []
         for p in procs:

@@ -51,6 +51,9 @@ USER = {"PYTHONPATH": str(BODIES)}
 # signalled alone waits for rank 0 to end the job before it does so itself (cli.py), so that
 # rank 0's watchdog, waiting in a collective meanwhile, does not end it first
 TIMEOUT_S = 10
+# a stop trial's bound: only the watchdog ends it (no rank is signalled), so it need only
+# outlast the run's slowest legitimate wait (a step of ~32 ms, a checkpoint)
+STOP_TIMEOUT_S = 5
 START_S = 90   # to the run's first line (imports and init on a busy machine)
 END_S = 25     # from the fault to the end of the job (a stop: the watchdog's bound first)
 RUN_S = 120    # a whole run
@@ -122,7 +125,8 @@ def test_a_fault_at_a_random_moment_then_resume_ends_as_uninterrupted(
     supervised = fault in SUPERVISED
     what = (f"MPIDP_CHAOS_SEED={SEED} trial {trial}: {strategy}, SIG{fault.upper()} to rank "
             f"{rank} {delay_s} s into training" + (" under the supervisor" if supervised else ""))
-    with Job(N, flags, tmp_path / "faulty.txt", dict(USER, MPIDP_TIMEOUT_S=str(TIMEOUT_S)),
+    bound = STOP_TIMEOUT_S if fault == "stop" else TIMEOUT_S
+    with Job(N, flags, tmp_path / "faulty.txt", dict(USER, MPIDP_TIMEOUT_S=str(bound)),
              supervised=("--max-restarts", 1) if supervised else None) as job:
         job.wait_for(lambda: f"mpidp.train: {strategy} on" in job.text, START_S)
         victim = job.rank_pid(rank)
@@ -131,7 +135,7 @@ def test_a_fault_at_a_random_moment_then_resume_ends_as_uninterrupted(
             os.kill(victim, SIGNALS[fault])
         except ProcessLookupError:  # the run ended first
             pass
-        code = job.wait(END_S + (TIMEOUT_S if fault == "stop" else 0)
+        code = job.wait(END_S + (bound if fault == "stop" else 0)
                         + (RUN_S if supervised else 0))
         left = job.left_behind()
     text = job.text
@@ -147,7 +151,7 @@ def test_a_fault_at_a_random_moment_then_resume_ends_as_uninterrupted(
     if fault == "kill":
         assert re.search(r"KILLED BY SIGNAL: 9|Killed", text), where
     if fault == "stop":
-        assert f"(MPIDP_TIMEOUT_S={TIMEOUT_S}); aborting the job" in text, where
+        assert f"(MPIDP_TIMEOUT_S={bound}); aborting the job" in text, where
     if supervised and restarted:  # Note [Supervising a run] in mpidp/run/supervisor.py
         cause = "exit 124: the watchdog ended it" if fault == "stop" else r"exit \d+: "
         assert re.search(rf"^mpidp\.run: the job failed after [\d.]+ s \({cause}.*\); restart "

@@ -1,7 +1,9 @@
 """Tier 2, conformance: torch's own distributed test suite (distributed_test.py, shipped in the
 wheel) under mpiexec at n = 2, on gloo as the reference and on mpidp: every test gloo passes
 passes on mpidp but those tests/harness/torch_suite.py's EXCLUDED lists with their reasons, and
-both skip the same tests (n = 3: ``python tests/harness/torch_suite.py``)."""
+both skip the same tests (n = 3: ``python tests/harness/torch_suite.py``). gloo's results
+for the pinned torch are read from tests/harness/torch_suite_gloo.json (Note [gloo's results
+recorded] in tests/harness/torch_suite.py)."""
 from torch_suite import EXCLUDED, compare
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -239,17 +241,14 @@ def test_doctor_under_srun_across_nodes(nodes_cluster):
     assert "MPICH netmod ofi (MPIR_CVAR_CH4_NETMOD)" in out, out
 
 
-def test_batch_script_across_nodes_is_requeued_and_resumes(nodes_cluster):
-    """examples/slurm/mirrored.sbatch with --nodes=2: requeued once its first checkpoint is
-    written (as a pre-empted job is), it runs again under the same job id, finds its
-    checkpoints and resumes from them on both nodes, and completes."""
-    c = nodes_cluster
-    out = c.root / "requeued.out"
+def _until_its_first_checkpoint(c, script: str, out: Path, *sbatch: str) -> tuple:
+    """Submits ``script`` on 2 nodes x 1 task (3 epochs of the slow digits) and waits for its
+    first checkpoint; returns (job id, its checkpoint directory, the test's deadline)."""
     env = dict(_job_env(), PYTHONPATH=str(BODIES))  # user_factories
-    job_id = c.run(["sbatch", "--parsable", f"--output={out}", "--open-mode=append",
-                    "--nodes=2", "--ntasks-per-node=1", "--time=5", EXAMPLES / "mirrored.sbatch",
-                    "--epochs", "3", "--dataset", "user_factories:slow_digits",
-                    "--threads-per-rank", "1"], env=env, cwd=c.root).stdout.strip()
+    job_id = c.run(["sbatch", "--parsable", f"--output={out}", *sbatch, "--nodes=2",
+                    "--ntasks-per-node=1", "--time=5", EXAMPLES / script, "--epochs", "3",
+                    "--dataset", "user_factories:slow_digits", "--threads-per-rank", "1"],
+                   env=env, cwd=c.root).stdout.strip()
     checkpoints = c.root / "checkpoints" / job_id
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while not list(checkpoints.glob("ckpt-*.pt")):
@@ -258,6 +257,17 @@ def test_batch_script_across_nodes_is_requeued_and_resumes(nodes_cluster):
         assert _job_state(c, job_id)["JobState"] in ("PENDING", "CONFIGURING", "RUNNING"), \
             _tail(out)
         time.sleep(0.1)
+    return job_id, checkpoints, deadline
+
+
+def test_batch_script_across_nodes_is_requeued_and_resumes(nodes_cluster):
+    """examples/slurm/mirrored.sbatch with --nodes=2: requeued once its first checkpoint is
+    written (as a pre-empted job is), it runs again under the same job id, finds its
+    checkpoints and resumes from them on both nodes, and completes."""
+    c = nodes_cluster
+    out = c.root / "requeued.out"
+    job_id, checkpoints, deadline = _until_its_first_checkpoint(c, "mirrored.sbatch", out,
+                                                                "--open-mode=append")
     c.run(["scontrol", "requeue", job_id])
     while (record := _job_state(c, job_id))["JobState"] not in ("COMPLETED", "FAILED",
                                                                 "CANCELLED", "TIMEOUT"):
@@ -295,3 +305,39 @@ def test_the_other_batch_scripts_across_nodes(nodes_cluster):
             assert f"[rank {r}] epoch   1/1" in output, output[-4000:]
     ps = _summary(done["ps.sbatch"][1])
     assert (ps["workers"], ps["servers"]) == (1, 1), ps
+
+
+def test_the_supervisor_inside_an_allocation_relaunches_a_killed_rank(nodes_cluster):
+    """examples/slurm/supervised.sbatch with --nodes=2: python -m mpidp.run takes the
+    allocation's nodes as its host list (Note [Inside an allocation] in
+    mpidp/run/allocation.py) and launches through Hydra's mpiexec, whose proxies Slurm starts.
+    Once the first checkpoint exists the rank on node1 is SIGKILLed: the job fails, the probes
+    (steps beside the job's) find both nodes answering, and the run is relaunched on both from
+    its checkpoint and completes, the restart in one line."""
+    c = nodes_cluster
+    out = c.root / "supervised.out"
+    job_id, checkpoints, deadline = _until_its_first_checkpoint(c, "supervised.sbatch", out)
+    victims = [p for p in c.nodes.processes(1) if _is_a_rank(p)]
+    assert len(victims) == 1, (victims, _tail(out))
+    os.kill(victims[0], signal.SIGKILL)
+    while (record := _job_state(c, job_id))["JobState"] not in ("COMPLETED", "FAILED",
+                                                                "CANCELLED", "TIMEOUT"):
+        assert time.monotonic() < deadline, \
+            f"job {job_id}: {record['JobState']}\n{_tail(out)}\n{c.logs()}"
+        time.sleep(0.25)
+    output = out.read_text(errors="replace")
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), output[-4000:]
+    assert re.search(r"^mpidp\.run: the job failed after [\d.]+ s \(exit \d+: .*\); restart 1 "
+                     r"of 3: on node0:1,node1:1, 2 rank\(s\), from ckpt-\d{9}\.pt$", output,
+                     re.M), output[-4000:]
+    summary = _summary(output)
+    assert summary["ranks"] == 2 and Path(summary["resumed_from"]).parent == checkpoints
+
+
+def _is_a_rank(pid: int) -> bool:
+    """Whether process ``pid`` is a rank of python -m mpidp.train (not a launcher's)."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"mpidp.train" in words and b"mpidp.run" not in words and b"-n" not in words

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from mpidp.run import cli, policy, probe
+from mpidp.run import allocation, cli, policy, probe
 from mpidp.run.supervisor import Supervisor, option_value
 from mpidp.runtime import hostlist
 from mpidp.runtime.hostlist import Host
@@ -235,6 +235,18 @@ def test_the_supervisor_imports_neither_torch_nor_mpi():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_slurm_allocation_is_the_host_list_inside_one():
+    env = {"SLURM_JOB_NODELIST": "node[0-2],big", "SLURM_TASKS_PER_NODE": "2(x3),4"}
+    expand = {"node[0-2],big": ["node0", "node1", "node2", "big"]}.__getitem__
+    assert allocation.hosts(env, expand) == [Host("node0", 2), Host("node1", 2),
+                                             Host("node2", 2), Host("big", 4)]
+    assert allocation.hosts({}, expand) is None  # not in one: this machine
+    with pytest.raises(ValueError, match="disagree"):
+        allocation.hosts(dict(env, SLURM_TASKS_PER_NODE="2(x3)"), expand)
+    with pytest.raises(ValueError, match="expected counts"):
+        allocation.tasks_per_node("2(y3)")
 
 
 def test_option_values_and_host_lists():
