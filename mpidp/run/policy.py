@@ -23,10 +23,14 @@ NEVER = {2: "the command's input was refused",
          128 + signal.SIGTERM: "interrupted by SIGTERM",
          128 + signal.SIGUSR1: "stopped on SIGUSR1 after its checkpoint"}
 CAUSES = {124: "the watchdog ended it (a stalled rank or a lost node)",
-          1: "a rank raised an exception",
-          128 + signal.SIGKILL: "a rank was killed (SIGKILL)",
-          128 + signal.SIGSEGV: "a rank crashed (SIGSEGV)",
-          128 + signal.SIGABRT: "a rank aborted (SIGABRT)"}
+          1: "a rank raised an exception"}
+# a rank ended by a signal: Hydra's mpiexec exits with the signal's number, a shell or srun
+# with 128 + it
+for _signum, _what in ((signal.SIGKILL, "a rank was killed (SIGKILL)"),
+                       (signal.SIGSEGV, "a rank crashed (SIGSEGV)"),
+                       (signal.SIGBUS, "a rank crashed (SIGBUS)"),
+                       (signal.SIGABRT, "a rank aborted (SIGABRT)")):
+    CAUSES[_signum] = CAUSES[128 + _signum] = _what
 
 
 class Verdict(NamedTuple):

@@ -259,6 +259,7 @@ def test_option_values_and_host_lists():
     with pytest.raises(ValueError, match="hf:1: expected"):
         hostlist.of_file("a:2 slots=3\n", "hf")
     assert policy.verdict(137, True, None).retry
+    assert policy.describe(9) == policy.describe(137) == "a rank was killed (SIGKILL)"  # Hydra
     assert not policy.verdict(137, True, signal.SIGTERM).retry
     assert not policy.verdict(1, False, None).retry  # nothing to resume from
     assert policy.verdict(130, True, None, ["b"]).retry  # the supervisor's own SIGINT
