@@ -17,7 +17,6 @@ Every function here is a synchronisation point: every rank of the group must cal
 same order, all with host arrays or all with device arrays."""
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import numpy as np
@@ -32,10 +31,9 @@ from ..engine.dtypes import FLOATING, OP_CODES, OPS, as_host_array, empty_like, 
 from ..engine.gpu import is_device_array
 from ..engine.header import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, op_word
 from ..engine.blocks import partition
+from .tensor_views import bump_version as bump_tensor_version, numpy_view
 
 _HOST_CODES = {a.name: a.code for a in TABLE if a.where == HOST}
-_NUMPY_TORCH = frozenset(("torch.float16", "torch.float32", "torch.float64", "torch.int32",
-                          "torch.int64"))
 
 
 def _op_codes(op: Any, dtype: int) -> tuple:
@@ -88,11 +86,7 @@ def bump_version(a) -> None:
     count: autograd then refuses a tensor it saved for backward instead of computing wrong
     gradients."""
     if a.is_torch:
-        _increment_version(a.original)
-
-
-def _increment_version(t) -> None:
-    sys.modules["torch"].autograd.graph.increment_version(t)
+        bump_tensor_version(a.original)
 
 
 def refuse(g, kind: int, exc: BaseException) -> None:
@@ -128,11 +122,11 @@ def allreduce_in(g, x: Any, op: str = "sum", algorithm: str = "auto", inplace: b
     if algorithm == "auto":
         fast = g.resources.fast_allreduce  # one C call: csrc/small.c, csrc/exchange.c
         if fast is not None and inplace:
-            view = x if type(x) is np.ndarray else _numpy_view(x)
+            view = x if type(x) is np.ndarray else numpy_view(x)  # Note [Views of torch tensors]
             if view is not None and view.nbytes <= g.resources.fast_max_bytes and \
                     _one_call(g, view, op):  # the size it takes: nothing to ask otherwise
                 if view is not x:
-                    _increment_version(x)
+                    bump_tensor_version(x)
                 return x
         elif fast is not None and type(x) is np.ndarray and \
                 x.nbytes <= g.resources.fast_max_bytes:
@@ -170,16 +164,6 @@ def _one_call(g, view, op: str) -> bool:
         return False
     view[...] = tmp
     return True
-
-
-def _numpy_view(x: Any):
-    """A CPU torch tensor of a dtype numpy has, as the numpy array sharing its memory (for the
-    one-call path; None for anything else, which the general path takes)."""
-    torch = sys.modules.get("torch")
-    if torch is None or type(x) is not torch.Tensor or not x.is_cpu or x.is_sparse or \
-            str(x.dtype) not in _NUMPY_TORCH:
-        return None
-    return (x.detach() if x.requires_grad else x).numpy()
 
 
 @timeline.traced("allreduce")
