@@ -31,7 +31,7 @@ from ..engine.dtypes import FLOATING, OP_CODES, OPS, as_host_array, empty_like, 
 from ..engine.gpu import is_device_array
 from ..engine.header import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, op_word
 from ..engine.blocks import partition
-from .tensor_views import bump_version as bump_tensor_version, numpy_view
+from .tensor_views import bump_version as bump_tensor_version, tensor_view
 
 _HOST_CODES = {a.name: a.code for a in TABLE if a.where == HOST}
 
@@ -122,8 +122,8 @@ def allreduce_in(g, x: Any, op: str = "sum", algorithm: str = "auto", inplace: b
     if algorithm == "auto":
         fast = g.resources.fast_allreduce  # one C call: csrc/small.c, csrc/exchange.c
         if fast is not None and inplace:
-            view = x if type(x) is np.ndarray else numpy_view(x)  # Note [Views of torch tensors]
-            if view is not None and view.nbytes <= g.resources.fast_max_bytes and \
+            view = x if type(x) is np.ndarray else tensor_view(x)  # Note [Views of torch tensors]
+            if view is not None and x.nbytes <= g.resources.fast_max_bytes and \
                     _one_call(g, view, op):  # the size it takes: nothing to ask otherwise
                 if view is not x:
                     bump_tensor_version(x)

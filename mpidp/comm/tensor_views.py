@@ -1,61 +1,46 @@
-"""The numpy view of a CPU torch tensor that the one-call all-reduce takes, kept per tensor
-(Note [Views of torch tensors]), and the version bump after writing through it."""
+"""A CPU torch tensor as the buffer the one-call all-reduce takes (Note [Views of torch
+tensors]), the struct format such a view carries, and the version bump after writing
+through it. Imports no torch: a tensor here means torch is imported already."""
 from __future__ import annotations
 
-import ctypes
 import sys
-import weakref
 from typing import Any, Optional
 
-import numpy as np
+from ..engine import host_ops
 
 # Note [Views of torch tensors]
-# The one-call all-reduce (csrc/small.c) takes a numpy array; a torch tensor's `.numpy()` costs
-# 0.67 us on this machine and the checks before it another 0.3, against a whole 8 B
-# all-reduce of ~1 us: a tensor reduced again and again (a metric, a loss, a flag) paid them
-# at every call. So the view is made once per tensor and kept, keyed by the tensor's id, with
-# what it was made from: a weak reference to the tensor (the entry goes when the tensor does,
-# and an id reused by another tensor never matches), its data pointer, dtype and shape. A call
-# whose tensor still has them all and is still contiguous takes the kept view (~0.37 us of
-# checks); anything else (`.data` swapped, `resize_`, a transposed layout, another dtype)
-# makes a new one or declines. The view is made over the tensor's memory from its address and
-# holds no reference to the tensor (one that did would keep every tensor ever reduced alive
-# through the cache); it is only ever used while the tensor is alive with that same pointer.
-# The version counter is bumped through torch._C's call directly (0.11 us against the public
-# wrapper's 0.28).
+# The one-call all-reduce (csrc/small.c) takes any writable C-contiguous buffer. A tensor's
+# `.numpy()` costs 0.67 us on this machine and makes its storage unresizable for good; the
+# host view (Note [Host views] in csrc/view.c, which the torch.distributed backend uses too)
+# is made from the tensor's address, size, format and shape in ~0.35 us and touches nothing
+# of the tensor's, so an 8 B all-reduce of a tensor, made afresh or reduced again and again,
+# pays ~0.5 us for its view with the checks. The version counter is bumped through
+# torch._C's call directly (0.11 us against the public wrapper's 0.28).
 
-_DTYPES = {}  # torch dtype -> numpy dtype, filled on first use (torch may not be imported)
-_views: dict = {}  # id(tensor) -> (weak reference, data pointer, dtype, shape, numpy view)
+_FORMATS: dict = {}  # torch dtype -> struct format of its host view, filled at first use
 
 
-def numpy_view(x: Any) -> Optional[np.ndarray]:
-    """A writable numpy array over a contiguous CPU torch tensor's memory, for the one-call
-    path; None for anything else (the general path takes it)."""
-    kept = _views.get(id(x))
-    if kept is not None and kept[0]() is x and x.data_ptr() == kept[1] and \
-            x.dtype is kept[2] and x.shape == kept[3] and x.is_contiguous():
-        return kept[4]  # the tensor it was made for, unchanged
+def host_format(dtype) -> Optional[str]:
+    """The struct format a host view of a tensor of ``dtype`` carries (None: it has none,
+    e.g. bfloat16 or bool: such tensors take torch's own paths)."""
+    if not _FORMATS:
+        torch = sys.modules["torch"]
+        _FORMATS.update({torch.float32: "f", torch.float64: "d", torch.float16: "e",
+                         torch.int32: "i", torch.int64: "q"})
+    return _FORMATS.get(dtype)
+
+
+def tensor_view(x: Any):
+    """A writable buffer over a contiguous dense CPU torch tensor's memory, holding the
+    tensor, for the one-call path; None for anything else (the general path takes it)."""
     torch = sys.modules.get("torch")
-    if torch is None or type(x) is not torch.Tensor:
+    if torch is None or type(x) is not torch.Tensor or x.layout is not torch.strided or \
+            not x.is_cpu or not x.is_contiguous():
         return None
-    return _new_view(torch, x)
-
-
-def _new_view(torch, x) -> Optional[np.ndarray]:
-    if not _DTYPES:
-        _DTYPES.update({torch.float16: np.float16, torch.float32: np.float32,
-                        torch.float64: np.float64, torch.int32: np.int32,
-                        torch.int64: np.int64})
-    dtype = _DTYPES.get(x.dtype)
-    if dtype is None or not x.is_cpu or x.is_sparse or not x.is_contiguous() or \
-            x.numel() == 0:
+    fmt = host_format(x.dtype)
+    if fmt is None or x.numel() == 0:
         return None
-    key, ptr = id(x), x.data_ptr()
-    memory = (ctypes.c_char * (x.numel() * x.element_size())).from_address(ptr)
-    view = np.frombuffer(memory, dtype=dtype).reshape(tuple(x.shape))
-    _views[key] = (weakref.ref(x, lambda _, key=key: _views.pop(key, None)), ptr, x.dtype,
-                   x.shape, view)
-    return view
+    return host_ops.host_view(x.data_ptr(), x.nbytes, fmt, x.shape, x)
 
 
 def bump_version(t) -> None:

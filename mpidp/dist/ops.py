@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..comm import collectives
+from ..comm.tensor_views import host_format
 from ..engine import header, host_ops
 from ..runtime.frame import Frame
 from ..errors import MismatchError
@@ -39,9 +40,6 @@ _FAST_OPS = {kind.value: name for kind, name in _MPIDP_OPS.items()}
 _MPIDP_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64,
                            torch.int32, torch.int64))
 _BITWISE = frozenset((RED.BAND, RED.BOR, RED.BXOR))
-# struct formats of the dtypes a host view carries (bfloat16 has none: it takes torch's path)
-_FORMATS = {torch.float32: "f", torch.float64: "d", torch.float16: "e", torch.int32: "i",
-            torch.int64: "q"}
 OPERATIONS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
               "all_gather_coalesced",
               "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter",
@@ -199,7 +197,7 @@ def all_reduce(g, t: torch.Tensor, op) -> None:
     # csrc/view.c), in one C call where it is small (Note [Small all-reduce in one call])
     name = "sum" if op == RED.SUM else \
         _FAST_OPS.get(getattr(getattr(op, "op", op), "value", None))
-    fmt = _FORMATS.get(t.dtype)
+    fmt = host_format(t.dtype)
     if name is not None and fmt is not None and t.is_cpu and t.layout is torch.strided \
             and t.is_contiguous() and not (name == "avg" and fmt in "iq"):
         view = _view(t, fmt)
@@ -213,8 +211,8 @@ def all_reduce(g, t: torch.Tensor, op) -> None:
         with torch.no_grad():
             t.copy_(scaled)
     if _native(kind, t):
-        plain = t.device.type == "cpu" and t.is_contiguous() and t.dtype in _FORMATS
-        collectives.allreduce_in(g, np.asarray(_view(t, _FORMATS[t.dtype])) if plain else
+        fmt = host_format(t.dtype) if t.device.type == "cpu" and t.is_contiguous() else None
+        collectives.allreduce_in(g, np.asarray(_view(t, fmt)) if fmt else
                                  t.detach(), _MPIDP_OPS[kind], "auto", True)
         return
     with operation(g, f"all_reduce {name}", t, t.numel(),

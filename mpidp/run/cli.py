@@ -19,8 +19,8 @@ from . import allocation, probe
 
 EPILOG = """Retried: a rank killed or crashed, a node lost, a stall the watchdog ended (124),
 an exception on a rank (1). Never retried: refused input (2), the job interrupted (130, 143,
-138), a fresh run failing before its first checkpoint, and any failure after the supervisor
-itself got Ctrl-C or SIGTERM (it passes them on to the job). The command must take
+138), a failure before the first checkpoint, and any failure after the supervisor itself got
+Ctrl-C, SIGTERM or SIGHUP (it passes them on to the job). The command must take
 --checkpoint-dir and --resume as python -m mpidp.train does; restarts append --resume."""
 
 
@@ -31,7 +31,8 @@ def parser() -> argparse.ArgumentParser:
                     "on the nodes that still answer when it fails.")
     p.add_argument("-n", "-np", dest="ranks", type=int, required=True, help="number of ranks")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--hosts", "-H", help="host:slots,host:slots,... (default: this machine)")
+    where.add_argument("--hosts", "-H", help="host:slots,host:slots,... (default: see "
+                       "--hostfile)")
     where.add_argument("--hostfile", help="one host per line: 'host slots=N' or 'host:N' "
                        "(default: HYDRA_HOST_FILE's where it is set, else the Slurm "
                        "allocation's nodes inside one, else this machine)")

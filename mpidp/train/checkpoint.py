@@ -22,7 +22,7 @@ import torch
 
 from .. import files
 from ..errors import OutputError
-from .checkpoint_names import NAME as _NAME, existing, path_for  # noqa: F401 - re-exported
+from .checkpoint_names import existing, path_for, step_of  # existing, path_for: also ours
 
 FORMAT = "mpidp-checkpoint-1"
 MODE = 0o600  # checkpoints are readable by their owner only
@@ -169,7 +169,7 @@ class Retention:
         """Deletes what ``retention_plan`` says in ``directory``; names each file left."""
         listing = []
         for path in existing(directory):
-            step = int(_NAME.match(path.name).group(1))
+            step = step_of(path)
             listing.append((step, path, None if step > written_step else self._problem(path)))
         protected = {directory / n for n in protected_names if n}
         delete, left = retention_plan(listing, keep, written_step, protected)

@@ -191,9 +191,10 @@ def build(settings: TrainSettings) -> tuple:
 # mpidp/runtime/abort.py) before they abort the job themselves with the same line, naming their rank:
 # the signal reached that rank alone (`kill` of one process). A rank whose main thread lost
 # the interrupt, or waits where no signal reaches it, is ended by a watching thread instead,
-# with the same line (Note [A lost interrupt] in interrupts.py). With --checkpoint-on-signal, SIGTERM and SIGUSR1 are only
-# recorded, and the run ends this way after every rank has checkpointed at one step (Note
-# [Checkpoint on signal] in on_signal.py); SIGINT still ends it at once. Before MPI has started
+# with the same line (Note [A lost interrupt] in interrupts.py). With --checkpoint-on-signal,
+# SIGTERM and SIGUSR1 are only recorded, and the run ends this way after every rank has
+# checkpointed at one step (Note [Checkpoint on signal] in on_signal.py); SIGINT still ends
+# it at once. Before MPI has started
 # (the imports of `python -m mpidp.train`, which take seconds, and MPI_Init) there is no job
 # to abort: each rank ends on its own with the same exit code, rank 0 with the line
 # "interrupted while starting" (interrupts.py, which __main__ arms before its imports).

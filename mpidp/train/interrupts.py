@@ -61,8 +61,8 @@ def end_while_starting(exc: KeyboardInterrupt) -> None:
 # another thread in C++) does not run the handler at all. The rank then trains on, or waits
 # on, while the others end, and the job ends only by another rank's fallback, seconds later
 # and with that rank's line (Note [Interrupted run] in cli.py; seen once in CI: rank 1's line
-# after 4 s, rank 0 silent, which of these kept it so not caught). So
-# while the run trains, a thread watches too: Python writes the number of each signal it
+# after 4 s, rank 0 silent; which of these kept it so was not caught). So while the run
+# trains, a thread watches too: Python writes the number of each signal it
 # catches to a wakeup descriptor (signal.set_wakeup_fd) from its C handler, at once, whatever
 # the main thread is doing. Where the signal ends the run (its handler is still the one that
 # raises, not --checkpoint-on-signal's recorder, not SIG_IGN) and within GRACE_S the main
@@ -98,7 +98,6 @@ def watching_interrupts(end: Callable[[KeyboardInterrupt], None]) -> Iterator[No
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)  # the C handler must never block on it
     previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-
     over = threading.Event()  # the run left the block: whatever comes now is not the watcher's
 
     def watch() -> None:

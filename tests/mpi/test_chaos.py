@@ -159,6 +159,8 @@ def test_a_fault_at_a_random_moment_then_resume_ends_as_uninterrupted(
         assert code == 0 and len(finished) == 1 and finished[0]["resumed_from"], where
         assert sha256_of(finished[0]) == expected, f"{what}: resumed to other parameters"
         assert not [p.name for p in directory.iterdir() if ".tmp-" in p.name], where
+        for path in checkpoint.existing(directory):  # nothing partial under a checkpoint's name
+            checkpoint.read(path, checkpoint.KEYS)
         print(f"{what}: relaunched from {finished[0]['resumed_from']}")
         return
     if supervised:  # before the first checkpoint: not relaunched (Note [What is retried])

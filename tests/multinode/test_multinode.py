@@ -13,6 +13,7 @@ import re
 
 import pytest
 
+from mpidp.train import checkpoint
 from mpirun import BODIES, Job, assert_ok, body, run, together
 from multinode_cluster import Cluster, unavailable
 
@@ -189,22 +190,32 @@ def lost_node_reference(cluster, tmp_path_factory):
 
 
 
-@pytest.mark.parametrize("crash", [False, True], ids=["processes-killed", "node-lost"])
-def test_a_lost_node_under_the_supervisor(cluster, crash, tmp_path, tmp_path_factory):
+# how node1 is lost, and what ends the job: Hydra (its processes killed), the watchdog (its
+# network cut: MPIDP_TIMEOUT_S=5) or the supervisor's heartbeat (the same, the watchdog at its
+# 180 s)
+LOSSES = {"processes-killed": (False, {}, ("--heartbeat", 0)),
+          "node-lost": (True, {"MPIDP_TIMEOUT_S": "5"}, ("--heartbeat", 0, "--probe-timeout", 6)),
+          "node-lost-heartbeat": (True, {}, ("--heartbeat", 2, "--probe-timeout", 6))}
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_a_lost_node_under_the_supervisor(cluster, loss, tmp_path, tmp_path_factory):
     """Mirrored on 2 nodes x 2 under python -m mpidp.run (Note [Supervising a run] in
     mpidp/run/supervisor.py); once the first checkpoint exists, every process of node1 is
     killed (Hydra ends the job at once; node1 still answers, so the run is relaunched on the
     same 4 ranks and ends with the parameters of the run that lost nothing, bit for bit), or
-    node1 is lost with its network (the supervisor's heartbeat finds it silent long before
-    the watchdog's 180 s and ends the job: Note [Heartbeat]; the run is relaunched on node0's
-    2 ranks and trains on from its checkpoint to the end). Nothing of the job is left, and one
-    line says the restart and the checkpoint the run resumed from."""
+    node1 is lost with its network: the watchdog ends the job with 124, naming the node and
+    its ranks, or, with a heartbeat, the supervisor finds node1 silent long before the
+    watchdog's 180 s and ends the job (Note [Heartbeat]); the run is relaunched on node0's 2
+    ranks and trains on from its checkpoint to the end. Nothing of the job is left, every
+    checkpoint is whole, and one line says the restart and the checkpoint resumed from."""
+    crash, env, supervised = LOSSES[loss]
     directory = tmp_path / "ckpt"
     flags = ("-m", "mpidp.train", *LOST_NODE_RUN, "--checkpoint-dir", directory)
     reference = lost_node_reference(cluster, tmp_path_factory)
     try:
-        with Job(4, flags, tmp_path / "out", USER, cluster=cluster, per_node=2,
-                 supervised=("--heartbeat", 2, "--probe-timeout", 6)) as job:
+        with Job(4, flags, tmp_path / "out", dict(USER, **env), cluster=cluster, per_node=2,
+                 supervised=supervised) as job:
             job.wait_for(lambda: (directory / "ckpt-000000005.pt").exists(), 120)
             killed = cluster.kill_node(1, crash=crash)
             code = job.wait(BOUND_S + 120)
@@ -215,16 +226,23 @@ def test_a_lost_node_under_the_supervisor(cluster, crash, tmp_path, tmp_path_fac
     text = job.text
     where = f"exit {code}, killed {killed}:\n{text[-6000:]}"
     assert code == 0 and not left, f"left {left}; {where}"
-    if crash:
+    ranks = r"node1 does not answer; on node0:2, 2 rank\(s\)" if crash else \
+        r"on node0:2,node1:2, 4 rank\(s\)"
+    if loss == "node-lost-heartbeat":
         assert "mpidp.run: node1 stopped answering while the job ran (twice no answer within " \
             "6 s): ending the job\n" in text, where
-        cause, ranks = r"exit \d+: node1 stopped answering and the supervisor ended it", \
-            r"node1 does not answer; on node0:2, 2 rank\(s\)"
+        cause = r"exit \d+: node1 stopped answering and the supervisor ended it"
+    elif crash:
+        assert "node node1: no answer from any of its ranks 2, 3: the node is lost or " \
+            "unreachable" in text, where
+        cause = r"exit 124: the watchdog ended it \(a stalled rank or a lost node\)"
     else:
-        cause, ranks = r"exit \d+: .*", r"on node0:2,node1:2, 4 rank\(s\)"
+        cause = r"exit \d+: .*"
     line = re.search(rf"mpidp\.run: the job failed after [\d.]+ s \({cause}\); restart 1 of 3: "
                      rf"{ranks}, from (ckpt-\d{{9}}\.pt)\n", text)
     assert line, where
+    for path in checkpoint.existing(directory):  # nothing partial under a checkpoint's name
+        checkpoint.read(path, checkpoint.KEYS)
     summaries = [json.loads(l) for l in text.splitlines() if l.startswith('{"')]
     summary = [s for s in summaries if s.get("event") == "summary"]
     assert len(summary) == 1 and summary[0]["resumed_from"] == str(directory / line.group(1))
