@@ -23,6 +23,17 @@ _VECTOR_BYTES = 16
 _modules: dict = {}   # (device id, source name) -> cupy.RawModule
 _lock = threading.Lock()
 
+# Note [Tables kept on the device]: a multi-tensor launch reads the tensors' addresses, offsets
+# and counts from a table in device memory. Uploading it is a copy from pageable host memory
+# that the kernel waits for: three such copies per call cost 0.08 ms on an H200 (pack of 64
+# tensors of 64 MiB together at 29% of a device copy's rate, against 87% at 256 MiB). One
+# upload holds all three, and it is kept, keyed by the stream, the addresses and the counts:
+# a bucket packs the same gradients step after step, so after the first step a pack is one
+# launch. The table is a function of its key, so a kept one is never stale; addresses freed
+# and reused by other tensors give the same table. MAX_TABLES bounds what is kept.
+_tables: dict = {}
+MAX_TABLES = 256
+
 
 def kernel_dir():
     return resources.files("mpidp.engine.gpu") / "kernels"
@@ -95,14 +106,25 @@ class DeviceOps:
                    (buf, np.int64(count), np.int64(divisor)))
 
     def _table(self, tensors: Sequence, itemsize: int, in_bytes: bool) -> tuple:
-        cp = cupy()
+        """(pointers, offsets, counts) on the device, and the longest count: Note [Tables
+        kept on the device]."""
         counts = [len(t) for t in tensors]
-        offsets = np.cumsum([0] + counts[:-1], dtype=np.int64)
         scale = itemsize if in_bytes else 1
-        pointers = np.array([t.data.ptr for t in tensors], dtype=np.uint64)
-        with self.stream:  # the tables are copied on the stream the kernel runs on
-            return (cp.asarray(pointers), cp.asarray(offsets * scale),
-                    cp.asarray(np.array(counts, dtype=np.int64) * scale), max(counts, default=0))
+        key = (self.stream.ptr, scale, tuple(t.data.ptr for t in tensors), tuple(counts))
+        table = _tables.get(key)
+        if table is None:
+            cp, n = cupy(), len(counts)
+            host = np.empty(3 * n, dtype=np.int64)
+            host[:n] = np.array(key[2], dtype=np.uint64).view(np.int64)
+            host[n:2 * n] = np.cumsum([0] + counts[:-1], dtype=np.int64) * scale
+            host[2 * n:] = np.array(counts, dtype=np.int64) * scale
+            with self.stream:  # copied on the stream the kernels run on
+                flat = cp.asarray(host)
+            if len(_tables) >= MAX_TABLES:
+                _tables.clear()
+            table = _tables[key] = (flat[:n].view(cp.uint64), flat[n:2 * n], flat[2 * n:],
+                                    max(counts, default=0))
+        return table
 
     def pack(self, bucket, tensors: Sequence) -> None:
         """Copies the flat CuPy arrays ``tensors`` back to back into ``bucket`` (one launch

@@ -225,6 +225,58 @@ template <typename W> MPIDP_HD float cast_out(W x, long long divisor) {
     return divisor > 1 ? divide(wide, divisor) : wide;
 }
 
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+// ---- device only: 16-byte vectors (Note [Vector loads] in reduce.cu) ----------------------
+
+template <typename T> union Vec {
+    uint4 raw;
+    T lane[16 / sizeof(T)];
+};
+
+__device__ __forceinline__ bool aligned16(const void *a, const void *b) {
+    return (((unsigned long long)a | (unsigned long long)b) & 15ull) == 0;
+}
+
+// out = f(a, b) element by element over count elements, as one grid-stride pass of the blocks
+// along x, 16 bytes per load where the pointers are aligned (Note [Vector loads] in reduce.cu):
+// the reductions and the division (reduce.cu) and a bucket's unpack with the average (pack.cu,
+// one tensor per block row). F::inputs == 1: f reads a alone (b is not loaded).
+template <typename T, typename F>
+__device__ void map_vectors(T *out, const T *a, const T *b, long long count, F f) {
+    const int lanes = 16 / sizeof(T);
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long vectors = aligned16(out, a) && aligned16(b, b) ? count / lanes : 0;
+    uint4 *o4 = reinterpret_cast<uint4 *>(out);
+    const uint4 *a4 = reinterpret_cast<const uint4 *>(a);
+    const uint4 *b4 = reinterpret_cast<const uint4 *>(b);
+    for (long long v = first; v < vectors; v += stride) {
+        Vec<T> x, y;
+        x.raw = a4[v];
+        y.raw = F::inputs == 2 ? b4[v] : x.raw;
+#pragma unroll
+        for (int k = 0; k < lanes; k++) x.lane[k] = f(x.lane[k], y.lane[k]);
+        o4[v] = x.raw;
+    }
+    for (long long i = vectors * lanes + first; i < count; i += stride)  // the tail
+        out[i] = f(a[i], F::inputs == 2 ? b[i] : a[i]);
+}
+
+template <typename T, int OP> struct ReduceBy {  // dst op src, divided when divisor > 1
+    long long divisor;
+    static constexpr int inputs = 2;
+    __device__ __forceinline__ T operator()(T dst, T src) const {
+        return reduce_one<OP>(dst, src, divisor);
+    }
+};
+
+template <typename T> struct DivideBy {
+    long long divisor;
+    static constexpr int inputs = 1;
+    __device__ __forceinline__ T operator()(T x, T) const { return divide_one(x, divisor); }
+};
+#endif
+
 }  // namespace mpidp
 
 #endif

@@ -8,7 +8,8 @@
 //   mpidp_cast_<wire>(W *bucket, const unsigned long long *tensors, const long long *offsets,
 //                    const long long *counts, long long divisor, int unpack)
 // The copy moves the widest unit (16, 8, 4, 2 or 1 bytes) that divides both addresses and the
-// size; unpack_divide writes bucket / divisor (the average's division, elementwise.cuh);
+// size; unpack_divide writes bucket / divisor (the average's division, elementwise.cuh, 16
+// bytes per load where the tensor and its slot are aligned);
 // cast packs float32 tensors into a float16/bfloat16 bucket or unpacks them back, divided on
 // the way (Note [Casting buckets] in csrc/kernels.c).
 #include "elementwise.cuh"
@@ -49,12 +50,9 @@ extern "C" __global__ void mpidp_copy_bytes(char *bucket, const unsigned long lo
         const T *bucket, const unsigned long long *tensors, const long long *offsets,      \
         const long long *counts, long long divisor) {                                      \
         const int t = blockIdx.y;                                                           \
-        T *out = reinterpret_cast<T *>(tensors[t]);                                         \
-        const T *in = bucket + offsets[t];                                                  \
-        const long long stride = (long long)gridDim.x * blockDim.x;                        \
-        for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < counts[t]; \
-             i += stride)                                                                   \
-            out[i] = mpidp::divide_one(in[i], divisor);                                     \
+        const T *slot = bucket + offsets[t];                                                \
+        mpidp::map_vectors(reinterpret_cast<T *>(tensors[t]), slot, slot, counts[t],        \
+                           mpidp::DivideBy<T>{divisor});                                    \
     }
 MPIDP_UNPACK_DIVIDE(f16, mpidp::f16)
 MPIDP_UNPACK_DIVIDE(bf16, mpidp::bf16)
