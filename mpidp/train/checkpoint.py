@@ -335,15 +335,22 @@ def load(path: Path, required: tuple = ()) -> dict:
     return read(path, required).state
 
 
-def load_latest(directory: Path, warn: Callable[[str], None],
-                required: tuple = ()) -> Optional[Checkpoint]:
-    """The newest good checkpoint (``read``) in ``directory``, reporting each newer bad one
-    through ``warn`` (one line naming it and why); None when there is none."""
+def load_latest(directory: Path, warn: Callable[[str], None], required: tuple = (),
+                unusable: Callable[[Checkpoint], Optional[str]] = lambda found: None) \
+        -> Optional[Checkpoint]:
+    """The newest good checkpoint (``read``) in ``directory`` for which ``unusable`` gives no
+    reason, reporting each newer one passed over through ``warn`` (one line naming it and
+    why); None when there is none."""
     for path in existing(directory):
         try:
-            return read(path, required)
+            found = read(path, required)
         except ValueError as exc:
             warn(str(exc))
+            continue
+        why = unusable(found)
+        if why is None:
+            return found
+        warn(why)
     return None
 
 

@@ -65,8 +65,9 @@ _UNSET_MEANS = {"ps_lookahead": True, "local_sgd_warmup_steps": 0, "num_ps": 1,
 #   stream seeded for it; PowerSGD's per-rank errors start afresh (compress.py says so).
 # What cannot move: localsgd's and diloco's per-rank parameters between meetings (M ranks
 # cannot take up N diverged models, and averaging them would be a meeting the run never
-# had). Such a checkpoint is refused on another number of ranks in one line; the
-# checkpoints written at epoch ends (meetings) move.
+# had). On another number of ranks such a checkpoint is passed over, in one line, for the
+# newest one written at a meeting (every epoch's end is one), as a damaged one is; with none,
+# the run is refused in one line naming each.
 
 
 class SetupError(ValueError):
@@ -148,8 +149,17 @@ def find_resume_point(settings: TrainSettings, world_size: int, model, train_sam
     a training checkpoint) that this run can continue, after warning through ``warn`` of each
     newer one passed over. ValueError, one line naming every checkpoint passed over, when
     there is none, or it was written by a run this one cannot continue."""
+    def between_meetings(found):  # Note [Resuming on another number of ranks]
+        state = found.state
+        if state["world_size"] != world_size and (state.get("comm_hook") or {}).get("since"):
+            return (f"{found.path} holds {state['world_size']} ranks' own "
+                    f"{state.get('settings', {}).get('strategy')} models between meetings, "
+                    f"which cannot move to {world_size} ranks")
+        return None
+
     skipped = []
-    found = checkpoint.load_latest(settings.checkpoint_dir, skipped.append, checkpoint.KEYS)
+    found = checkpoint.load_latest(settings.checkpoint_dir, skipped.append, checkpoint.KEYS,
+                                   between_meetings)
     if found is None:
         why = f" ({'; '.join(skipped)})" if skipped else ""
         raise ValueError(f"--resume: no usable checkpoint in {settings.checkpoint_dir}{why}")
@@ -166,11 +176,6 @@ def find_resume_point(settings: TrainSettings, world_size: int, model, train_sam
         if saved.get(key) != mine[key]:
             raise ValueError(f"--resume: {path} was written with {key}={saved.get(key)!r}, this "
                              f"run has {key}={mine[key]!r}; resume with the same value")
-    if saved["world_size"] != world_size and (state.get("comm_hook") or {}).get("since"):
-        raise ValueError(f"--resume: {path} holds {saved['world_size']} ranks' own "
-                         f"{saved['strategy']} models between meetings, which cannot move to "
-                         f"{world_size} ranks; resume on {saved['world_size']} ranks, or from a "
-                         "checkpoint written at an epoch's end")
     servers, saved_servers = mine.get("num_ps"), saved.get("num_ps")
     if mine["strategy"] == "ps" and servers != saved_servers:  # fails here, on every rank
         total = sum(p.numel() for p in model.parameters() if p.requires_grad)

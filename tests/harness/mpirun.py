@@ -37,16 +37,16 @@ def command(n: int, args: list, cluster=None, per_node=1, supervised=None) -> li
 
 
 def run(n: int, args: list, env: dict | None = None, timeout_s: float = 240, cluster=None,
-        per_node: int = 1) -> subprocess.CompletedProcess:
-    """Runs ``python args...`` on n ranks (``command``) with ``env`` over this process's
-    environment (a value None unsets the variable); a hang fails the test at timeout_s
-    instead of CI."""
+        per_node: int = 1, supervised=None) -> subprocess.CompletedProcess:
+    """Runs ``python args...`` on n ranks (``command``; under the supervisor with its options
+    ``supervised``) with ``env`` over this process's environment (a value None unsets the
+    variable); a hang fails the test at timeout_s instead of CI."""
     full_env = dict(os.environ)
     full_env.update(cluster.env() if cluster is not None else {})
     full_env.update(env or {})
     full_env = {k: v for k, v in full_env.items() if v is not None}  # None: unset it
     full_env.setdefault("PYTHONUNBUFFERED", "1")
-    cmd = command(n, args, cluster, per_node)
+    cmd = command(n, args, cluster, per_node, supervised)
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                               env=full_env, cwd=ROOT)

@@ -574,18 +574,24 @@ def test_resume_checks_the_checkpoint_fits_this_run(tmp_path):
                        r"be re-cut from 1 to 2 servers: not a parameter server's optimizer"):
         find_resume_point(_resume_settings(tmp_path / "bad", epochs=3, strategy="ps",
                                            num_ps=2), 3, model, 100, fail)
-    # but not local models between meetings
+    # but not local models between meetings: passed over for the newest meeting's, if any
     local = TrainSettings(checkpoint_dir=str(tmp_path / "local"), epochs=3, strategy="localsgd")
-    checkpoint.save(tmp_path / "local", dict(state, settings=dataclasses.asdict(local),
-                                             comm_hook={"kind": "localsgd", "since": 3}),
-                    10, keep=3)
-    assert find_resume_point(_resume_settings(tmp_path / "local", epochs=3,
-                                              strategy="localsgd"), 2, model, 100, fail)
-    with pytest.raises(ValueError, match="holds 2 ranks' own localsgd models between meetings, "
-                       "which cannot move to 3 ranks; resume on 2 ranks, or from a checkpoint "
-                       "written at an epoch's end"):
-        find_resume_point(_resume_settings(tmp_path / "local", epochs=3, strategy="localsgd"),
-                          3, model, 100, fail)
+    local_state = dict(state, settings=dataclasses.asdict(local))
+    checkpoint.save(tmp_path / "local", dict(local_state, comm_hook={"kind": "localsgd",
+                                                                     "since": 3}), 10, keep=3)
+    settings = _resume_settings(tmp_path / "local", epochs=3, strategy="localsgd")
+    assert find_resume_point(settings, 2, model, 100, fail).path.name == "ckpt-000000010.pt"
+    diverged = f"{tmp_path / 'local' / 'ckpt-000000010.pt'} holds 2 ranks' own localsgd " \
+        "models between meetings, which cannot move to 3 ranks"
+    with pytest.raises(ValueError, match=re.escape(f"--resume: no usable checkpoint in "
+                                                   f"{tmp_path / 'local'} ({diverged})")):
+        find_resume_point(settings, 3, model, 100, fail)
+    checkpoint.save(tmp_path / "local", dict(local_state, comm_hook={"kind": "localsgd",
+                                                                     "since": 0}), 5, keep=3)
+    passed = []
+    assert find_resume_point(settings, 3, model, 100, passed.append).path.name == \
+        "ckpt-000000005.pt"
+    assert passed == [f"{diverged}; passed over"]
     with pytest.raises(ValueError, match="other parameters"):
         find_resume_point(_resume_settings(tmp_path, epochs=3), 2,
                           models.build("mlp", (1, 4, 4), 10), 100, fail)

@@ -43,7 +43,15 @@ def inject(kind):
     pid first written to FAULT_PID_FILE if set) or usr1 (SIGUSR1 to this process alone, as
     a signal that reaches one rank before the others) or lost_int (Ctrl-C to this process
     alone, its KeyboardInterrupt caught and dropped, as a library's bare ``except`` or
-    Python's "Exception ignored" would: Note [A lost interrupt] in mpidp/train/interrupts.py)."""
+    Python's "Exception ignored" would: Note [A lost interrupt] in mpidp/train/interrupts.py).
+    With FAULT_ONCE_FILE set, only where that file does not exist yet, which the fault
+    creates: a job the supervisor relaunches (python -m mpidp.run) meets it once."""
+    once = os.environ.get("FAULT_ONCE_FILE")
+    if once:
+        try:
+            open(once, "x").close()
+        except FileExistsError:
+            return
     if kind == "raise":
         raise RuntimeError("injected fault: this rank's data loader failed")
     if kind == "usr1":
