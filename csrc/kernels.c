@@ -11,6 +11,9 @@
  * mpidp/engine/gpu/kernels/elementwise.cuh's. Integers keep the plain compare. */
 #include "kernels.h"
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 static inline float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -248,4 +251,36 @@ int mp_cast_into(void *dst, int dst_dtype, const void *src, int src_dtype, size_
         return -1;
     }
     return 0;
+}
+
+/* Note [Streaming copy]
+ * A plain copy (memcpy, numpy's copyto) reads each destination line before writing it (a
+ * read for ownership), so it moves three bytes per byte copied; stores that bypass the cache
+ * (non-temporal) move two. The benchmark's memory bound is the faster of the two
+ * (mpidp/bench/harness.py's memory_ceiling): what the memory system can do, not what one way
+ * of copying does. x86-64 always has SSE2's 16-byte movntdq; elsewhere this is memcpy. */
+void mp_stream_copy(void *dst, const void *src, size_t n) {
+#if defined(__SSE2__)
+    char *d = dst;
+    const char *s = src;
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    if (head > n) head = n;
+    memcpy(d, s, head);
+    d += head; s += head; n -= head;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    memcpy(d + i, s + i, n - i);
+    _mm_sfence(); /* the streamed lines are visible before this returns */
+#else
+    memcpy(dst, src, n);
+#endif
 }

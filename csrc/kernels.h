@@ -22,5 +22,8 @@ int mp_divide(void *buf, size_t count, int dtype, long divisor);
  * Note [Casting buckets] in kernels.c). Returns -1 on another pair or a divisor < 1. */
 int mp_cast_into(void *dst, int dst_dtype, const void *src, int src_dtype, size_t count,
                  long divisor);
+/* memcpy(dst, src, n) with non-temporal stores where the CPU has them (x86-64: SSE2's
+ * movntdq): the destination is written without being read first (Note [Streaming copy]). */
+void mp_stream_copy(void *dst, const void *src, size_t n);
 
 #endif

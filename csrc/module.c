@@ -83,6 +83,32 @@ static PyObject *py_divide(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(stream_copy_doc, "stream_copy(dst, src)\n\ndst[:] = src with non-temporal "
+             "stores (Note [Streaming copy] in csrc/kernels.c); the same byte count.");
+
+static PyObject *py_stream_copy(PyObject *self, PyObject *args) {
+    PyObject *dst_obj, *src_obj;
+    if (!PyArg_ParseTuple(args, "OO", &dst_obj, &src_obj)) return NULL;
+    Py_buffer dst, src;
+    if (mp_get_buffer(dst_obj, &dst, 1, "dst") < 0) return NULL;
+    if (mp_get_buffer(src_obj, &src, 0, "src") < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "stream_copy: dst has %zd bytes, src %zd", dst.len,
+                     src.len);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        mp_stream_copy(dst.buf, src.buf, (size_t)dst.len);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* Buffers of every item of `seq`, as segments; on failure releases what it took. */
 Py_ssize_t mp_get_segments(PyObject *seq, int writable, size_t isz, Py_buffer **views,
                                mp_segment **segs, size_t *total) {
@@ -274,6 +300,7 @@ static PyObject *py_set_ptracer(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"reduce_into", py_reduce_into, METH_VARARGS, reduce_into_doc},
     {"divide", py_divide, METH_VARARGS, divide_doc},
+    {"stream_copy", py_stream_copy, METH_VARARGS, stream_copy_doc},
     {"pack", py_pack, METH_VARARGS, pack_doc},
     {"unpack", py_unpack, METH_VARARGS, unpack_doc},
     {"cast_segments", py_cast_segments, METH_VARARGS, cast_segments_doc},

@@ -234,10 +234,22 @@ static int peer_write(const shm_call *c, int q, size_t offset, const void *local
 
 /* Reduces slice [slice_lo, slice_hi) of every rank's input into every rank's output,
  * chunk by chunk through a cache-sized scratch buffer. Returns 0 or an errno. */
+/* Note [Chunk size]
+ * A slice is reduced a chunk at a time (MPIDP_SHM_CHUNK_BYTES, 1 MiB by default): each peer's
+ * chunk is read into a scratch that stays in cache, reduced, and written back out. Each chunk
+ * costs a process_vm_readv and a process_vm_writev per peer, and the kernel pins the pages of
+ * every call: on the 2-core test machine (AMD EPYC, 1 MiB L2 a core, 32 MiB L3) reading a
+ * peer's 32 MiB through 64 KiB chunks ran at 7.2 GB/s, 256 KiB at 9.6 and 1 MiB at 13.9 (a
+ * user-space copy of the same pattern: 12-16; bench/copy_kinds.py --chunk). The 64 MiB
+ * in-place all-reduce on 2 ranks took 0.82x the time with 1 MiB chunks as with 256 KiB, and
+ * 0.85-0.93x from 1 to 32 MiB (bench/RESULTS.md, issue 32). The scratch is never larger than
+ * the slice. */
 static int sliced_reduce(const shm_call *c, shm_result *r) {
     size_t isz = mp_itemsize(c->dtype);
     size_t chunk = c->chunk_bytes / isz;
     if (chunk == 0) chunk = 1;
+    if (c->slice_hi > c->slice_lo && chunk > c->slice_hi - c->slice_lo)
+        chunk = c->slice_hi - c->slice_lo; /* the scratch no larger than the slice */
     const record_t *mine = &slot_of(c, c->rank)->record[c->seq & 1];
     /* Note [Summation order]: with three ranks or more the terms are added in rank order, so
      * that the result does not depend on who owns the slice (and so on bucket layout); an

@@ -240,7 +240,10 @@ def table(rows: list, ceiling: dict, nranks: int) -> str:
             f"one message {ceiling.get('link_one_message_GBps', 0):.2f}, "
             f"{ceiling.get('link_piece_bytes', 0) >> 10} KiB pieces "
             f"{ceiling.get('link_pieces_GBps', 0):.2f})" if "link_GBps" in ceiling else "")
-    lines.append(f"# ceiling: copy {ceiling['copy_GBps']:.2f} GB/s, add {ceiling['add_GBps']:.2f} "
+    stream = (f" (with non-temporal stores {ceiling['stream_copy_GBps']:.2f})"
+              if "stream_copy_GBps" in ceiling else "")
+    lines.append(f"# ceiling: copy {ceiling['copy_GBps']:.2f} GB/s{stream}, add "
+                 f"{ceiling['add_GBps']:.2f} "
                  f"GB/s per rank with {nranks} ranks at once{link}; all-reduce bound algbw "
                  f"{bound:.2f} GB/s, busbw {busbw:.2f} GB/s ('of max' = algbw / bound)")
     return "\n".join(lines)

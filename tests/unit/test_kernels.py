@@ -227,3 +227,21 @@ def test_signed_zero_ties_keep_dst_in_c_and_twin():
                     impl.reduce_into(got, src, dtype, op)
                     assert np.array_equal(got.view(BITS[dtype]), dst.view(BITS[dtype])), \
                         (dtype, op, impl.__name__)
+
+
+def test_stream_copy_is_a_copy_at_every_alignment_and_size():
+    """Note [Streaming copy]: the non-temporal copy the benchmark's memory bound uses writes
+    exactly the source's bytes, whatever the destination's alignment and the size (a
+    head before the first 16-byte boundary, 64-byte blocks, a tail), and nothing past them."""
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, size=4096 + 64, dtype=np.uint8)
+    for offset in (0, 1, 7, 15, 16, 33):
+        for n in (0, 1, 15, 16, 63, 64, 65, 200, 4096):
+            dst = np.zeros(n + 64 + 16, np.uint8)
+            ext.stream_copy(dst[offset:offset + n], src[3:3 + n])
+            assert np.array_equal(dst[offset:offset + n], src[3:3 + n]), (offset, n)
+            assert not dst[:offset].any() and not dst[offset + n:].any(), (offset, n)
+    with pytest.raises(ValueError, match="stream_copy: dst has 4 bytes, src 5"):
+        ext.stream_copy(np.zeros(4, np.uint8), np.zeros(5, np.uint8))
+    with pytest.raises((TypeError, ValueError), match="dst"):
+        ext.stream_copy(bytes(4), np.zeros(4, np.uint8))  # read-only
