@@ -79,23 +79,23 @@ class Writer:
         assert self._thread is None, "verified after a write started"
         self._retention.verified(path)
 
-    def submit(self, state: dict, global_step: int, resumed_from=None) -> Path:
-        """Starts writing ``state`` as the checkpoint of ``global_step`` (``resumed_from``:
-        the checkpoint the run resumed from, kept); returns its path (written once ``wait``
+    def submit(self, state: dict, global_step: int, kept=()) -> Path:
+        """Starts writing ``state`` as the checkpoint of ``global_step`` (``kept``: the
+        checkpoints never deleted, checkpoint.save's); returns its path (written once ``wait``
         returns)."""
         self._join()
         copy = host_copy(state)
         self._thread = threading.Thread(target=self._write,
-                                        args=(copy, global_step, resumed_from),
+                                        args=(copy, global_step, kept),
                                         name="mpidp-checkpoint-writer")
         self._thread.start()
         return checkpoint.path_for(Path(self.directory), global_step)
 
-    def _write(self, state: dict, global_step: int, resumed_from) -> None:
+    def _write(self, state: dict, global_step: int, kept) -> None:
         t0 = time.perf_counter()
         try:
             checkpoint.save(self.directory, state, global_step, self.keep, self._retention,
-                            resumed_from)
+                            kept)
         except BaseException as exc:  # raised in the training thread by wait()
             self._error = exc
         self.write_s += time.perf_counter() - t0

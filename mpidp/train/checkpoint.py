@@ -77,7 +77,9 @@ _CHUNK_BYTES = 1 << 22
 #   read at all.
 # Never deleted either: the checkpoint just written (the newest usable one, since nothing
 # counted is ahead of it) and the one the run resumed from, for the whole run: the run can
-# always go back to where it started, so at most keep + 1 of its files are kept. Cost: a
+# always go back to where it started, so at most keep + 1 of its files are kept (keep + 2
+# under local SGD and DiLoCo, which also keep the newest written at a meeting: the one a
+# relaunch on another number of ranks can take, Note [Resuming on another number of ranks]). Cost: a
 # digest reads the whole file, so a ``Retention`` (one per run, rank 0's) remembers each file
 # it wrote or checked by path and identity (device, inode, size, mtime, ctime: a rewrite
 # changes one of them, and ctime cannot be set back): a file is hashed at most once per run
@@ -104,11 +106,12 @@ def shared_directory_problem(directory: Path) -> Optional[str]:
 
 
 def save(directory: Path, state: dict, global_step: int, keep: int,
-         retention: Optional["Retention"] = None, resumed_from=None) -> Path:
+         retention: Optional["Retention"] = None, kept=()) -> Path:
     """Writes ``state`` as the checkpoint of ``global_step``, with its digest (Note
     [Checkpoint digest]), then keeps the newest ``keep`` usable ones (Note [Checkpoint
     retention]; ``retention``: the run's memory of the files checked, a fresh one if None;
-    ``resumed_from``: the checkpoint the run resumed from, never deleted). The file appears
+    ``kept``: a path or paths never deleted, None among them ignored: the checkpoint the run
+    resumed from, and under local SGD and DiLoCo the newest written at a meeting). The file appears
     complete or not at all (Note [Writing a file]): a crash or a failed write at any point
     leaves every earlier checkpoint as it was. OutputError names the file and the cause of a
     failed write. Not collective (rank 0 calls it)."""
@@ -122,8 +125,9 @@ def save(directory: Path, state: dict, global_step: int, keep: int,
                            what="checkpoint", mode=MODE)
     retention = retention if retention is not None else Retention()
     retention.written(final)
-    retention.apply(directory, global_step, keep, (final.name, resumed_from and
-                                                   Path(resumed_from).name))
+    kept = (kept,) if kept is None or isinstance(kept, (str, os.PathLike)) else tuple(kept)
+    retention.apply(directory, global_step, keep,
+                    (final.name, *(Path(p).name for p in kept if p)))
     files.remove_abandoned(directory)  # left by a process killed mid-write
     return final
 

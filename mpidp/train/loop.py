@@ -142,6 +142,7 @@ class _Run:
         self.global_step = 0
         self.checkpoint = None  # the last checkpoint: its path on rank 0, None elsewhere
         self.resumed_from: Optional[str] = None
+        self.meeting_checkpoint: Optional[str] = None  # local SGD, DiLoCo: the newest at one
         self.accuracy: Optional[float] = None  # the last held-out score
         self.event: dict = {}  # the last epoch's
         self.samples_total, self.wait_total, self.time_total = 0, 0.0, 0.0
@@ -362,12 +363,14 @@ class _Run:
                  **({"amp_scaler": scaler} if scaler is not None else {})}
         assert set(checkpoint.KEYS) <= set(state) | {"format"}, "resume reads checkpoint.KEYS"
         t0 = time.perf_counter()
+        kept = (self.resumed_from, self.meeting_checkpoint)  # Note [Checkpoint retention]
         if self.writer is not None:  # Note [Asynchronous checkpoints]
-            self.checkpoint = self.writer.submit(state, self.global_step, self.resumed_from)
+            self.checkpoint = self.writer.submit(state, self.global_step, kept)
         else:
             self.checkpoint = checkpoint.save(s.checkpoint_dir, state, self.global_step,
-                                              s.keep_checkpoints, self.retention,
-                                              self.resumed_from)
+                                              s.keep_checkpoints, self.retention, kept)
+        if s.strategy in ("localsgd", "diloco") and hook is None:  # written at a meeting
+            self.meeting_checkpoint = str(self.checkpoint)
         self.checkpoint_wait_s += time.perf_counter() - t0
 
     def _stop(self) -> None:

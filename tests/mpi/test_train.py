@@ -698,6 +698,27 @@ def test_local_strategies_resume_between_meetings_exactly(flags, tmp_path, tmp_p
         assert other["parameters_sha256"] != plain["parameters_sha256"]
 
 
+def test_local_sgd_on_fewer_ranks_resumes_the_meeting_checkpoint_retention_kept(tmp_path):
+    """Note [Resuming on another number of ranks] and Note [Checkpoint retention]: local SGD
+    checkpointing every 4 steps, meeting every 8, keeping one checkpoint: the newest written at
+    a meeting (step 16) is kept beside the newest (20, 4 steps past its meeting). Rank 1 dies
+    in step 22; resumed on 3 ranks, the run passes over 20 in one line (its 2 diverged models
+    cannot move to 3 ranks) and continues from 16 to the epoch's end."""
+    flags = ("--strategy", "localsgd", "--sync-every", 8, "--dataset",
+             "user_factories:dying_digits", "--epochs", 1, "--no-progress",
+             "--checkpoint-every", 4, "--keep-checkpoints", 1, "--checkpoint-dir", tmp_path)
+    killed = train(2, *flags, env=dict(USER, DIE_RANK="1", DIE_AT_ITEM=str(1 + 21 * 32 + 5)))
+    assert killed.returncode != 0
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt")) == \
+        ["ckpt-000000016.pt", "ckpt-000000020.pt"], list(tmp_path.iterdir())
+    proc = train(3, *flags, "--resume", env=USER)
+    resumed = summary_of(proc)
+    assert resumed["resumed_from"] == str(tmp_path / "ckpt-000000016.pt")
+    assert f"{tmp_path / 'ckpt-000000020.pt'} holds 2 ranks' own localsgd models between " \
+        "meetings, which cannot move to 3 ranks; passed over" in proc.stdout + proc.stderr
+    assert resumed["ranks"] == 3 and resumed["global_step"] > 16, resumed
+
+
 def test_resume_says_what_changed_and_meets_when_overdue(tmp_path):
     """Note [What a resume may change] in setup.py: a localsgd checkpoint 7 steps past its last
     meeting (--sync-every 8), resumed with --sync-every 4 and another --lr, --lr-scaling and
