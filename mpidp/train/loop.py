@@ -187,6 +187,9 @@ class _Run:
         if rng is not None:  # None: a rank the checkpoint had not; its seeded stream stays
             checkpoint.set_rng_state(rng)
         self.resumed_from = self.checkpoint
+        if state and self.settings.strategy in ("localsgd", "diloco"):  # rank 0, the writer
+            self.meeting_checkpoint = setup.newest_meeting_checkpoint(
+                self.settings.checkpoint_dir, resumed)
         self.strategy.resume_at(self.global_step)
         which = f"{self.checkpoint} (sha256 {digest[:12]})" if digest else self.checkpoint
         self.report.line(f"resuming from {which}: epoch {epoch + 1}, step {step}"

@@ -143,6 +143,29 @@ def check_outputs(settings: TrainSettings) -> None:
                              "--resume to continue it, or choose an empty directory")
 
 
+def newest_meeting_checkpoint(directory, resumed: checkpoint.Checkpoint):
+    """Under local SGD and DiLoCo, the path of the newest good checkpoint at or below the one
+    a run resumes from that was written at a meeting (the one retention must keep: Note
+    [Checkpoint retention]), or None; reads older checkpoints only when the resumed one is
+    between meetings."""
+    def at_meeting(state):
+        return not (state.get("comm_hook") or {}).get("since")
+
+    if at_meeting(resumed.state):
+        return str(resumed.path)
+    below = checkpoint.step_of(resumed.path)
+    for path in checkpoint.existing(directory):
+        if checkpoint.step_of(path) >= below:
+            continue
+        try:
+            found = checkpoint.read(path, checkpoint.KEYS)
+        except ValueError:
+            continue
+        if at_meeting(found.state):
+            return str(path)
+    return None
+
+
 def find_resume_point(settings: TrainSettings, world_size: int, model, train_samples: int,
                       warn: Callable[[str], None]) -> checkpoint.Checkpoint:
     """On rank 0: the newest good checkpoint (``checkpoint.read``: its digest, every key of

@@ -102,7 +102,7 @@ def test_device_divide_equals_host(cp, ops, dtype):
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16, F32, F64])
-@pytest.mark.parametrize("sizes", [[1, 3, 8, 1000, 5, 0, 70_000, 2], [8, 1000, 64, 70_000, 3]],
+@pytest.mark.parametrize("sizes", [[1, 3, 8, 1000, 5, 0, 70_000, 2], [8, 1000, 64, 70_000, 1003, 3]],
                          ids=["misaligned", "aligned"])  # slots at multiples of 16 bytes or not
 def test_multi_tensor_pack_and_unpack(cp, ops, dtype, sizes):
     # values() gives 16-bit floats as their bits (uint16): the bucket holds what they hold

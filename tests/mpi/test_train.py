@@ -700,22 +700,30 @@ def test_local_strategies_resume_between_meetings_exactly(flags, tmp_path, tmp_p
 
 def test_local_sgd_on_fewer_ranks_resumes_the_meeting_checkpoint_retention_kept(tmp_path):
     """Note [Resuming on another number of ranks] and Note [Checkpoint retention]: local SGD
-    checkpointing every 4 steps, meeting every 8, keeping one checkpoint: the newest written at
-    a meeting (step 16) is kept beside the newest (20, 4 steps past its meeting). Rank 1 dies
-    in step 22; resumed on 3 ranks, the run passes over 20 in one line (its 2 diverged models
-    cannot move to 3 ranks) and continues from 16 to the epoch's end."""
+    checkpointing every 2 steps, meeting every 8, keeping one checkpoint: the newest written at
+    a meeting (step 16) is kept beside the newest, also across a resume. Rank 1 dies in step
+    19 (kept: 16 and 18); resumed on 2 ranks from 18, it dies again in step 21 (kept: 18, the
+    one resumed from, 20 and still 16); resumed on 3 ranks, the run passes over 20 and 18 in one
+    line each (2 diverged models cannot move to 3 ranks) and continues from 16."""
     flags = ("--strategy", "localsgd", "--sync-every", 8, "--dataset",
              "user_factories:dying_digits", "--epochs", 1, "--no-progress",
-             "--checkpoint-every", 4, "--keep-checkpoints", 1, "--checkpoint-dir", tmp_path)
-    killed = train(2, *flags, env=dict(USER, DIE_RANK="1", DIE_AT_ITEM=str(1 + 21 * 32 + 5)))
-    assert killed.returncode != 0
-    assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt")) == \
-        ["ckpt-000000016.pt", "ckpt-000000020.pt"], list(tmp_path.iterdir())
+             "--checkpoint-every", 2, "--keep-checkpoints", 1, "--checkpoint-dir", tmp_path)
+
+    def kept():
+        return sorted(int(p.name[5:14]) for p in tmp_path.glob("ckpt-*.pt"))
+
+    # one item is read at start-up, then 32 a step
+    killed = train(2, *flags, env=dict(USER, DIE_RANK="1", DIE_AT_ITEM=str(1 + 18 * 32 + 5)))
+    assert killed.returncode != 0 and kept() == [16, 18], (kept(), killed.stdout[-3000:])
+    killed = train(2, *flags, "--resume",
+                   env=dict(USER, DIE_RANK="1", DIE_AT_ITEM=str(1 + 2 * 32 + 5)))
+    assert killed.returncode != 0 and kept() == [16, 18, 20], (kept(), killed.stdout[-3000:])
     proc = train(3, *flags, "--resume", env=USER)
     resumed = summary_of(proc)
     assert resumed["resumed_from"] == str(tmp_path / "ckpt-000000016.pt")
-    assert f"{tmp_path / 'ckpt-000000020.pt'} holds 2 ranks' own localsgd models between " \
-        "meetings, which cannot move to 3 ranks; passed over" in proc.stdout + proc.stderr
+    for step in (20, 18):
+        assert f"{tmp_path / f'ckpt-{step:09d}.pt'} holds 2 ranks' own localsgd models " \
+            "between meetings, which cannot move to 3 ranks; passed over" in proc.stderr
     assert resumed["ranks"] == 3 and resumed["global_step"] > 16, resumed
 
 
