@@ -110,8 +110,8 @@ def save(directory: Path, state: dict, global_step: int, keep: int,
     """Writes ``state`` as the checkpoint of ``global_step``, with its digest (Note
     [Checkpoint digest]), then keeps the newest ``keep`` usable ones (Note [Checkpoint
     retention]; ``retention``: the run's memory of the files checked, a fresh one if None;
-    ``kept``: a path or paths never deleted, None among them ignored: the checkpoint the run
-    resumed from, and under local SGD and DiLoCo the newest written at a meeting). The file appears
+    ``kept``: paths never deleted, None among them ignored: the checkpoint the run resumed
+    from, and under local SGD and DiLoCo the newest written at a meeting). The file appears
     complete or not at all (Note [Writing a file]): a crash or a failed write at any point
     leaves every earlier checkpoint as it was. OutputError names the file and the cause of a
     failed write. Not collective (rank 0 calls it)."""
@@ -125,7 +125,6 @@ def save(directory: Path, state: dict, global_step: int, keep: int,
                            what="checkpoint", mode=MODE)
     retention = retention if retention is not None else Retention()
     retention.written(final)
-    kept = (kept,) if kept is None or isinstance(kept, (str, os.PathLike)) else tuple(kept)
     retention.apply(directory, global_step, keep,
                     (final.name, *(Path(p).name for p in kept if p)))
     files.remove_abandoned(directory)  # left by a process killed mid-write
@@ -340,12 +339,15 @@ def load(path: Path, required: tuple = ()) -> dict:
 
 
 def load_latest(directory: Path, warn: Callable[[str], None], required: tuple = (),
-                unusable: Callable[[Checkpoint], Optional[str]] = lambda found: None) \
-        -> Optional[Checkpoint]:
-    """The newest good checkpoint (``read``) in ``directory`` for which ``unusable`` gives no
-    reason, reporting each newer one passed over through ``warn`` (one line naming it and
-    why); None when there is none."""
+                unusable: Callable[[Checkpoint], Optional[str]] = lambda found: None,
+                below: Optional[int] = None) -> Optional[Checkpoint]:
+    """The newest good checkpoint (``read``) in ``directory`` (at a step under ``below``, if
+    given: those at or above it are not read) for which ``unusable`` gives no reason,
+    reporting each newer one passed over through ``warn`` (one line naming it and why); None
+    when there is none."""
     for path in existing(directory):
+        if below is not None and step_of(path) >= below:
+            continue
         try:
             found = read(path, required)
         except ValueError as exc:
@@ -356,6 +358,13 @@ def load_latest(directory: Path, warn: Callable[[str], None], required: tuple = 
             return found
         warn(why)
     return None
+
+
+def steps_past_meeting(state: dict) -> int:
+    """The steps a local SGD or DiLoCo checkpoint's ranks took alone since they last met (its
+    ``comm_hook``: Note [Local steps] in local_strategies.py); 0 at a meeting and under every
+    other strategy."""
+    return int((state.get("comm_hook") or {}).get("since") or 0)
 
 
 def seed_rng(seed: int, rank: int) -> None:

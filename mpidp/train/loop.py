@@ -23,7 +23,8 @@ from . import async_checkpoint, checkpoint, devices, setup, stragglers
 from .on_signal import StoppedOnSignal, arrive, recorded_signal, recording_signals
 from .metrics import Report, emit
 from .scoring import evaluate, parameters_sha256
-from .settings import TrainSettings, check_world, make_optimizer, scaled_lr, straggler_of
+from .settings import (LOCAL_STRATEGIES, TrainSettings, check_world, make_optimizer, scaled_lr,
+                       straggler_of)
 from .strategies import make_strategy
 from .strategy_base import Strategy
 
@@ -187,7 +188,7 @@ class _Run:
         if rng is not None:  # None: a rank the checkpoint had not; its seeded stream stays
             checkpoint.set_rng_state(rng)
         self.resumed_from = self.checkpoint
-        if state and self.settings.strategy in ("localsgd", "diloco"):  # rank 0, the writer
+        if state and self.settings.strategy in LOCAL_STRATEGIES:  # rank 0, the writer
             self.meeting_checkpoint = setup.newest_meeting_checkpoint(
                 self.settings.checkpoint_dir, resumed)
         self.strategy.resume_at(self.global_step)
@@ -372,7 +373,7 @@ class _Run:
         else:
             self.checkpoint = checkpoint.save(s.checkpoint_dir, state, self.global_step,
                                               s.keep_checkpoints, self.retention, kept)
-        if s.strategy in ("localsgd", "diloco") and hook is None:  # written at a meeting
+        if s.strategy in LOCAL_STRATEGIES and not checkpoint.steps_past_meeting(state):
             self.meeting_checkpoint = str(self.checkpoint)
         self.checkpoint_wait_s += time.perf_counter() - t0
 

@@ -12,6 +12,7 @@ from .. import algorithms
 from .devices import AMPS, DEVICES
 
 STRATEGIES = ("mirrored", "central", "ps", "localsgd", "diloco")
+LOCAL_STRATEGIES = ("localsgd", "diloco")  # every rank steps alone between meetings
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "auto")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -148,16 +149,15 @@ class TrainSettings:
 
 
     def _check_local(self) -> None:
-        local = ("localsgd", "diloco")
         for flag, value, where in (
-                ("--sync-every", self.sync_every, local),
+                ("--sync-every", self.sync_every, LOCAL_STRATEGIES),
                 ("--local-sgd-warmup-steps", self.local_sgd_warmup_steps, ("localsgd",)),
                 ("--outer-lr", self.outer_lr, ("diloco",)),
                 ("--outer-momentum", self.outer_momentum, ("diloco",))):
             if value is not None and self.strategy not in where:
                 raise ValueError(f"{flag} applies to --strategy {' and '.join(where)}, not "
                                  f"{self.strategy}")
-        if self.strategy in local:
+        if self.strategy in LOCAL_STRATEGIES:
             self.sync_every = SYNC_EVERY if self.sync_every is None else self.sync_every
             _at_least("--sync-every", self.sync_every, 1)
         if self.local_sgd_warmup_steps is not None:

@@ -148,22 +148,13 @@ def newest_meeting_checkpoint(directory, resumed: checkpoint.Checkpoint):
     a run resumes from that was written at a meeting (the one retention must keep: Note
     [Checkpoint retention]), or None; reads older checkpoints only when the resumed one is
     between meetings."""
-    def at_meeting(state):
-        return not (state.get("comm_hook") or {}).get("since")
-
-    if at_meeting(resumed.state):
+    if not checkpoint.steps_past_meeting(resumed.state):
         return str(resumed.path)
-    below = checkpoint.step_of(resumed.path)
-    for path in checkpoint.existing(directory):
-        if checkpoint.step_of(path) >= below:
-            continue
-        try:
-            found = checkpoint.read(path, checkpoint.KEYS)
-        except ValueError:
-            continue
-        if at_meeting(found.state):
-            return str(path)
-    return None
+    found = checkpoint.load_latest(
+        directory, lambda problem: None, checkpoint.KEYS,
+        lambda older: "between meetings" if checkpoint.steps_past_meeting(older.state) else None,
+        below=checkpoint.step_of(resumed.path))
+    return None if found is None else str(found.path)
 
 
 def find_resume_point(settings: TrainSettings, world_size: int, model, train_samples: int,
@@ -174,7 +165,7 @@ def find_resume_point(settings: TrainSettings, world_size: int, model, train_sam
     there is none, or it was written by a run this one cannot continue."""
     def between_meetings(found):  # Note [Resuming on another number of ranks]
         state = found.state
-        if state["world_size"] != world_size and (state.get("comm_hook") or {}).get("since"):
+        if state["world_size"] != world_size and checkpoint.steps_past_meeting(state):
             return (f"{found.path} holds {state['world_size']} ranks' own "
                     f"{state.get('settings', {}).get('strategy')} models between meetings, "
                     f"which cannot move to {world_size} ranks")

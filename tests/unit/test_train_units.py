@@ -346,7 +346,7 @@ def test_save_keeps_the_run_s_checkpoints_past_damaged_planted_and_ahead_files(t
     resumed = str(checkpoint.read(checkpoint.path_for(d, 46)).path)  # as a resume reads it
     retention.verified(checkpoint.path_for(d, 46))
     for step in (53, 61):
-        checkpoint.save(d, _state(step), step, 1, retention, resumed)
+        checkpoint.save(d, _state(step), step, 1, retention, (resumed,))
     assert sorted(p.name[5:14] for p in d.iterdir()) == \
         ["000000030", "000000046", "000000061", "000000069", "000000999"]
     assert hashed == ["000000046", "000000030", "000000023"]  # 46 once: by the resume's read
@@ -364,7 +364,7 @@ def test_save_keeps_the_run_s_checkpoints_past_damaged_planted_and_ahead_files(t
     os.replace(checkpoint.save(tmp_path / "other", _state(30), 30, keep=1),
                checkpoint.path_for(d, 30))
     del hashed[:]
-    checkpoint.save(d, _state(65), 65, 1, retention, resumed)
+    checkpoint.save(d, _state(65), 65, 1, retention, (resumed,))
     assert hashed == ["000000030"] and len(notes) == 3
     assert sorted(p.name[5:14] for p in d.iterdir()) == \
         ["000000046", "000000065", "000000069", "000000999"]
@@ -379,7 +379,7 @@ def test_an_async_writer_prints_retention_lines_in_the_training_thread(tmp_path)
     notes = []
     writer = Writer(str(tmp_path), keep=1, note=notes.append)
     for step in (2, 3):
-        writer.submit(_state(step), step, str(resumed))
+        writer.submit(_state(step), step, (str(resumed),))
         assert notes == [] or step == 3
         writer.wait()
     assert notes == [f"checkpoint {tmp_path}/ckpt-000000999.pt is ahead of this run (step "
