@@ -15,8 +15,13 @@ from ..runtime.hostlist import Host
 # from SLURM_TASKS_PER_NODE ("2(x3),1": three nodes of 2, then one of 1). A relaunch then
 # leaves a lost node out of -hosts, and Hydra's srun runs on the others. A probe is a step of
 # its own beside the job's, which holds the node's CPUs: it runs with SLURM_OVERLAP=1 (srun
-# --overlap), or it would wait for them. The job needs sbatch's --no-kill to outlive a node:
+# --overlap), or it would wait for them. A relaunch runs with it too: the step of a job that
+# lost a node outlives the job in slurmctld, holding its CPUs on every node, the survivors'
+# included, until slurmctld declares the node DOWN (SlurmdTimeout, 300 s by default), and
+# a step that does not overlap it waits that long ("Requested nodes are busy"). Outside an
+# allocation the variable means nothing. The job needs sbatch's --no-kill to outlive a node:
 # without it Slurm ends the whole allocation when one of its nodes fails.
+BESIDE_STEPS = {"SLURM_OVERLAP": "1"}  # srun --overlap for whatever mpiexec starts through it
 
 
 def tasks_per_node(value: str) -> list:

@@ -9,6 +9,7 @@ import time
 from typing import Sequence
 
 from ..runtime.hostlist import Host
+from . import allocation
 
 PROBE_S = 10.0  # a node that has not run the probe by then is taken as lost
 
@@ -25,7 +26,7 @@ PROBE_S = 10.0  # a node that has not run the probe by then is taken as lost
 
 def answering(hosts: Sequence[Host], mpiexec: str, timeout_s: float = PROBE_S) -> list:
     """The hosts of ``hosts`` on which ``mpiexec`` ran a process within ``timeout_s``."""
-    env = dict(os.environ, SLURM_OVERLAP="1")  # Note [Inside an allocation] in allocation.py
+    env = dict(os.environ, **allocation.BESIDE_STEPS)  # Note [Inside an allocation]
     procs: list = []
     try:
         for h in hosts:

@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Sequence
 from ..files import AppendedFile
 from ..runtime.hostlist import format_hosts
 from ..train import checkpoint_names
-from . import policy, probe
+from . import allocation, policy, probe
 
 PROG = "mpidp.run"
 HEARTBEAT_S = 10.0  # Note [Heartbeat]: how often the nodes of a running job are probed
@@ -186,7 +186,10 @@ class Supervisor:
             log_start = self.log_path.stat().st_size \
                 if self.log_path is not None and self.log_path.exists() else 0
             t0 = time.monotonic()
-            self.child = subprocess.Popen(line, start_new_session=True)
+            # a relaunch overlaps what is left of the failed job's step (Note [Inside an
+            # allocation] in allocation.py)
+            env = dict(os.environ, **allocation.BESIDE_STEPS) if self.restarts else None
+            self.child = subprocess.Popen(line, start_new_session=True, env=env)
             self._pass_signals()  # one that came before the job started
             code, silent = self._wait(attempt.hosts)
             code = 128 - code if code < 0 else code  # the launcher ended by a signal

@@ -169,15 +169,21 @@ PartitionName=test Nodes={",".join(self._names())} Default=YES MaxTime=INFINITE 
             (f"slurmd-{name}", "slurmd", ["-N", name], i if self.nodes is not None else None)
             for i, name in enumerate(self._names())]
         for key, name, extra, node in daemons:
-            if name == "slurmd":
-                (self.root / "spool" / extra[-1]).mkdir(parents=True, exist_ok=True)
-            log = open(self.root / "log" / f"{key}.stderr", "wb")
-            # -D: foreground, a child of this process; -i: ignore state from an earlier run
-            self.procs[key] = subprocess.Popen(
-                self._wrap([_which(name), "-D", "-f", str(self.conf), *extra], node),
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True)
-            log.close()
+            self._start(key, name, extra, node, env)
+        self._until_idle(timeout_s)
+
+    def _start(self, key: str, name: str, extra: list, node: Optional[int], env: dict) -> None:
+        if name == "slurmd":
+            (self.root / "spool" / extra[-1]).mkdir(parents=True, exist_ok=True)
+        log = open(self.root / "log" / f"{key}.stderr", "ab")
+        # -D: foreground, a child of this process; -i: ignore state from an earlier run
+        self.procs[key] = subprocess.Popen(
+            self._wrap([_which(name), "-D", "-f", str(self.conf), *extra], node),
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            start_new_session=True)
+        log.close()
+
+    def _until_idle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for name, p in self.procs.items():
@@ -187,8 +193,23 @@ PartitionName=test Nodes={",".join(self._names())} Default=YES MaxTime=INFINITE 
             if state == ["idle"] * len(self._names()):
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"the Slurm node did not become idle in {timeout_s} s "
+        raise RuntimeError(f"the Slurm node(s) did not become idle in {timeout_s} s "
                            f"(last state {state!r}):\n{self.logs()}")
+
+    def lose_node(self, i: int) -> list:
+        """Node ``i`` of the emulated cluster lost: every process on it SIGKILLed, its slurmd
+        with them (multinode_cluster.Cluster.kill_node), so nothing runs there any more while
+        slurmctld still counts it as up; returns their PIDs. ``restore_node`` undoes it."""
+        victims = self.nodes.kill_node(i)
+        self.procs[f"slurmd-{self.nodes.names[i]}"].wait(timeout=10)
+        return victims
+
+    def restore_node(self, i: int, timeout_s: float = 60) -> None:
+        """Starts node ``i``'s slurmd again after ``lose_node(i)`` and waits until every node
+        is idle (what is left of a job there ended first: cancel it before)."""
+        name = self.nodes.names[i]
+        self._start(f"slurmd-{name}", "slurmd", ["-N", name], i, self.env())
+        self._until_idle(timeout_s)
 
     def stop(self) -> None:
         """Cancels every job of this cluster, then ends slurmd and slurmctld by PID (TERM,

@@ -39,6 +39,8 @@ FAKE = textwrap.dedent("""\
     done = calls.read_text().count("\\n") if calls.exists() else 0
     with open(calls, "a") as f:
         f.write(json.dumps(argv) + "\\n")
+    with open(str(calls) + ".overlap", "a") as f:  # srun --overlap, for steps mpiexec starts
+        f.write(os.environ.get("SLURM_OVERLAP", "-") + "\\n")
     step = json.loads(os.environ["PLAN"])[done]
     directory = Path(argv[argv.index("--checkpoint-dir") + 1])
     directory.mkdir(parents=True, exist_ok=True)
@@ -88,6 +90,8 @@ def test_a_killed_rank_is_relaunched_with_resume_from_the_newest_checkpoint(tmp_
     assert code == 0 and len(calls) == 2
     assert calls[0][:2] == ["-n", "2"] and "--resume" not in calls[0]
     assert calls[1][:2] == ["-n", "2"] and calls[1][-1] == "--resume"
+    # a relaunch overlaps what the failed job's step left (Note [Inside an allocation])
+    assert (tmp_path / "calls.overlap").read_text().split() == ["-", "1"]
     assert "exit 137: a rank was killed (SIGKILL)); restart 1 of 3: 2 rank(s), from " \
         "ckpt-000000020.pt" in err
     assert "mpidp.run: the run finished after 1 restart(s); 4 step(s) lost" in err
