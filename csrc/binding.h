@@ -24,5 +24,8 @@ int mp_add_host_view_type(PyObject *m);
 /* host_view(addr, nbytes, format, shape, owner): Note [Host views] in view.c. */
 PyObject *mp_host_view(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 extern const char mp_host_view_doc[];
+/* tensor_view(x, Tensor, strided, formats): Note [Tensor views in C] in view.c. */
+PyObject *mp_tensor_view(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+extern const char mp_tensor_view_doc[];
 
 #endif

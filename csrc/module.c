@@ -308,6 +308,8 @@ static PyMethodDef methods[] = {
      "set_ptracer(pid) -> 0 or errno: Yama's PR_SET_PTRACER (0 clears it)"},
     {"cma_probe", py_cma_probe, METH_VARARGS, "cma_probe(pid, addr, nbytes) -> 0 or errno"},
     {"host_view", (PyCFunction)(void (*)(void))mp_host_view, METH_FASTCALL, mp_host_view_doc},
+    {"tensor_view", (PyCFunction)(void (*)(void))mp_tensor_view, METH_FASTCALL,
+     mp_tensor_view_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -123,8 +123,7 @@ def allreduce_in(g, x: Any, op: str = "sum", algorithm: str = "auto", inplace: b
         fast = g.resources.fast_allreduce  # one C call: csrc/small.c, csrc/exchange.c
         if fast is not None and inplace:
             view = x if type(x) is np.ndarray else tensor_view(x)  # Note [Views of torch tensors]
-            if view is not None and x.nbytes <= g.resources.fast_max_bytes and \
-                    _one_call(g, view, op):  # the size it takes: nothing to ask otherwise
+            if view is not None and _one_call(g, view, op):  # it declines what it cannot take
                 if view is not x:
                     bump_tensor_version(x)
                 return x

@@ -23,7 +23,7 @@ else:
 # module's __getattr__ (and reduce_into's _impl from _Unchosen), which chooses and binds them
 # as plain module globals, so that later calls cost nothing more.
 _CHOSEN = ("EXTENSION", "IMPLEMENTATION", "divide", "pack", "unpack", "cast_segments",
-           "host_view")
+           "host_view", "tensor_view")
 
 
 def _choose() -> None:
@@ -45,7 +45,8 @@ def _choose() -> None:
     globals().update(_ext=ext, _why=why, _impl=impl, EXTENSION=ext,  # None: missing or disabled
                      IMPLEMENTATION="c" if impl is ext else "numpy", divide=impl.divide,
                      pack=impl.pack, unpack=impl.unpack, cast_segments=impl.cast_segments,
-                     host_view=impl.host_view)  # Note [Host views] in csrc/view.c
+                     host_view=impl.host_view,  # Note [Host views] in csrc/view.c
+                     tensor_view=impl.tensor_view)  # Note [Tensor views in C] there
 
 
 def __getattr__(name: str):

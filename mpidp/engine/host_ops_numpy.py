@@ -182,3 +182,15 @@ def host_view(addr: int, nbytes: int, format: str, shape: tuple, owner) -> np.nd
     if not nbytes:
         return np.empty(shape, np.dtype(format))
     return np.asarray(_AtAddress(addr, format, shape, owner))
+
+
+def tensor_view(x, tensor_type, strided, formats: dict):
+    """A view of ``x`` (an exact ``tensor_type`` of layout ``strided`` on the CPU,
+    C-contiguous, not empty, of a dtype ``formats`` names), holding it; None for anything else
+    (the C twin's Note [Tensor views in C] in csrc/view.c)."""
+    if type(x) is not tensor_type or x.layout is not strided or not x.is_cpu:
+        return None
+    fmt = formats.get(x.dtype)
+    if fmt is None or not x.is_contiguous() or x.numel() == 0:
+        return None
+    return host_view(x.data_ptr(), x.nbytes, fmt, x.shape, x)

@@ -1,6 +1,6 @@
-"""Tier 1: host_view (Note [Host views] in csrc/view.c), the C extension's against its numpy
-twin — the same array over a CPU tensor's memory, written through to the tensor, the tensor
-left resizable — and its refusals."""
+"""Tier 1: host_view (Note [Host views] in csrc/view.c) and tensor_view (Note [Tensor views in
+C] there), the C extension's against their numpy twins — the same array over a CPU tensor's
+memory, written through to the tensor, the tensor left resizable — and their refusals."""
 import numpy as np
 import pytest
 import torch
@@ -64,3 +64,39 @@ def test_a_tensors_view_for_the_one_call_path_is_its_memory():
     before = t._version
     tensor_views.bump_version(t)
     assert t._version == before + 1
+
+
+FORMATS = {torch.float32: "f", torch.float64: "d", torch.float16: "e", torch.int32: "i",
+           torch.int64: "q"}
+
+
+@pytest.mark.parametrize("tensor_view", [pytest.param(ext.tensor_view, id="c"),
+                                         pytest.param(twin.tensor_view, id="numpy")])
+def test_tensor_view_takes_what_host_view_would_and_declines_the_rest(tensor_view):
+    def view(x):
+        return tensor_view(x, torch.Tensor, torch.strided, FORMATS)
+
+    for dtype, fmt, shape in CASES[:-1]:  # uint8: a dtype FORMATS does not name
+        t = (torch.arange(int(np.prod(shape, dtype=np.int64))) % 7 + 1).to(dtype).reshape(shape)
+        v = view(t)
+        if not t.numel():
+            assert v is None  # nothing to reduce: the general path says what it says
+            continue
+        m = memoryview(v)
+        assert (m.format, m.shape, m.readonly) == (fmt, tuple(shape), False), (dtype, shape)
+        a = np.asarray(v)
+        assert a.ctypes.data == t.data_ptr() and a.tolist() == t.tolist()
+        a.reshape(-1)[0] = 6
+        assert t.reshape(-1)[0].item() == 6  # written through
+        del v, m, a
+        t.resize_(t.numel() + 8)  # the storage stays resizable
+    kept = torch.ones(3)
+    v = view(kept)
+    del kept
+    assert np.asarray(v).tolist() == [1.0, 1.0, 1.0]  # the view holds its tensor
+    declined = [torch.zeros(2, dtype=torch.bool), torch.zeros(2, dtype=torch.bfloat16),
+                torch.zeros(2, dtype=torch.uint8), torch.zeros(4)[::2], torch.zeros(3, 3).t(),
+                torch.zeros(2).to_sparse(), torch.nn.Parameter(torch.zeros(2)),
+                torch.zeros(2, device="meta"), np.zeros(2, np.float32), [1.0, 2.0], None]
+    for x in declined:
+        assert view(x) is None, x
