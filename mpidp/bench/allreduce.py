@@ -46,8 +46,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_ALGORITHMS['cpu']} on cpu, {DEFAULT_ALGORITHMS['gpu']} on gpu); "
                         "mpi is MPI_Allreduce itself, gloo torch.distributed over loopback, "
                         "nccl ncclAllReduce, staged the host path of a device buffer")
+    p.add_argument("--buffers", type=_sets, default=None, metavar="N",
+                   help="buffer sets each size rotates through (default: enough to fill 64 MiB, "
+                        "at most 64: data arriving from memory; 3: data in cache, as a loop "
+                        "over a few tensors runs)")
     p.add_argument("--json", metavar="FILE", help="write every row and the ceiling as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size (needs matplotlib)")
+
+
+def _sets(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: expected 1 or more buffer sets")
+    return n
 
 
 def _make(dtype: str, count: int, fill):
@@ -147,7 +158,7 @@ def measure(comm, args, gloo) -> list:
     progress = _progress(len(sizes) * len(algos), rank)
     for nbytes in sizes:
         count = nbytes // itemsize
-        sets = rotation(nbytes)
+        sets = buffer_sets(args, nbytes)
         rng = np.random.default_rng(rank)
         fill = lambda k: rng.integers(-4, 5, size=k)
         srcs = [place(_make(args.dtype, count, fill)) for _ in range(sets)]
@@ -179,6 +190,18 @@ def measure(comm, args, gloo) -> list:
             progress.update(1)
     progress.close()
     return rows
+
+
+def buffer_sets(args, nbytes: int) -> int:
+    """How many buffer sets a size rotates through: --buffers, else harness.rotation's."""
+    return args.buffers if args.buffers is not None else rotation(nbytes)
+
+
+def regime(args) -> str:
+    """Where the data come from, as every table's header names it."""
+    if args.buffers is None:
+        return "buffers rotated through up to 64 sets filling 64 MiB (data from memory)"
+    return f"buffers rotated through {args.buffers} set(s) (data in cache up to the cache's size)"
 
 
 def _algorithms(args) -> list:
@@ -314,11 +337,13 @@ def main(args) -> int:
         print(f"# mpidp allreduce benchmark: {n} ranks, {g.node_count} node(s), {args.device}, "
               f"shm peers: "
               f"{peers}, dtype {args.dtype}, op {args.op}, "
-              f"iters {args.iters}, warmup {args.warmup_iters}, repeats {args.repeats}")
+              f"iters {args.iters}, warmup {args.warmup_iters}, repeats {args.repeats}; "
+              f"{regime(args)}")
         print(table(rows, ceiling, n))
         if args.json:
             files.write_json(args.json, {"nranks": n, "nodes": g.node_count, "ceiling": ceiling,
-                                         "rows": rows, "argv": sys.argv},
+                                         "rows": rows, "argv": sys.argv,
+                                         "regime": regime(args)},
                              what="benchmark results")
         if args.plot:
             plot(rows, ceiling, n, args.plot)

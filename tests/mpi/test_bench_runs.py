@@ -10,9 +10,12 @@ def test_allreduce_sweep_runs_and_counts_no_wrong(tmp_path):
     plot = tmp_path / "r.png"
     proc = run(2, ["-m", "mpidp.bench", "allreduce", "-b", "8", "-e", "64K", "-f", "64",
                    "-n", "3", "-w", "1", "--algorithms", "auto,shm,ring,hier,mpi,gloo",
-                   "--json", out, "--plot", plot], timeout_s=240)
+                   "--buffers", "2", "--json", out, "--plot", plot], timeout_s=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
+    # the regime in every table: here 2 buffer sets, data in cache (the default rotates 64)
+    assert data["regime"].startswith("buffers rotated through 2 set(s)"), data["regime"]
+    assert "; buffers rotated through 2 set(s) (data in cache" in proc.stdout, proc.stdout
     rows = data["rows"]
     assert {r["algorithm"] for r in rows} == {"auto", "shm", "ring", "hier", "mpi", "gloo"}
     assert {r["size"] for r in rows} == {8, 512, 32768}
@@ -37,7 +40,8 @@ def test_a_bad_setting_is_one_line_and_exit_code_2():
 
 def test_bench_help_lists_nccl_tests_flags():
     proc = run(1, ["-m", "mpidp.bench", "allreduce", "--help"], timeout_s=60)
-    for flag in ("-b", "-e", "-f", "-n", "-w", "--dtype", "--op", "--algorithms", "--json", "--plot"):
+    for flag in ("-b", "-e", "-f", "-n", "-w", "--dtype", "--op", "--algorithms", "--buffers",
+                 "--json", "--plot"):
         assert flag in proc.stdout
     text = " ".join(proc.stdout.split())  # each default said once, none said as None
     assert "smallest size (default 8)" in text and "(default 8) (default: 8)" not in text
