@@ -180,27 +180,36 @@ PyObject *mp_tensor_view(PyObject *module, PyObject *const *args, Py_ssize_t nar
     if (ok <= 0) return ok < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *dtype = PyObject_GetAttr(x, s_dtype);
     if (!dtype) return NULL;
-    PyObject *format = PyDict_GetItemWithError(args[3], dtype); /* borrowed */
+    PyObject *format = PyDict_GetItemWithError(args[3], dtype);
     Py_DECREF(dtype);
     if (!format) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    Py_INCREF(format); /* held across calls into torch, which may run Python code */
+    PyObject *view = NULL, *shape = NULL;
     PyObject *contiguous = PyObject_CallMethodNoArgs(x, s_is_contiguous);
-    if (!contiguous) return NULL;
+    if (!contiguous) goto done;
     int dense = contiguous == Py_True;
     Py_DECREF(contiguous);
     const char *fmt = PyUnicode_Check(format) ? PyUnicode_AsUTF8(format) : NULL;
-    if (!dense || !fmt) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    PyObject *shape = PyObject_GetAttr(x, s_shape);
-    if (!shape) return NULL;
-    /* the size from the shape: one attribute fewer than nbytes (a 0-d tensor: one item) */
+    if (!dense || !fmt) {
+        view = PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+        goto done;
+    }
+    if (!(shape = PyObject_GetAttr(x, s_shape))) goto done;
+    /* the size from the shape: one attribute fewer than nbytes (a 0-d tensor: one item); the
+     * format's width is its dtype's (checked where the formats are made: tensor_views.py) */
     Py_ssize_t nbytes = PyTuple_Check(shape) ? format_itemsize(fmt) : -1;
-    for (Py_ssize_t i = 0; nbytes > 0 && i < PyTuple_GET_SIZE(shape); i++)
-        nbytes *= PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
+    for (Py_ssize_t i = 0; nbytes > 0 && i < PyTuple_GET_SIZE(shape); i++) {
+        Py_ssize_t extent = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
+        if (extent < 0 || __builtin_mul_overflow(nbytes, extent, &nbytes)) nbytes = -1;
+    }
     PyObject *ptr = nbytes > 0 ? PyObject_CallMethodNoArgs(x, s_data_ptr) : NULL;
     unsigned long long addr = ptr ? PyLong_AsUnsignedLongLong(ptr) : 0;
     Py_XDECREF(ptr);
-    PyObject *view = PyErr_Occurred() ? NULL
-                     : nbytes > 0 ? new_view(addr, nbytes, format, shape, x) : Py_NewRef(Py_None);
-    Py_DECREF(shape);
+    view = PyErr_Occurred() ? NULL
+           : nbytes > 0 ? new_view(addr, nbytes, format, shape, x) : Py_NewRef(Py_None);
+done:
+    Py_XDECREF(shape);
+    Py_DECREF(format);
     return view;
 }
 

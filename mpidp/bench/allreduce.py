@@ -47,9 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "mpi is MPI_Allreduce itself, gloo torch.distributed over loopback, "
                         "nccl ncclAllReduce, staged the host path of a device buffer")
     p.add_argument("--buffers", type=_sets, default=None, metavar="N",
-                   help="buffer sets each size rotates through (default: enough to fill 64 MiB, "
-                        "at most 64: data arriving from memory; 3: data in cache, as a loop "
-                        "over a few tensors runs)")
+                   help="buffer sets each size rotates through, each a source and a "
+                        "destination per rank (default: enough to fill 64 MiB, at most 64: "
+                        "data from memory above a few hundred KiB; 3: data in cache up to "
+                        "the cache's size, as a loop over a few tensors runs)")
     p.add_argument("--json", metavar="FILE", help="write every row and the ceiling as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size (needs matplotlib)")
 
@@ -200,7 +201,8 @@ def buffer_sets(args, nbytes: int) -> int:
 def regime(args) -> str:
     """Where the data come from, as every table's header names it."""
     if args.buffers is None:
-        return "buffers rotated through up to 64 sets filling 64 MiB (data from memory)"
+        return ("buffers rotated through up to 64 sets filling 64 MiB (data from memory "
+                "where that overflows the cache)")
     return f"buffers rotated through {args.buffers} set(s) (data in cache up to the cache's size)"
 
 

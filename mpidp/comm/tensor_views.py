@@ -3,6 +3,7 @@ tensors]), the struct format such a view carries, and the version bump after wri
 through it. Imports no torch: a tensor here means torch is imported already."""
 from __future__ import annotations
 
+import struct
 import sys
 from typing import Any, Optional
 
@@ -29,8 +30,11 @@ def host_format(dtype) -> Optional[str]:
     e.g. bfloat16 or bool: such tensors take torch's own paths)."""
     if not _FORMATS:
         torch = sys.modules["torch"]
-        _FORMATS.update({torch.float32: "f", torch.float64: "d", torch.float16: "e",
-                         torch.int32: "i", torch.int64: "q"})
+        formats = {torch.float32: "f", torch.float64: "d", torch.float16: "e",
+                   torch.int32: "i", torch.int64: "q"}
+        # the C view takes its size from the format: each must be its dtype's width
+        assert all(struct.calcsize(f) == d.itemsize for d, f in formats.items()), formats
+        _FORMATS.update(formats)
     return _FORMATS.get(dtype)
 
 

@@ -68,6 +68,7 @@ def fake(tmp_path):
 def supervise(tmp_path, fake, plan, ranks=2, hosts=None, max_restarts=3, min_ranks=1,
               up=(), command=TRAIN, heartbeat_s=0.0):
     os.environ.update(PLAN=json.dumps(plan), CALLS=str(tmp_path / "calls"), UP=",".join(up))
+    overlap = os.environ.pop("SLURM_OVERLAP", None)  # as outside a Slurm allocation
     try:
         cmd = [*command, "--checkpoint-dir", str(tmp_path / "ck"), "--log-json",
                str(tmp_path / "log.json")]
@@ -76,6 +77,8 @@ def supervise(tmp_path, fake, plan, ranks=2, hosts=None, max_restarts=3, min_ran
     finally:
         for k in ("PLAN", "CALLS", "UP"):
             del os.environ[k]
+        if overlap is not None:
+            os.environ["SLURM_OVERLAP"] = overlap
     calls = [json.loads(l) for l in (tmp_path / "calls").read_text().splitlines()]
     log = tmp_path / "log.json"
     events = [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
