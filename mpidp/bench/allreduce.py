@@ -159,7 +159,7 @@ def measure(comm, args, gloo) -> list:
     progress = _progress(len(sizes) * len(algos), rank)
     for nbytes in sizes:
         count = nbytes // itemsize
-        sets = buffer_sets(args, nbytes)
+        sets = args.buffers or rotation(nbytes)  # --buffers is 1 or more where given
         rng = np.random.default_rng(rank)
         fill = lambda k: rng.integers(-4, 5, size=k)
         srcs = [place(_make(args.dtype, count, fill)) for _ in range(sets)]
@@ -191,11 +191,6 @@ def measure(comm, args, gloo) -> list:
             progress.update(1)
     progress.close()
     return rows
-
-
-def buffer_sets(args, nbytes: int) -> int:
-    """How many buffer sets a size rotates through: --buffers, else harness.rotation's."""
-    return args.buffers if args.buffers is not None else rotation(nbytes)
 
 
 def regime(args) -> str:

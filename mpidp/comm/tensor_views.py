@@ -42,13 +42,13 @@ def tensor_view(x: Any):
     """A writable buffer over a contiguous dense CPU torch tensor's memory, holding the
     tensor, for the one-call path; None for anything else (the general path takes it)."""
     v = _VIEWER
-    if v:
-        return v[0](x, v[1], v[2], v[3])
-    torch = sys.modules.get("torch")
-    if torch is None:  # no tensor can exist yet
-        return None
-    host_format(torch.float32)
-    v[:] = (host_ops.tensor_view, torch.Tensor, torch.strided, _FORMATS)  # alike from any thread
+    if not v:
+        torch = sys.modules.get("torch")
+        if torch is None:  # no tensor can exist yet
+            return None
+        host_format(torch.float32)
+        # the same four from any thread that gets here first
+        v[:] = (host_ops.tensor_view, torch.Tensor, torch.strided, _FORMATS)
     return v[0](x, v[1], v[2], v[3])
 
 
