@@ -20,8 +20,9 @@ from ..runtime.hostlist import Host
 # included, until slurmctld declares the node DOWN (SlurmdTimeout, 300 s by default), and
 # a step that does not overlap it waits that long ("Requested nodes are busy"). The ranks
 # inherit the variable too (nothing of mpidp's calls srun from a rank; a user's script that
-# does would overlap). Outside an allocation it means nothing. The job needs sbatch's --no-kill to outlive a node:
-# without it Slurm ends the whole allocation when one of its nodes fails.
+# does would overlap). Outside an allocation it means nothing. The job needs sbatch's
+# --no-kill to outlive a node: without it Slurm ends the whole allocation when one of its
+# nodes fails.
 BESIDE_STEPS = {"SLURM_OVERLAP": "1"}  # srun --overlap for whatever mpiexec starts through it
 
 
