@@ -30,6 +30,7 @@ from ..algorithms import DEVICE, HOST, TABLE, check_name, choose
 from ..engine.dtypes import FLOATING, OP_CODES, OPS, as_host_array, empty_like, write_back
 from ..engine.gpu import is_device_array
 from ..engine.header import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, op_word
+from ..errors import MismatchError
 from ..engine.blocks import partition
 from .tensor_views import bump_version as bump_tensor_version, tensor_view
 
@@ -119,20 +120,40 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
 
 def allreduce_in(g, x: Any, op: str = "sum", algorithm: str = "auto", inplace: bool = False):
     """``allreduce`` (``allreduce_`` with ``inplace``) over group ``g``."""
-    if algorithm == "auto":
-        fast = g.resources.fast_allreduce  # one C call: csrc/small.c, csrc/exchange.c
-        if fast is not None and inplace:
-            view = x if type(x) is np.ndarray else tensor_view(x)  # Note [Views of torch tensors]
-            if view is not None and _one_call(g, view, op):  # it declines what it cannot take
-                if view is not x:
-                    bump_tensor_version(x)
-                return x
-        elif fast is not None and type(x) is np.ndarray and \
-                x.nbytes <= g.resources.fast_max_bytes:
-            y = np.array(x, order="C")  # a copy: the one call reduces it in place
-            if _one_call(g, y, op):
-                return y
-    return _allreduce(g, x, op, algorithm, inplace)
+    try:
+        if algorithm == "auto":
+            fast = g.resources.fast_allreduce  # one C call: csrc/small.c, csrc/exchange.c
+            if fast is not None and inplace:
+                view = x if type(x) is np.ndarray else tensor_view(x)  # Note [Views of torch
+                if view is not None and _one_call(g, view, op):        # tensors]; it declines
+                    if view is not x:                                  # what it cannot take
+                        bump_tensor_version(x)
+                    return x
+            elif fast is not None and type(x) is np.ndarray and \
+                    x.nbytes <= g.resources.fast_max_bytes:
+                y = np.array(x, order="C")  # a copy: the one call reduces it in place
+                if _one_call(g, y, op):
+                    return y
+        return _allreduce(g, x, op, algorithm, inplace)
+    except MismatchError as exc:
+        if header.for_joined(getattr(exc, "headers", ())) is None:
+            raise
+    return _with_joined(g, x, op, algorithm, inplace)
+
+
+def _with_joined(g, x, op: str, algorithm: str, inplace: bool):
+    """The all-reduce of ``x`` once more, the ranks that joined adding zeros (Note [Joined
+    ranks] in mpidp/engine/header.py): ``x`` viewed flat, a shape a joined rank can make."""
+    shape = tuple(x.shape)
+    if len(shape) == 1:
+        return allreduce_in(g, x, op, algorithm, inplace)
+    flat = x.reshape(-1)  # a view where x is contiguous, else a copy
+    out = allreduce_in(g, flat, op, algorithm, inplace)
+    if not inplace:
+        return out.reshape(shape)
+    if not (x.is_contiguous() if hasattr(x, "is_contiguous") else x.flags.c_contiguous):
+        x[...] = flat.reshape(shape)
+    return x
 
 
 def allreduce_one_call(g, view, op: str) -> bool:
@@ -202,11 +223,17 @@ def allreduce_segments_(g, flats: list, dtype: int, op: str) -> None:
     ``g``: the group."""
     opc, avg = OP_CODES[op]
     count = sum(len(f) for f in flats)
-    with Frame(g, ALLREDUCE) as f, timeline.span("allreduce"):
-        hdr = f.publish(header.header(ALLREDUCE, _HOST_CODES["shm"], op_word(opc, avg), dtype,
-                                      count, (count,)))
-        host_executor.allreduce_segments(f.links(), hdr, flats, dtype, opc,
-                                         g.size if avg else 1)
+    for again in (False, True):  # again where ranks joined (Note [Joined ranks], header.py)
+        try:
+            with Frame(g, ALLREDUCE) as f, timeline.span("allreduce"):
+                hdr = f.publish(header.header(ALLREDUCE, _HOST_CODES["shm"],
+                                              op_word(opc, avg), dtype, count, (count,)))
+                host_executor.allreduce_segments(f.links(), hdr, flats, dtype, opc,
+                                                 g.size if avg else 1)
+            return
+        except MismatchError as exc:
+            if again or header.for_joined(getattr(exc, "headers", ())) is None:
+                raise
 
 
 def _device_allreduce(g, x, op, algorithm, inplace):

@@ -37,10 +37,10 @@ from ..algorithms import CODE_NAMES
 from .dtypes import DTYPE_NAMES
 from ..errors import MismatchError
 
-ALLREDUCE, BROADCAST, ALLGATHER, REDUCE_SCATTER, REDUCE, OTHER = 1, 2, 3, 4, 5, 6
+ALLREDUCE, BROADCAST, ALLGATHER, REDUCE_SCATTER, REDUCE, OTHER, JOIN = 1, 2, 3, 4, 5, 6, 7
 KIND_NAMES = {ALLREDUCE: "allreduce", BROADCAST: "broadcast", ALLGATHER: "allgather",
-              REDUCE_SCATTER: "reduce_scatter", REDUCE: "reduce"}
-_OP_WORDS = {0: "sum", 1: "min", 2: "max", 4: "avg"}  # op_word(op code, average)
+              REDUCE_SCATTER: "reduce_scatter", REDUCE: "reduce", JOIN: "join"}
+OP_WORDS = {0: "sum", 1: "min", 2: "max", 4: "avg"}  # op_word(op code, average)
 _OTHER_NAMES: dict = {}  # CRC-32 -> name of an object collective (the same table on every rank)
 _SITES: dict = {}        # 24-bit CRC -> call site this process has seen
 # frames skipped when looking for a collective's call site (Note [Debug fingerprints]): the
@@ -117,7 +117,9 @@ def describe(h: Sequence[int], modes: bool = False) -> str:
     kind, algorithm, op, dtype, count, shape, error, _ = h
     site, mode, algorithm = algorithm >> 8, (algorithm >> MODE_SHIFT) & 0xF, algorithm & 0xF
     name = KIND_NAMES.get(kind, f"collective kind {kind}")
-    if kind == OTHER:
+    if kind == JOIN:
+        what = "join (out of data: adds zeros to the others' all-reduces)"
+    elif kind == OTHER:
         what = _OTHER_NAMES.get(shape, f"object collective {shape:#x}")
         if error:
             what += " with an input it rejected"
@@ -132,8 +134,8 @@ def describe(h: Sequence[int], modes: bool = False) -> str:
             else name
         if kind == BROADCAST:
             what += f" root={op}"
-        elif op in _OP_WORDS and kind != ALLGATHER:
-            what += f" op={_OP_WORDS[op]}"
+        elif op in OP_WORDS and kind != ALLGATHER:
+            what += f" op={OP_WORDS[op]}"
         if algorithm in CODE_NAMES:
             what += f" algorithm={CODE_NAMES[algorithm]}"
         if mode and modes:
@@ -160,8 +162,44 @@ def mismatch_error(operation: str, headers: Sequence[Sequence[int]], mine: int) 
             elif tuple(h[2:FREE_WORD]) == ref[2:] and (h[1] ^ ref[1]) >> MODE_SHIFT & 0xF:
                 text += " (ranks started with different MPIDP_SHM_* settings?)"
         lines.append(f"  rank {r}: {text}")
-    return MismatchError(f"rank {mine}: {operation}: ranks called it with inputs that do not "
-                         "agree; every rank raises this error:\n" + "\n".join(lines))
+    joined = [r for r, h in enumerate(headers) if h[0] == JOIN]
+    if joined and len(joined) < len(headers):
+        lines.append(f"  while rank(s) {', '.join(map(str, joined))} have joined, the others "
+                     "may call all-reduces only (Note [Joined ranks] in mpidp/engine/header.py)")
+    exc = MismatchError(f"rank {mine}: {operation}: ranks called it with inputs that do not "
+                        "agree; every rank raises this error:\n" + "\n".join(lines))
+    exc.headers = [tuple(int(w) for w in h) for h in headers]
+    return exc
+
+
+# Note [Joined ranks]
+# A rank out of data may join (mpidp.comm.joined.join, Horovod's hvd.join): it enters the
+# header exchange with a JOIN header, again and again, until every rank has. A rank that
+# calls an all-reduce meanwhile finds the headers disagree, as every rank does; when the only
+# difference is ranks that joined, and every other rank called the same all-reduce
+# (``for_joined``), the all-reduce runs once more at once on every rank, the joined ones
+# adding zeros: the others on their data viewed flat, the joined ones on zeros of the same
+# dtype and count, so the headers of that second try agree (a header holds a hash of the
+# shape, which a joined rank cannot know). An average stays over the whole group, as in
+# Horovod. Any other collective raises on the ranks that called it (Horovod: "not supported
+# with Join"), and the joined ones go on waiting. A JOIN header's free word is 1 on the
+# joined rank's first exchange: once every rank has joined, the highest rank among those that
+# joined last is the answer (Horovod's "last joined rank").
+
+
+def join_header(first: bool) -> tuple:
+    """The header of a rank that has joined (Note [Joined ranks])."""
+    return (JOIN, 0, 0, 0, 0, 0, ERR_NONE, int(first))
+
+
+def for_joined(headers: Sequence[Sequence[int]]) -> Optional[tuple]:
+    """Where some ranks joined and every other rank sent one and the same all-reduce header
+    without an error: that header (Note [Joined ranks]); else None."""
+    others = {tuple(h[:FREE_WORD]) for h in headers if h[0] != JOIN}
+    if len(others) != 1 or all(h[0] != JOIN for h in headers):
+        return None
+    (h,) = others
+    return h + (0,) if h[0] == ALLREDUCE and h[6] == ERR_NONE else None
 
 
 def check(operation: str, status_ok: bool, headers: Optional[Sequence], rank: int,

@@ -16,13 +16,13 @@ from .ops import (allgather, allgather_async, allreduce, allreduce_,
                   allreduce_async, allreduce_async_, barrier, broadcast, broadcast_,
                   broadcast_async, broadcast_async_, grouped_allgather,
                   grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
-                  grouped_allreduce_async, grouped_allreduce_async_, poll, reducescatter,
+                  grouped_allreduce_async, grouped_allreduce_async_, join, poll, reducescatter,
                   reducescatter_async, synchronize)
 from .optimizer import (DistributedOptimizer, allgather_object, broadcast_object,
                         broadcast_optimizer_state, broadcast_parameters)
 from .process_sets import (ProcessSet, add_process_set, global_process_set,
                            remove_process_set)
-from .refused import join, start_timeline, stop_timeline
+from .refused import start_timeline, stop_timeline
 
 __all__ = ["Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min",
            "ProcessSet", "Product", "Sum", "SyncBatchNorm", "add_process_set", "allgather",

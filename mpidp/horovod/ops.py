@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from .. import config
-from ..comm import collectives, fusion
+from ..comm import collectives, fusion, joined
 from . import basics
 from .process_sets import local_root, on
 from .basics import Adasum, Average, Max, Min, Product, Sum
@@ -253,6 +253,18 @@ def barrier(process_set=None) -> None:
     """Returns once every rank (of ``process_set``) has called it."""
     with on(process_set):
         collectives.allreduce_(torch.zeros(1, dtype=torch.int32), "sum")
+
+
+def join(device: int = -1) -> int:
+    """Horovod's: this rank is out of data; until every rank has called ``join`` it adds
+    zeros to the all-reduces the others make (gradients of DistributedOptimizer too; an
+    average stays over every rank), on CUDA device ``device`` where theirs run on a GPU (-1:
+    the current one). Other collectives raise on the ranks that call them meanwhile. Returns
+    the rank that joined last (Note [Joined ranks] in mpidp/engine/header.py)."""
+    if not isinstance(device, int) or isinstance(device, bool) or device < -1:
+        raise ValueError(f"join takes a CUDA device index, or -1, got {device!r}")
+    with on(None) as g:
+        return joined.join(g, None if device < 0 else device)
 
 
 def done_handle(result) -> int:

@@ -12,8 +12,6 @@ def _not_yet(name: str, instead: str):
     return refused
 
 
-join = _not_yet("join", "give every rank the same number of batches, or use "
-                "mpidp.DistributedDataParallel's join()")
 start_timeline = _not_yet("start_timeline", "set HOROVOD_TIMELINE=file.json (or "
                           "MPIDP_TIMELINE) before the job starts")
 stop_timeline = _not_yet("stop_timeline", "set HOROVOD_TIMELINE=file.json (or MPIDP_TIMELINE) "

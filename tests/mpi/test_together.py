@@ -11,7 +11,8 @@ SyncBatchNorm (body_syncbn.py), uneven inputs under torch's Join (body_join.py),
 (body_metrics.py), torch's communication hooks on mpidp's DDP against torch's DDP on gloo
 (body_hooks.py), the replica audit (body_audit.py), mpidp's compression hooks (body_compression.py),
 ZeRO against the unsharded optimizer (body_zero.py), a script written for Horovod on
-mpidp.horovod (body_horovod.py), which thread runs the backend's calls
+mpidp.horovod (body_horovod.py) and its hvd.join (body_horovod_join.py), which thread runs the
+backend's calls
 (body_dist_calls.py), and from n = 2 no silent wrong answer for bad input on some ranks
 (body_bad_inputs.py). body_runtime.py, which must start before anything imports MPI, runs
 alone at every n (test_runtime.py)."""
@@ -21,7 +22,8 @@ from mpirun import together
 
 TOGETHER = ("body_collectives.py", "body_ddp.py", "body_dist.py", "body_syncbn.py",
             "body_join.py", "body_metrics.py", "body_hooks.py", "body_audit.py",
-            "body_compression.py", "body_zero.py", "body_horovod.py", "body_dist_calls.py")
+            "body_compression.py", "body_zero.py", "body_horovod.py", "body_horovod_join.py",
+            "body_dist_calls.py")
 
 
 BEYOND_ONE = ("body_bad_inputs.py",)  # bad inputs on some ranks need others to disagree with

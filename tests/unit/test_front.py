@@ -107,6 +107,25 @@ def test_header_words_name_the_shared_memory_modes():
     assert extension().SHM_MODE_SHIFT == header.MODE_SHIFT
 
 
+def test_a_disagreement_says_when_only_joined_ranks_differ():
+    """Note [Joined ranks]: the all-reduce runs again only where every rank that did not join
+    called the same one; the message names the joined ranks, the error carries the headers."""
+    avg = header.header(header.ALLREDUCE, 3, header.op_word(0, True), F32, 10, (10,), free=5)
+    joined, first = header.join_header(False), header.join_header(True)
+    assert header.for_joined([avg, joined, avg[:7] + (9,)]) == avg[:7] + (0,)
+    assert header.for_joined([first, avg]) == avg[:7] + (0,)
+    other = header.header(header.ALLREDUCE, 3, header.op_word(0, False), F32, 10, (10,))
+    bcast = header.header(header.BROADCAST, 0, 0, F32, 10, (10,))
+    refused = header.error_header(header.ALLREDUCE, ValueError("bad"))
+    for headers in ([avg, other, joined], [bcast, joined], [refused, joined], [avg, other],
+                    [joined, first]):
+        assert header.for_joined(headers) is None
+    exc = header.mismatch_error("broadcast", [bcast, joined, first], 0)
+    assert exc.headers == [bcast, joined, first]
+    assert "rank 1: join (out of data" in str(exc) and "rank(s) 1, 2 have joined" in str(exc)
+    assert "have joined" not in str(header.mismatch_error("allreduce", [avg, other], 0))
+
+
 def test_settings_that_must_agree_are_named_with_their_variables():
     cfg = config.from_env({"MPIDP_SHM_INLINE_BYTES": "0"})
     assert dict(zip(config.AGREED, config.agreed(cfg)))["shm_inline_bytes"] == 0

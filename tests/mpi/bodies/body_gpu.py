@@ -1,8 +1,8 @@
 """Run under mpiexec on a machine with a GPU (ranks may share it): every collective with CuPy
 arrays and torch CUDA tensors equals the host result bit for bit (staged at any world size;
 ring and nccl where each rank has a GPU of its own, and nccl with one rank), and
-DistributedDataParallel with its buckets on the GPU ends with the parameters of CPU training.
-Prints 'ok <rank>'."""
+DistributedDataParallel with its buckets on the GPU ends with the parameters of CPU training;
+a rank that joined adds zeros to the others' CUDA all-reduces. Prints 'ok <rank>'."""
 import sys
 
 import cupy as cp
@@ -113,6 +113,24 @@ for name, make in (("fp16", lambda: (None, fp16_compress_hook)),
     expect(all(torch.allclose(a, b, rtol=1e-2, atol=1e-2)
                for a, b in zip(pair["cpu"], pair["cuda"])),
            f"{name} compression on device buckets differs from the host's")
+
+# ---- a rank that joined adds zeros to the others' CUDA all-reduces (Note [Joined ranks]) ---
+from mpidp.comm import joined  # noqa: E402
+if n > 1:
+    if rank == n - 1:
+        last = joined.join(g)
+    else:
+        t = torch.arange(12, dtype=torch.float32, device="cuda").reshape(3, 4) + rank
+        mpidp.allreduce_(t)
+        expect(torch.equal(t.cpu(), (n - 1) * torch.arange(12.0).reshape(3, 4) +
+                           sum(range(n - 1))), f"CUDA all-reduce while a rank joined: {t}")
+        s = (torch.arange(12.0, device="cuda").reshape(4, 3) + 1).t()  # not contiguous
+        avg = mpidp.allreduce(s * n, "avg")
+        mpidp.allreduce_(s)
+        expect(torch.equal(s.cpu(), (n - 1) * (torch.arange(12.0).reshape(4, 3) + 1).t()) and
+               torch.equal(avg.cpu(), s.cpu()), f"strided CUDA all-reduce while joined: {s}")
+        last = joined.join(g)
+    expect(last == max(n - 2, 0), f"join: the last to join was {n - 2}, said {last}")
 
 g.comm.Barrier()
 if failures:
