@@ -32,8 +32,14 @@ def join(g, device: Optional[int] = None) -> int:
             try:
                 free = f.check(header.join_header(first))
             except MismatchError as exc:
-                wanted = header.for_joined(getattr(exc, "headers", ()))
-            else:
+                headers = getattr(exc, "headers", None)
+                if not headers:
+                    raise
+                if all(h[0] == header.JOIN for h in headers):  # debug mode:
+                    free = [h[header.FREE_WORD] for h in headers]  # joined from other lines
+                else:
+                    free, wanted = None, header.for_joined(headers)
+            if free is not None:
                 return max((r for r, w in enumerate(free) if w), default=g.size - 1)
         first = False
         if wanted is not None:
@@ -42,9 +48,26 @@ def join(g, device: Optional[int] = None) -> int:
 
 def _add_zeros(g, hdr: tuple, device: Optional[int]) -> None:
     """This rank's part in the all-reduce the others called (header ``hdr``): zeros of its
-    dtype and count, by the algorithm their header names."""
-    _, code, op, dtype, count = hdr[:5]
-    row = _ROWS[code & 0xF]
+    dtype and count, by the algorithm their header names, stamped in debug mode with their
+    call site (Note [Debug fingerprints] in mpidp/engine/header.py). Where it cannot make
+    them, it refuses: the others raise rather than wait."""
+    try:
+        zeros, algorithm = _zeros(g, hdr, device)
+    except Exception as exc:  # noqa: BLE001 - any failure: the others must hear of it
+        collectives.refuse(g, header.ALLREDUCE, exc)
+        raise
+    g.board.site = hdr[1] >> 8 if g.board.debug else None
+    try:
+        collectives.allreduce_in(g, zeros, header.OP_WORDS[hdr[2]], algorithm, True)
+    finally:
+        g.board.site = None
+
+
+def _zeros(g, hdr: tuple, device: Optional[int]) -> tuple:
+    """Zeros of ``hdr``'s dtype and count where its algorithm runs, and that algorithm's
+    name (or auto where auto chooses it)."""
+    code, dtype, count = hdr[1] & 0xF, hdr[3], hdr[4]
+    row = _ROWS[code]
     if row.where == DEVICE:
         import torch  # only here: a joined rank of a GPU job (hvd.join is torch's API)
         zeros = torch.zeros(count, dtype=getattr(torch, DTYPE_NAMES[dtype]), device=torch.device(
@@ -55,5 +78,4 @@ def _add_zeros(g, hdr: tuple, device: Optional[int]) -> None:
         zeros = np.zeros(count, NUMPY_STORAGE[dtype])
     nbytes = count * np.dtype(NUMPY_STORAGE[dtype]).itemsize
     auto = choose(row.where, "auto", collectives.facts(g, row.where == DEVICE), nbytes)
-    collectives.allreduce_in(g, zeros, header.OP_WORDS[op],
-                             "auto" if auto.code == row.code else row.name, True)
+    return zeros, "auto" if auto.code == row.code else row.name

@@ -111,6 +111,11 @@ def with_site(hdr: tuple, site: str) -> tuple:
     return (hdr[0], hdr[1] | crc << 8) + tuple(hdr[2:])
 
 
+def with_site_hash(hdr: tuple, crc: int) -> tuple:
+    """``hdr`` carrying call-site hash ``crc`` (another rank's, from its header)."""
+    return (hdr[0], hdr[1] & 0xFF | crc << 8) + tuple(hdr[2:])
+
+
 def describe(h: Sequence[int], modes: bool = False) -> str:
     """A header in words: "allreduce float32[650] op=avg algorithm=shm", with its call site
     where it carries one, and with ``modes`` its shared-memory data and peer mode."""
@@ -163,7 +168,7 @@ def mismatch_error(operation: str, headers: Sequence[Sequence[int]], mine: int) 
                 text += " (ranks started with different MPIDP_SHM_* settings?)"
         lines.append(f"  rank {r}: {text}")
     joined = [r for r, h in enumerate(headers) if h[0] == JOIN]
-    if joined and len(joined) < len(headers):
+    if joined and any(h[0] not in (JOIN, ALLREDUCE) for h in headers):
         lines.append(f"  while rank(s) {', '.join(map(str, joined))} have joined, the others "
                      "may call all-reduces only (Note [Joined ranks] in mpidp/engine/header.py)")
     exc = MismatchError(f"rank {mine}: {operation}: ranks called it with inputs that do not "
@@ -184,7 +189,10 @@ def mismatch_error(operation: str, headers: Sequence[Sequence[int]], mine: int) 
 # Horovod. Any other collective raises on the ranks that called it (Horovod: "not supported
 # with Join"), and the joined ones go on waiting. A JOIN header's free word is 1 on the
 # joined rank's first exchange: once every rank has joined, the highest rank among those that
-# joined last is the answer (Horovod's "last joined rank").
+# joined last is the answer (Horovod's "last joined rank"). In debug mode (Note [Debug
+# fingerprints]) a joined rank's zeros carry the call site of the others' header (the board's
+# ``site``), and JOIN headers from different lines still end the join. A joined rank that
+# cannot make its zeros refuses the second try, so the others raise rather than wait.
 
 
 def join_header(first: bool) -> tuple:

@@ -71,12 +71,14 @@ class Board:
     One-sided waits: ``pseq``, ``pdone``, ``pwhat``. An operation is under way while
     ``seq != done`` (``pseq != pdone``)."""
 
-    __slots__ = ("debug", "seq", "done", "what", "context", "pseq", "pdone", "pwhat")
+    __slots__ = ("debug", "seq", "done", "what", "context", "pseq", "pdone", "pwhat", "site")
 
     def __init__(self, debug: bool = False):
         self.debug = debug
         self.seq = self.done = self.pseq = self.pdone = 0
         self.what = self.context = self.pwhat = None
+        self.site = None  # debug mode: another rank's call-site hash to stamp instead of ours
+                          # (a joined rank's part: Note [Joined ranks] in engine/header.py)
 
     def publish(self, hdr: tuple) -> tuple:
         """Starts collective number ``seq + 1`` with header ``hdr`` and returns the header
@@ -84,7 +86,8 @@ class Board:
         mpidp/engine/header.py). The caller sets ``done = seq`` when the collective returns."""
         self.seq += 1
         if self.debug:
-            hdr = header.with_site(hdr, header.call_site())
+            hdr = header.with_site(hdr, header.call_site()) if self.site is None else \
+                header.with_site_hash(hdr, self.site)
         self.what = hdr
         return hdr
 

@@ -1,7 +1,7 @@
 """Tier 2: the collectives under real MPI (at n = 1, 2, 3 as they are: test_together.py; 4
 oversubscribed as a smoke), in every peer mode and with emulated nodes for the hierarchical
-algorithm."""
-import pytest
+algorithm (each rank a node of its own, 2 x 1 and 3 x 1, runs in tests/multinode on nodes in
+namespaces: the same body, every algorithm)."""
 
 from mpirun import assert_ok, body, together
 
@@ -11,14 +11,6 @@ def test_collectives_through_staging_window():
     algorithms that use shared memory; ring, doubling and mpi go over MPI in any peer mode)."""
     env = {"MPIDP_SHM_PEERS": "window", "BODY_ALGORITHMS": "auto,shm,hier"}
     assert_ok(body(3, "body_collectives.py", env=env), 3)
-
-
-@pytest.mark.parametrize("n,node_size", [(2, 1), (3, 1)])
-def test_collectives_across_emulated_nodes(n, node_size):
-    """Each rank its own 'node': the MPI handshake, hier's leader ring and auto's choice (the
-    algorithms that see nodes; MPI's own all-reduce does not, shm is for one node)."""
-    env = {"MPIDP_EMULATE_NODE_SIZE": str(node_size), "BODY_ALGORITHMS": "auto,hier,doubling,ring"}
-    assert_ok(body(n, "body_collectives.py", env=env), n)
 
 
 def test_four_ranks_two_emulated_nodes_smoke():

@@ -18,7 +18,7 @@ backend's calls
 alone at every n (test_runtime.py)."""
 import pytest
 
-from mpirun import together
+from mpirun import assert_ok, body, together
 
 TOGETHER = ("body_collectives.py", "body_ddp.py", "body_dist.py", "body_syncbn.py",
             "body_join.py", "body_metrics.py", "body_hooks.py", "body_audit.py",
@@ -39,3 +39,10 @@ CHUNKS = {3: {"MPIDP_SHM_CHUNK_BYTES": "4096"}}
 def test_every_body_together(n):
     together(n, TOGETHER + (BEYOND_ONE if n > 1 else ()),
              env={"MASTER_ADDR": None, "MASTER_PORT": None, **CHUNKS.get(n, {})})
+
+
+def test_hvd_join_in_debug_mode_through_the_staging_window():
+    """Note [Joined ranks] where every header carries its call site (a joined rank's zeros
+    carry the others') and ranks may not read each other's memory."""
+    assert_ok(body(2, "body_horovod_join.py", env={"MPIDP_DEBUG": "1",
+                                                   "MPIDP_SHM_PEERS": "window"}), 2)

@@ -196,6 +196,11 @@ if n > 1:
         msg = rejected(lambda: mpidp.allreduce(np.ones(10 + (rank == 1), np.float32),
                                                algorithm=algo), MismatchError, f"count {algo}")
         expect("rank 1" in msg and "[11]" in msg and "[10]" in msg, f"count message: {msg}")
+        # in the records on rank 0, a record with data after it on rank 1 (across nodes)
+        msg = rejected(lambda: mpidp.allreduce_(np.ones(10 if rank == 0 else 1 << 15,
+                                                        np.float32), algorithm=algo),
+                       MismatchError, f"inline against chunked {algo}")
+        expect("[32768]" in msg and "[10]" in msg, f"inline against chunked: {msg}")
         msg = rejected(lambda: mpidp.allreduce(np.ones(3 << 20, np.float32 if rank else np.float64),
                                                algorithm=algo), MismatchError, f"dtype {algo}")
         expect("float64" in msg and "float32" in msg, f"dtype mismatch message: {msg}")

@@ -9,6 +9,7 @@ of data joining, ends as one process on the rows that were there, after Horovod'
 broadcast the parameters from the rank that joined last."""
 import torch
 
+import mpidp
 import mpidp.horovod as hvd
 from bodykit import expect, finish
 
@@ -52,6 +53,14 @@ else:
     hvd.allreduce_(s, op=hvd.Sum)
     expect(torch.equal(s, active * (torch.arange(12.0, dtype=torch.float64).reshape(4, 3)
                                     + 1).t()), f"allreduce_ of a transposed tensor: {s}")
+    st = (torch.arange(12, dtype=torch.float32).reshape(4, 3) + 1).t()  # mpidp's own call:
+    mpidp.allreduce_(st, "sum")                                         # written back
+    expect(torch.equal(st, active * (torch.arange(12.0).reshape(4, 3) + 1).t()),
+           f"mpidp.allreduce_ of a transposed tensor while a rank has joined: {st}")
+    seg = [torch.ones(3000), torch.full((2000,), 2.0)]  # above the inline size, in place:
+    hvd.grouped_allreduce_(seg, op=hvd.Sum)             # reduced where they lie (zero-copy)
+    expect(torch.equal(seg[0], torch.full((3000,), float(active))) and
+           torch.equal(seg[1], torch.full((2000,), 2.0 * active)), "grouped in place, large")
     pair = [torch.ones(3, 2), torch.full((4,), 2.0, dtype=torch.float64)]
     hvd.grouped_allreduce_(pair, op=hvd.Sum)
     expect(torch.equal(pair[0], torch.full((3, 2), float(active))) and
@@ -67,6 +76,8 @@ else:
     if n > 1:  # Horovod: "not supported with Join"; raised here, the joined rank waits on
         for what, call in (("allgather", lambda: hvd.allgather(torch.ones(2, 1))),
                            ("broadcast", lambda: hvd.broadcast(torch.ones(2), 0)),
+                           ("broadcast_optimizer_state", lambda: hvd.broadcast_optimizer_state(
+                               torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), 0)),
                            ("Product", lambda: hvd.allreduce(torch.ones(2), op=hvd.Product))):
             try:
                 call()
