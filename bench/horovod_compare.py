@@ -68,9 +68,10 @@ def latency(comm, hvd, nbytes: int, reps: int, seed: int) -> dict:
     rng = np.random.default_rng([seed, rank])
     bufs = [torch.from_numpy(rng.integers(1, 5, count).astype(np.float32)) for _ in range(sets)]
     seq = [(i % sets, bufs[i % sets]) for i in range(calls)]
+    names = [f"b{nbytes}.{k}" for k in range(sets)]  # made once: the loops time the libraries
     fns = {"mpi": lambda k, t: comm.Allreduce(MPI.IN_PLACE, t.numpy()),
-           "horovod": hvd and (lambda k, t: hvd.allreduce_(t, name=f"b{nbytes}.{k}", op=hvd.Sum)),
-           "mpidp.horovod": lambda k, t: hvd2.allreduce_(t, name=f"b{nbytes}.{k}", op=hvd2.Sum),
+           "horovod": hvd and (lambda k, t: hvd.allreduce_(t, name=names[k], op=hvd.Sum)),
+           "mpidp.horovod": lambda k, t: hvd2.allreduce_(t, name=names[k], op=hvd2.Sum),
            "mpidp": lambda k, t: mpidp.allreduce_(t)}
     cols = [c for c in COLUMNS if fns[c]]
     times = {c: [] for c in cols}
