@@ -53,7 +53,7 @@ def _add_zeros(g, hdr: tuple, device: Optional[int]) -> None:
     them, it refuses: the others raise rather than wait."""
     try:
         zeros, algorithm = _zeros(g, hdr, device)
-    except Exception as exc:  # noqa: BLE001 - any failure: the others must hear of it
+    except BaseException as exc:  # any failure, an interrupt too: the others must hear of it
         collectives.refuse(g, header.ALLREDUCE, exc)
         raise
     g.board.site = hdr[1] >> 8 if g.board.debug else None

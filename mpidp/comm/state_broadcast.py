@@ -17,6 +17,7 @@ from . import collectives
 from ..engine import host_ops
 from .. import runtime
 from ..engine.dtypes import I64, flat_host_array
+from ..engine.header import BROADCAST
 from .fusion import assign_buckets, tensor_list, writable_view
 from ..engine.gpu import is_device_array
 from ..runtime.frame import collective
@@ -116,10 +117,19 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0) -> None:
     as the learning rate), loaded with ``optimizer.load_state_dict``. The structure travels
     pickled, the tensors in fused buckets. Every rank calls it, with the same parameters."""
     import torch
-    collectives.check_root(root, runtime.size())
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
+    g = runtime.group()
+    try:
+        collectives.check_root(root, g.size)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+    except Exception as exc:
+        collectives.refuse(g, BROADCAST, exc)
+        raise
+    # a checked step first: MPI's own broadcast of the structure (objects.bcast) checks
+    # nothing, so a rank that refused, joined (hvd.join) or called another collective is
+    # named here, on every rank, rather than waited for
+    collectives.broadcast_(np.zeros(1, np.int64), root)
     state = broadcast_state_dict(optimizer.state_dict() if runtime.rank() == root else None,
                                  root)
     if runtime.rank() != root:

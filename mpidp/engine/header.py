@@ -45,7 +45,8 @@ _OTHER_NAMES: dict = {}  # CRC-32 -> name of an object collective (the same tabl
 _SITES: dict = {}        # 24-bit CRC -> call site this process has seen
 # frames skipped when looking for a collective's call site (Note [Debug fingerprints]): the
 # packages of the collective layers, whatever module of theirs a collective passes through
-_LAYER = ("mpidp.comm.", "mpidp.runtime.", "mpidp.engine.")
+# (Horovod's API too: a script's own line is named, not the drop-in's)
+_LAYER = ("mpidp.comm.", "mpidp.runtime.", "mpidp.engine.", "mpidp.horovod.")
 # word 1: the algorithm's code (mpidp.algorithms) in bits 0-3; for the shared-memory protocol
 # its data mode (none, inline, sliced) in bits 4-5 and peer mode (cma, window) in bit 6, set
 # by the C call (csrc/binding.h), so ranks that would move data differently disagree there;

@@ -155,11 +155,7 @@ def broadcast_parameters(params, root_rank, process_set=None) -> None:
 def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=None) -> None:
     """Every rank's optimizer state (moments, steps, hyper-parameters) set to root's."""
     with on(process_set):
-        root = local_root(process_set, root_rank)
-        # a checked step first: MPI's own broadcast of the structure below checks nothing, so
-        # a rank that joined (hvd.join) or called something else is named here, on every rank
-        collectives.broadcast(torch.zeros(1, dtype=torch.int64), root)
-        state_broadcast.broadcast_optimizer_state(optimizer, root)
+        state_broadcast.broadcast_optimizer_state(optimizer, local_root(process_set, root_rank))
 
 
 # Note [Objects without pickle]

@@ -2,7 +2,8 @@
 in mpidp/engine/header.py). While some ranks have joined, the others' all-reduces — every
 form: new, in place (also of a transposed tensor), async, grouped and fused, and
 DistributedOptimizer's gradients — get zeros from the joined ranks, an average staying over
-every rank; their allgather and broadcast raise on them while the joined ranks go on waiting;
+every rank; their allgather and broadcast raise on them while the joined ranks go on waiting,
+and a joined rank that cannot make its zeros makes them raise rather than wait;
 ``join`` returns the same last-joined rank everywhere (Horovod's own test_torch.py checks,
 adapted: exact sums on small integers). Training with uneven batches per rank, the ranks out
 of data joining, ends as one process on the rows that were there, after Horovod's advice:
@@ -87,6 +88,30 @@ else:
     hvd.barrier()
     ret = hvd.join()
 expect(ret == (0 if n == 1 else n - 2), f"the last to join was rank {n - 2}, join said {ret}")
+
+# ---- a joined rank that cannot make its zeros refuses: the others raise, none waits ---------
+if n > 1:
+    from mpidp.comm import joined as joined_module
+    if r == n - 1:
+        real = joined_module._zeros
+
+        def broken(*args):
+            joined_module._zeros = real
+            raise MemoryError("no memory for the zeros (this test)")
+        joined_module._zeros = broken
+        try:
+            hvd.join()
+            expect(False, "join should raise where its zeros cannot be made")
+        except MemoryError as exc:
+            expect("this test" in str(exc), f"join: {exc}")
+    else:
+        try:
+            hvd.allreduce(torch.ones(3), op=hvd.Sum)
+            expect(False, "an all-reduce the joined rank refused should raise")
+        except RuntimeError as exc:
+            expect("rejected" in str(exc), f"the joined rank's refusal: {exc}")
+    expect(torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n))),
+           "every rank in step after the refusal")
 
 # ---- uneven batches: rank q has 6 - q steps, then joins --------------------------------------
 gen = torch.Generator().manual_seed(7)
