@@ -124,9 +124,10 @@ def allreduce_in(g, x: Any, op: str = "sum", algorithm: str = "auto", inplace: b
         if algorithm == "auto":
             fast = g.resources.fast_allreduce  # one C call: csrc/small.c, csrc/exchange.c
             if fast is not None and inplace:
-                view = x if type(x) is np.ndarray else tensor_view(x)  # Note [Views of torch
-                if view is not None and _one_call(g, view, op):        # tensors]; it declines
-                    if view is not x:                                  # what it cannot take
+                # Note [Views of torch tensors]; the one call declines what it cannot take
+                view = x if type(x) is np.ndarray else tensor_view(x)
+                if view is not None and _one_call(g, view, op):
+                    if view is not x:
                         bump_tensor_version(x)
                     return x
             elif fast is not None and type(x) is np.ndarray and \
