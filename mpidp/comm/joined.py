@@ -10,7 +10,7 @@ import numpy as np
 
 from ..algorithms import DEVICE, TABLE, choose
 from ..engine import header
-from ..engine.dtypes import BF16, DTYPE_NAMES, NUMPY_STORAGE, flat_host_array
+from ..engine.dtypes import BF16, DTYPE_NAMES, ITEMSIZE, NUMPY_STORAGE, flat_host_array
 from ..errors import MismatchError
 from ..runtime.frame import Frame
 from . import collectives
@@ -35,10 +35,10 @@ def join(g, device: Optional[int] = None) -> int:
                 headers = getattr(exc, "headers", None)
                 if not headers:
                     raise
-                if all(h[0] == header.JOIN for h in headers):  # debug mode:
-                    free = [h[header.FREE_WORD] for h in headers]  # joined from other lines
-                else:
-                    free, wanted = None, header.for_joined(headers)
+                # every rank joined, from other lines (call sites differ in debug mode)
+                done = all(h[0] == header.JOIN for h in headers)
+                free = [h[header.FREE_WORD] for h in headers] if done else None
+                wanted = header.for_joined(headers)
             if free is not None:
                 return max((r for r, w in enumerate(free) if w), default=g.size - 1)
         first = False
@@ -76,6 +76,6 @@ def _zeros(g, hdr: tuple, device: Optional[int]) -> tuple:
         zeros = flat_host_array(np.zeros(count, NUMPY_STORAGE[dtype]), dtype)
     else:
         zeros = np.zeros(count, NUMPY_STORAGE[dtype])
-    nbytes = count * np.dtype(NUMPY_STORAGE[dtype]).itemsize
-    auto = choose(row.where, "auto", collectives.facts(g, row.where == DEVICE), nbytes)
+    auto = choose(row.where, "auto", collectives.facts(g, row.where == DEVICE),
+                  count * ITEMSIZE[dtype])
     return zeros, "auto" if auto.code == row.code else row.name
