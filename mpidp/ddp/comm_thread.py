@@ -1,8 +1,9 @@
-"""The communication thread of a DistributedDataParallel (mpidp.ddp.distributed): the buckets'
-all-reduces in launch order, and other collectives put in that order (a SyncBatchNorm
-layer's during backward)."""
+"""The communication thread of a DistributedDataParallel (mpidp.ddp.distributed) and of
+Horovod's DistributedOptimizer (mpidp.horovod.backward): the buckets' all-reduces in launch
+order, and other collectives put in that order (a SyncBatchNorm layer's during backward)."""
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -15,10 +16,10 @@ from ..errors import MpidpError
 # a zero-copy all-reduce of the gradients where they lie (Note [Zero-copy buckets] in
 # mpidp/comm/buckets.py), elsewhere pack -> all-reduce (sum) -> unpack with the division by the number of
 # ranks fused into the unpack — while autograd goes on computing gradients in the main
-# thread; the C calls release the GIL. Only that thread calls MPI while backward runs, and the
-# main thread waits for it before it calls MPI again, so MPI_THREAD_SERIALIZED suffices
-# (checked at construction; mpidp.init asks for MULTIPLE).
-
+# thread; the C calls release the GIL. While backward runs only that thread calls MPI, but for
+# a collective the main thread makes in its place in the order with that thread parked
+# (``parked``), and the main thread waits for it before it calls MPI again, so
+# MPI_THREAD_SERIALIZED suffices (checked at construction; mpidp.init asks for MULTIPLE).
 
 
 def reduce_bucket(bucket, sources: Sequence[Any], destinations: Optional[Sequence[Any]],
@@ -34,23 +35,24 @@ def reduce_bucket(bucket, sources: Sequence[Any], destinations: Optional[Sequenc
         bucket.reduce_(sources, destinations, "avg", algorithm)
 
 
-def communicate(tasks: queue.SimpleQueue, results: queue.SimpleQueue, board) -> None:
-    """The communication thread's loop: one task per bucket — (bucket, sources,
-    destinations, ``reduce(bucket, sources, destinations)``, its position) — one result
-    (None, or the exception) per task. The watchdog's ``board`` says which bucket is being reduced."""
+def communicate(tasks: queue.SimpleQueue, board) -> None:
+    """The communication thread's loop. A task is (context, fn, results): ``fn()`` runs with
+    the watchdog's ``board`` naming ``context`` (a format and its arguments), and its outcome
+    (None, or the exception) and seconds go to ``results``; or a callable, run as it is (a
+    gate: ``parked``). None ends the loop."""
     while True:
         task = tasks.get()
         if task is None:
             return
-        if callable(task):  # a SyncBatchNorm layer's all-reduce, in its place in the order
+        if callable(task):
             task()
             continue
-        bucket, sources, destinations, reduce, position = task
-        board.context = ("DDP gradient bucket {} of {}", *position)
+        context, fn, results = task
+        board.context = context
         t0, error = time.perf_counter(), None
         try:
-            reduce(bucket, sources, destinations)
-        except BaseException as exc:  # reported by the main thread at the end of backward
+            fn()
+        except BaseException as exc:  # reported by the thread that waits for the results
             error = exc
         board.context = None
         results.put((error, time.perf_counter() - t0))
@@ -70,22 +72,28 @@ def stop(tasks: queue.SimpleQueue, thread: threading.Thread, timeout_s: float) -
     return not thread.is_alive()
 
 
-def call_in_order(tasks: queue.SimpleQueue, fn: Callable[[], None]) -> None:
-    """Runs ``fn`` on the communication thread after the tasks queued before it, waits for
-    it, and raises what it raised."""
-    done, failed = threading.Event(), []
+@contextlib.contextmanager
+def parked(tasks: queue.SimpleQueue):
+    """Runs the block once the communication thread has finished the tasks queued before it,
+    with that thread waiting until the block ends: the block's collectives come in their
+    place in the order, and only one thread calls MPI at a time."""
+    reached, released = threading.Event(), threading.Event()
 
-    def run():
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - raised in the caller below
-            failed.append(exc)
-        finally:
-            done.set()
-    tasks.put(run)
-    done.wait()
-    if failed:
-        raise failed[0]
+    def gate():
+        reached.set()
+        released.wait()
+    tasks.put(gate)
+    reached.wait()
+    try:
+        yield
+    finally:
+        released.set()
+
+
+def call_in_order(tasks: queue.SimpleQueue, fn: Callable[[], None]) -> None:
+    """Runs ``fn`` after the tasks queued before it (``parked``) and raises what it raised."""
+    with parked(tasks):
+        fn()
 
 
 def check_thread_level() -> None:

@@ -212,7 +212,7 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         if self._thread is None:
             g = runtime.group()
             self._thread = threading.Thread(target=communicate, daemon=True,
-                                            args=(self._tasks, self._results, g.board),
+                                            args=(self._tasks, g.board),
                                             name="mpidp-ddp-comm")
             self._thread.start()
             # Note [Stopping the users first] in mpidp/runtime/resources.py
@@ -226,9 +226,9 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
                 raise
 
     def _reduce_in_order(self, t: torch.Tensor) -> None:
-        """A SyncBatchNorm layer's all-reduce (sum, in place): during backward on the
-        communication thread after the buckets launched before it, so every rank makes its
-        collectives in one order (Note [Communication thread]); otherwise here."""
+        """A SyncBatchNorm layer's all-reduce (sum, in place): during backward after the
+        buckets launched before it, with the communication thread parked, so every rank
+        makes its collectives in one order (Note [Communication thread]); otherwise here."""
         if self._size == 1:
             return
         if not self._in_backward or self._thread is None:
@@ -271,8 +271,8 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         dests = None if self.gradient_as_bucket_view else \
             [p.grad if self._ready[i] else None for i, p in zip(bucket.indices, params)]
         bucket.capture_stream()  # on a GPU: the stream these gradients were produced on
-        self._tasks.put((bucket, sources, dests, self._reduce,
-                         (self._next + 1, len(self._buckets))))
+        self._tasks.put((("DDP gradient bucket {} of {}", self._next + 1, len(self._buckets)),
+                         functools.partial(self._reduce, bucket, sources, dests), self._results))
 
     def _reduce(self, bucket: BucketBase, sources: list, destinations) -> None:
         """Averages one bucket (collective): mpidp's all-reduce, or the communication hook

@@ -10,10 +10,11 @@ statistics alike (the unbiased variance). Backward all-reduces the per-channel s
 of dy * x_hat, which the input gradient needs; the weight and bias gradients stay this rank's
 own, which the data-parallel wrapper then averages (torch's SyncBatchNorm does the same).
 Who all-reduces: the layer's ``reduce`` where a data-parallel wrapper set one (mpidp's
-DistributedDataParallel orders these calls with its gradient buckets on its communication
-thread: Note [Communication thread] in mpidp/ddp/comm_thread.py); else torch.distributed on the
-layer's process group where torch.distributed is initialised (its own order, on any backend);
-else mpidp's all-reduce. In eval mode nothing is communicated (as with torch's): the running
+DistributedDataParallel orders these calls with its gradient buckets: Note [Communication
+thread] in mpidp/ddp/comm_thread.py), or where the class has one (hvd.SyncBatchNorm's, in
+order with DistributedOptimizer's buckets: Note [Gradients during backward] in
+mpidp/horovod/backward.py); else torch.distributed on the layer's process group where
+torch.distributed is initialised (its own order, on any backend); else mpidp's all-reduce. In eval mode nothing is communicated (as with torch's): the running
 statistics, or without them this rank's batch."""
 from __future__ import annotations
 

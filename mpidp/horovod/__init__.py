@@ -4,7 +4,6 @@ supported, mapped and refused). Importing it starts neither MPI nor CUDA; ``hvd.
 starts MPI."""
 from __future__ import annotations
 
-from ..ddp.sync_bn import SyncBatchNorm
 from .basics import (Adasum, Average, Max, Min, Product, Sum, ccl_built, cross_rank,
                      cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
                      is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
@@ -17,7 +16,7 @@ from .ops import (allgather, allgather_async, allreduce, allreduce_,
                   broadcast_async, broadcast_async_, grouped_allgather,
                   grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
                   grouped_allreduce_async, grouped_allreduce_async_, join, poll, reducescatter,
-                  reducescatter_async, synchronize)
+                  reducescatter_async, synchronize, SyncBatchNorm)
 from .optimizer import (DistributedOptimizer, allgather_object, broadcast_object,
                         broadcast_optimizer_state, broadcast_parameters)
 from .process_sets import (ProcessSet, add_process_set, global_process_set,

@@ -11,7 +11,8 @@ import torch
 
 from .. import config
 from ..comm import collectives, fusion, joined
-from . import basics
+from ..ddp import sync_bn
+from . import backward, basics
 from .process_sets import local_root, on
 from .basics import Adasum, Average, Max, Min, Product, Sum
 from .compression import Compression
@@ -21,7 +22,8 @@ from .compression import Compression
 # handle is already complete: ``poll`` says True and ``synchronize`` returns the result.
 # Scripts written for Horovod's background thread run unchanged (they only hand the handle
 # back); the overlap of gradients with the backward pass, which is what Horovod's thread is
-# for, comes from DistributedOptimizer's hooks (mpidp/horovod/optimizer.py).
+# for, comes from DistributedOptimizer's buckets (Note [Gradients during backward] in
+# mpidp/horovod/backward.py).
 _handles: dict = {}
 _next_handle = itertools.count(1)
 
@@ -107,7 +109,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     """In place: ``tensor`` holds the reduction afterwards, and is returned."""
     if (op is None or type(op) is int) and op in _PLAIN and average is None and \
             process_set is None and prescale_factor == 1.0 and postscale_factor == 1.0 and \
-            type(tensor) is torch.Tensor and tensor.is_contiguous() and \
+            not backward.active and type(tensor) is torch.Tensor and \
             (op in (Sum, Min, Max) or tensor.is_floating_point()):
         collectives.allreduce_(tensor, _PLAIN[op])  # the common call, straight to mpidp's
         return tensor
@@ -253,6 +255,17 @@ def barrier(process_set=None) -> None:
     """Returns once every rank (of ``process_set``) has called it."""
     with on(process_set):
         collectives.allreduce_(torch.zeros(1, dtype=torch.int32), "sum")
+
+
+class SyncBatchNorm(sync_bn.SyncBatchNorm):
+    """Horovod's SyncBatchNorm: mpidp's (the global batch's statistics, Note [Synchronised
+    batch statistics] in mpidp/ddp/sync_bn.py), its all-reduces made as hvd's own are, in
+    their place after the gradient buckets in flight."""
+
+    @staticmethod
+    def reduce(t: torch.Tensor) -> None:
+        with on(None):
+            collectives.allreduce_(t, "sum")
 
 
 def join(device: int = -1) -> int:

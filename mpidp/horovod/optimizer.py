@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
+import warnings
 
 import torch
 
+from .. import config, runtime
 from ..comm import collectives, state_broadcast
 from ..engine.header import ALLREDUCE
 from .basics import Average, Product, Sum
+from . import backward
 from .compression import Compression
 from .ops import fused, resolve_op
 from .process_sets import group_of, local_root, on
@@ -17,10 +21,10 @@ from .process_sets import group_of, local_root, on
 
 class _DistributedOptimizer:
     """The methods a DistributedOptimizer adds to the user's optimizer class (Note
-    [Gradients at step])."""
+    [Horovod's optimizer])."""
 
     def _distribute(self, named_parameters, compression, backward_passes_per_step, op,
-                    gradient_predivide_factor, sparse_as_dense):
+                    gradient_predivide_factor, sparse_as_dense, groups):
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is not None:
             named = list(named_parameters)
@@ -56,42 +60,59 @@ class _DistributedOptimizer:
         self._hvd_sparse_as_dense = sparse_as_dense
         self._hvd_counts = {p: 0 for p in self._hvd_params}  # backward passes since the last
         self._hvd_skip = False  # synchronize
-        for p in self._hvd_params:
-            p.register_post_accumulate_grad_hook(self._hvd_accumulated)
+        self._hvd_synchronized = False  # since the last step
+        self._hvd_buckets = backward.Buckets(  # Note [Gradients during backward]
+            self._hvd_params, backward.groups_of(self._hvd_params, groups,
+                                                 config.get().horovod_fusion_bytes),
+            self._hvd_task, "DistributedOptimizer gradient")
+        for i, p in enumerate(self._hvd_params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._hvd_accumulated, i))
 
-    def _hvd_accumulated(self, p) -> None:
+    def _hvd_accumulated(self, i: int, p) -> None:
         self._hvd_counts[p] += 1
         if self._hvd_counts[p] > self._hvd_passes:
             raise AssertionError(
                 "Gradients were computed more than backward_passes_per_step times before "
                 "call to step(). Increase backward_passes_per_step to accumulate gradients "
                 "locally.")
+        if self._hvd_counts[p] == self._hvd_passes:
+            self._hvd_buckets.ready(i)
 
     def synchronize(self) -> None:
-        """All-reduces every gradient now, in fused buckets (zeros for a parameter that has
-        none here: another rank may have one)."""
-        with on(self._hvd_process_set) as g:
-            self._hvd_reduce(g)
-        for p in self._hvd_params:
-            self._hvd_counts[p] = 0
+        """Waits for every gradient's all-reduce, launching those not launched during
+        backward (zeros for a parameter that has no gradient here: another rank may have
+        one)."""
+        try:
+            self._hvd_buckets.finish()
+        finally:
+            for p in self._hvd_params:
+                self._hvd_counts[p] = 0
+        self._hvd_synchronized = True
 
-    def _hvd_reduce(self, g) -> None:
-        sparse = [p for p in self._hvd_params if p.grad is not None and p.grad.is_sparse]
-        if sparse and not self._hvd_sparse_as_dense:  # refused on every rank, none waits
-            exc = ValueError("mpidp.horovod: sparse gradients are reduced as dense ones only: "
-                             "pass sparse_as_dense=True to DistributedOptimizer")
-            collectives.refuse(g, ALLREDUCE, exc)
-            raise exc
-        for p in self._hvd_params:
+    def _hvd_task(self, params: list):
+        """The all-reduce of ``params``' gradients, to run on the communication thread:
+        gradients made dense, or missing ones zeros, here first."""
+        sparse = any(p.grad is not None and p.grad.is_sparse for p in params)
+        refused = sparse and not self._hvd_sparse_as_dense
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            elif p.grad.is_sparse:
+            elif p.grad.is_sparse and not refused:
                 p.grad = p.grad.to_dense()
-        grads = [p.grad for p in self._hvd_params]
-        op, pre, post = self._hvd_op, 1.0, 1.0
-        if op == Average and self._hvd_predivide != 1.0:
-            op, pre, post = Sum, 1.0 / self._hvd_predivide, self._hvd_predivide / g.size
-        fused(grads, True, op, pre, post, self._hvd_compression)
+        g = group_of(self._hvd_process_set)
+        return functools.partial(self._hvd_reduce, g, [p.grad for p in params], refused)
+
+    def _hvd_reduce(self, g, grads: list, refused: bool) -> None:
+        with runtime.using(g):
+            if refused:  # refused on every rank, none waits
+                exc = ValueError("mpidp.horovod: sparse gradients are reduced as dense ones "
+                                 "only: pass sparse_as_dense=True to DistributedOptimizer")
+                collectives.refuse(g, ALLREDUCE, exc)
+                raise exc
+            op, pre, post = self._hvd_op, 1.0, 1.0
+            if op == Average and self._hvd_predivide != 1.0:
+                op, pre, post = Sum, 1.0 / self._hvd_predivide, self._hvd_predivide / g.size
+            fused(grads, True, op, pre, post, self._hvd_compression)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -104,7 +125,12 @@ class _DistributedOptimizer:
 
     def step(self, closure=None):
         if not self._hvd_skip:
+            if self._hvd_synchronized:
+                warnings.warn("mpidp.horovod: step() after synchronize() all-reduces the "
+                              "gradients a second time; call step() inside "
+                              "`with optimizer.skip_synchronize():`", stacklevel=2)
             self.synchronize()
+        self._hvd_synchronized = False
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
@@ -115,34 +141,36 @@ class _DistributedOptimizer:
         return super().zero_grad(set_to_none)
 
 
-# Note [Gradients at step]
+# Note [Horovod's optimizer]
 # Horovod's DistributedOptimizer is the user's optimizer class with the all-reduce of the
 # gradients put before its step: a subclass made on the fly, constructed from the user's
-# param_groups (so isinstance and the hyper-parameters hold), with the user's defaults. Here
-# each gradient is counted as it is accumulated (a hook per parameter: more passes than
-# backward_passes_per_step raise as Horovod's do) and all of them are reduced at step (or at
-# synchronize) in mpidp's fused buckets, in the optimizer's parameter order, the same on
-# every rank. The result is Horovod's; the reduction runs after the backward pass rather
-# than during it.
+# param_groups (so isinstance and the hyper-parameters hold), with the user's defaults. Each
+# gradient is counted as it is accumulated (a hook per parameter: more passes than
+# backward_passes_per_step raise as Horovod's do); at the last pass its bucket may launch,
+# during the backward pass (Note [Gradients during backward] in mpidp/horovod/backward.py),
+# and step (or synchronize) waits for every bucket. The result is Horovod's.
 def DistributedOptimizer(  # noqa: N802 - Horovod's name
         optimizer, named_parameters=None, compression=Compression.none,
         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0, num_groups=0,
         groups=None, sparse_as_dense=False, process_set=None):
     """``optimizer`` (a torch.optim.Optimizer) whose ``step`` first averages (``op``) the
-    gradients over every rank. ``num_groups``/``groups`` are accepted; mpidp's buckets decide
-    the fusion."""
+    gradients over every rank, all-reduced in buckets during the backward pass. ``groups``
+    (a number of groups, or lists of parameters) fixes the buckets as Horovod's groups do;
+    ``num_groups``, its older name, is taken where ``groups`` is not given."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
     if process_set is not None:
         group_of(process_set)  # a set this rank is in, or the error
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    if num_groups and groups is None:
+        groups = num_groups
     distributed = cls.__new__(cls)
     optimizer.__class__.__init__(distributed, optimizer.param_groups)
     distributed.defaults = dict(optimizer.defaults)
-    distributed._distribute(named_parameters, compression, backward_passes_per_step, op,
-                            gradient_predivide_factor, sparse_as_dense)
     distributed._hvd_process_set = process_set
+    distributed._distribute(named_parameters, compression, backward_passes_per_step, op,
+                            gradient_predivide_factor, sparse_as_dense, groups)
     return distributed
 
 

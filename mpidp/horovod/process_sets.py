@@ -9,6 +9,7 @@ import contextlib
 from typing import Any, Optional
 
 from .. import runtime
+from . import backward
 from ..errors import NotInitializedError
 
 
@@ -46,6 +47,7 @@ class ProcessSet:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
 
 
+_NOTHING = contextlib.nullcontext()
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 _sets: dict = {}  # process_set_id -> ProcessSet, the global one excluded
@@ -72,7 +74,8 @@ def add_process_set(process_set: Any) -> ProcessSet:
             any(s.ranks == ps.ranks for s in _sets.values()):
         raise ValueError(f"Attempted to add a duplicate process set: {ps}")
     if ps.included():
-        ps._group = runtime.subgroup(ps.ranks)
+        with _after_buckets():
+            ps._group = runtime.subgroup(ps.ranks)
     ps.process_set_id = max(_sets, default=0) + 1
     _sets[ps.process_set_id] = ps
     return ps
@@ -86,9 +89,16 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     _sets.pop(process_set.process_set_id, None)
     process_set.process_set_id = None
     if process_set._group is not None:
-        runtime.free_subgroup(process_set._group)
+        with _after_buckets():
+            runtime.free_subgroup(process_set._group)
         process_set._group = None
     return True
+
+
+def _after_buckets():
+    """MPI calls of the user's thread after the gradient buckets in flight (Note [Gradients
+    during backward] in mpidp/horovod/backward.py)."""
+    return backward.gate() if backward.active else _NOTHING
 
 
 def forget() -> None:
@@ -120,9 +130,10 @@ def group_of(process_set: Optional[ProcessSet]):
 # group would fail somewhere inside MPI.
 @contextlib.contextmanager
 def on(process_set: Optional[ProcessSet]):
-    """Runs the block's collectives on ``process_set``'s group; yields it."""
+    """Runs the block's collectives on ``process_set``'s group, after the gradient buckets in
+    flight (Note [Gradients during backward] in mpidp/horovod/backward.py); yields it."""
     g = group_of(process_set)
-    with runtime.using(g):
+    with backward.gate() if backward.active else _NOTHING, runtime.using(g):
         yield g
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mpidp.horovod as hvd
-from mpidp.horovod import ops, run
+from mpidp.horovod import backward, ops, run
 
 
 def test_import_starts_no_mpi_and_exports_horovods_names():
@@ -69,6 +69,21 @@ def test_distributed_optimizer_refuses_bad_arguments_naming_them():
                                    named_parameters=model.named_parameters())
     assert isinstance(opt, torch.optim.Adam) and type(opt).__name__ == "Adam"
     assert opt.defaults["betas"] == (0.8, 0.9) and opt.param_groups[0]["lr"] == 0.01
+
+
+def test_buckets_of_horovods_groups_launch_last_parameters_first():
+    """Note [Gradients during backward]: groups= as a number cuts the parameters into
+    contiguous runs, as lists makes a bucket of each list (every other parameter alone); the
+    bucket whose first parameter comes last launches first; mpidp's own buckets otherwise."""
+    ps = [torch.zeros(4, requires_grad=True) for _ in range(5)]
+    assert backward.groups_of(ps, 2, 1 << 20) == ((3, 4), (0, 1, 2))
+    assert backward.groups_of(ps, 7, 1 << 20) == ((4,), (3,), (2,), (1,), (0,))
+    assert backward.groups_of(ps, [[ps[4], ps[0]], [ps[2]]], 1 << 20) == \
+        ((3,), (2,), (1,), (0, 4))
+    assert backward.groups_of(ps, None, 1 << 20) == ((4, 3, 2, 1, 0),)  # 80 B: one bucket
+    assert backward.groups_of(ps, None, 32) == ((4, 3), (2, 1), (0,))  # 16 B each, 32 B cap
+    with pytest.raises(ValueError, match="groups\\[1\\] holds a tensor that is not one of"):
+        backward.groups_of(ps, [[ps[0]], [torch.ones(1, requires_grad=True)]], 1 << 20)
 
 
 @pytest.mark.parametrize("name", ["start_timeline", "stop_timeline"])

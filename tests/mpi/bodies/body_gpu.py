@@ -2,7 +2,9 @@
 arrays and torch CUDA tensors equals the host result bit for bit (staged at any world size;
 ring and nccl where each rank has a GPU of its own, and nccl with one rank), and
 DistributedDataParallel with its buckets on the GPU ends with the parameters of CPU training;
-a rank that joined adds zeros to the others' CUDA all-reduces. Prints 'ok <rank>'."""
+a rank that joined adds zeros to the others' CUDA all-reduces; Horovod's DistributedOptimizer
+on CUDA. Prints 'ok <rank>'."""
+import contextlib
 import sys
 
 import cupy as cp
@@ -113,6 +115,33 @@ for name, make in (("fp16", lambda: (None, fp16_compress_hook)),
     expect(all(torch.allclose(a, b, rtol=1e-2, atol=1e-2)
                for a, b in zip(pair["cpu"], pair["cuda"])),
            f"{name} compression on device buckets differs from the host's")
+
+# ---- Horovod's DistributedOptimizer on CUDA: a bucket per parameter, each all-reduced during
+# backward on the stream its gradients came from (Note [Gradients during backward]) ---------
+import mpidp.horovod as hvd  # noqa: E402
+hvd.init()
+trained = {}
+side = torch.cuda.Stream()  # not the comm thread's default stream: the bucket must follow it
+for dev in ("cpu", "cuda"):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 4)).to(dev)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), groups=4)
+    for step in range(3):
+        x = torch.randint(-3, 4, (64, 256),
+                          generator=torch.Generator().manual_seed(rank + 10 * step)).float()
+        with torch.cuda.stream(side) if dev == "cuda" else contextlib.nullcontext():
+            opt.zero_grad()
+            net(x.to(dev)).sum().backward()
+            if dev == "cuda":
+                expect(opt._hvd_buckets._streams and
+                       all(st == side for st in opt._hvd_buckets._streams),
+                       f"hvd buckets on the gradients' stream: {opt._hvd_buckets._streams}")
+            opt.step()
+    trained[dev] = [p.detach().cpu() for p in net.parameters()]
+    expect(opt._hvd_buckets.stats["launched_in_backward"] == 12,
+           f"hvd buckets on {dev} launched from the hooks: {opt._hvd_buckets.stats}")
+expect(all(torch.allclose(a, b, atol=1e-5) for a, b in zip(trained["cpu"], trained["cuda"])),
+       "hvd.DistributedOptimizer on CUDA differs from the host's")
 
 # ---- a rank that joined adds zeros to the others' CUDA all-reduces (Note [Joined ranks]) ---
 from mpidp.comm import joined  # noqa: E402

@@ -7,6 +7,7 @@ gradient_predivide_factor and fp16 compression); the broadcasts a script makes a
 alltoall with and without splits; process sets added and removed while running; and what is
 refused, refused on every rank."""
 import math
+import warnings
 
 import torch
 
@@ -136,6 +137,106 @@ for options, passes, tol in (({}, 1, 1e-6), ({}, 2, 1e-6),
     ref = reference if passes == 1 else train(False, passes)
     close = all(torch.allclose(p, q, rtol=tol, atol=tol) for p, q in zip(got, ref))
     expect(close, f"DistributedOptimizer {options} passes={passes}: not one process's result")
+
+# ---- gradients all-reduced during backward (Note [Gradients during backward]) ---------------
+# buckets of one parameter each (groups=), so that each launches from its hook: with a
+# SyncBatchNorm layer and a differentiable hvd.allreduce between the layers (their backward's
+# all-reduces come between the buckets), a metric all-reduced between backward and step, and
+# the model's two halves under two DistributedOptimizers at once; every rank ends as one
+# process with BatchNorm on the whole batch.
+class Touch(torch.nn.Module):
+    """x plus the all-reduced sum of zeros: x itself, with an hvd all-reduce in backward."""
+
+    def __init__(self, distributed: bool):
+        super().__init__()
+        self.distributed = distributed
+
+    def forward(self, h):
+        return h + hvd.allreduce(h * 0, op=hvd.Sum) if self.distributed else h
+
+
+def train_busy(distributed: bool, two: bool, **options):
+    torch.manual_seed(3)
+    norm = hvd.SyncBatchNorm(8) if distributed else torch.nn.BatchNorm1d(8)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 8), norm, torch.nn.Tanh(), Touch(distributed),
+                            torch.nn.Linear(8, 3))
+    halves = [list(m[0].parameters()) + list(m[1].parameters()), list(m[4].parameters())]
+    opts = [torch.optim.SGD(h, lr=0.5, momentum=0.9) for h in (halves if two else [halves[0]
+                                                                               + halves[1]])]
+    if distributed:
+        opts = [hvd.DistributedOptimizer(o, **options) for o in opts]
+    for step in range(4):
+        rows = slice(step * 4 * n, (step + 1) * 4 * n)
+        xs, ys = inputs[rows], labels[rows]
+        if distributed:
+            xs, ys = xs[r::n], ys[r::n]
+        for o in opts:
+            o.zero_grad()
+        loss = torch.nn.functional.cross_entropy(m(xs), ys)
+        loss.backward()
+        if distributed:
+            metric = hvd.allreduce(loss.detach(), op=hvd.Sum)
+            expect(torch.isfinite(metric).all(), f"a metric between backward and step: {metric}")
+        for o in opts:
+            o.step()
+    stats = [o._hvd_buckets.stats for o in opts] if distributed else []
+    return [p.detach() for p in m.parameters()], \
+        [(s["launched_in_backward"], s["buckets"]) for s in stats]
+
+
+busy_ref, _ = train_busy(False, False)
+# per optimizer and step: 6 parameters in 6 groups; 4 in 3 groups and 2 in 2 (of 3, one
+# empty); mpidp's buckets: the 6 in one (under 1 MiB)
+for two, options, per_step in ((False, {"groups": 6}, [6]), (True, {"num_groups": 3}, [3, 2]),
+                               (False, {}, [1])):
+    got, launched = train_busy(True, two, **options)
+    close = all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(got, busy_ref))
+    expect(close, f"gradients during backward, two optimizers={two}, {options}: not one "
+           "process's result")
+    expect(launched == [(4 * k, 4 * k) for k in per_step],
+           f"every bucket launched from the hooks, {options}: {launched}")
+
+# a parameter with a gradient on rank 0 only: elsewhere its bucket (the last: the parameter
+# comes first) is held back, and the metric between backward and step launches it with zeros
+# first, so that every rank pairs its calls alike; the average is rank 0's gradient over n
+extra, body_layer = torch.nn.Linear(6, 3, bias=False), torch.nn.Linear(6, 3)
+hvd.broadcast_parameters(list(extra.parameters()) + list(body_layer.parameters()), root_rank=0)
+uneven = hvd.DistributedOptimizer(torch.optim.SGD([extra.weight, *body_layer.parameters()],
+                                                  lr=0.0), groups=3)
+xs = inputs[:4 * n][r::n]
+loss = body_layer(xs).sum() + (extra(xs).sum() if r == 0 else 0.0)
+loss.backward()
+metric = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum)
+expect(torch.equal(metric, torch.tensor([n * (n - 1) / 2])), f"metric with a bucket held back: "
+       f"{metric}")
+uneven.step()
+rows_of_0 = inputs[:4 * n][0::n].sum(0)
+expect(torch.allclose(extra.weight.grad, rows_of_0.expand(3, 6) / n, atol=1e-6),
+       f"a gradient of rank 0 only, averaged: {extra.weight.grad}")
+held = uneven._hvd_buckets.stats
+expect((held["launched_in_backward"], held["buckets"]) == ((3, 3) if r == 0 else (2, 3)),
+       f"the bucket held back where the gradient is missing: {held}")
+net = torch.nn.Linear(2, 2)
+again = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+net(torch.ones(1, 2)).sum().backward()
+again.synchronize()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    again.step()  # a second all-reduce: Horovod warns
+expect(any("skip_synchronize" in str(w.message) for w in caught), "step after synchronize "
+       "should warn")
+
+mixed = torch.nn.Linear(2, 2)
+frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+hvd.DistributedOptimizer(torch.optim.SGD([*mixed.parameters(), frozen], lr=0.1),
+                         groups=[[mixed.weight, frozen], []])  # as Horovod takes them
+for groups, why in ((-1, "positive integer"), ([[mixed.weight], [mixed.weight]], "groups[0]"),
+                    ([[torch.zeros(1, requires_grad=True)]], "not one of")):
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(mixed.parameters(), lr=0.1), groups=groups)
+        expect(False, f"groups={groups!r} should be refused")
+    except ValueError as exc:
+        expect(why in str(exc), f"groups={groups!r}: {exc}")
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 expect(isinstance(opt, torch.optim.SGD), "the optimizer is still an SGD")
 loss_of(model, inputs[:4], labels[:4]).backward()

@@ -1,0 +1,244 @@
+"""DistributedOptimizer's all-reduces during the backward pass (Note [Gradients during
+backward]): each optimizer's buckets, launched as their gradients become final, in one order
+on every rank, on one communication thread shared by every DistributedOptimizer of the
+process; and the gate that puts hvd's other collectives in their place in that order."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import queue
+import threading
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .. import runtime
+from ..comm.fusion import assign_buckets
+from ..ddp import comm_thread
+from ..errors import MpidpError
+
+FIRST_BUCKET_BYTES = 1 << 20   # the first bucket small, so the first all-reduce starts early
+BUCKET_CAP_BYTES = 25 << 20    # a larger bucket only starts its all-reduce later (DDP's cap)
+
+# Note [Gradients during backward]
+# Horovod's DistributedOptimizer starts each gradient's all-reduce from a hook as autograd
+# accumulates it, and its background thread negotiates an order with the other ranks. mpidp
+# negotiates nothing: an optimizer's parameters are cut into buckets once (its own order
+# reversed, since the last layers' gradients are ready first: mpidp's size-capped buckets,
+# or Horovod's groups= / num_groups= where given), and buckets launch strictly in that order,
+# a ready bucket waiting for the ones before it, so every rank queues the same all-reduces in
+# the same order whatever its timing. One thread per process runs the queue for every
+# DistributedOptimizer (two optimizers stepping on one backward share it, so their buckets
+# never cross). synchronize() launches what is left (a parameter without a gradient
+# contributes zeros, as in Horovod) and waits for every bucket.
+# A collective hvd makes on the user's thread while an optimizer has buckets under way —
+# SyncBatchNorm's backward, the backward of hvd.allreduce / allgather / broadcast, a metric
+# between backward and step, a process set added — goes through ``gate``: it waits until the
+# thread has done the buckets queued before it and runs with the thread parked, so it too
+# has one place in the order on every rank. Outside the backward pass the gate first
+# launches every bucket left (with zeros), because a rank where some parameter got no
+# gradient holds back a bucket the others have queued; inside it, such a rank would pair
+# the gated call with another rank's bucket (the mismatch check then raises on every rank).
+# On a GPU each bucket runs on the stream its gradients were produced on, and the caller's
+# stream waits for it. A bucket queued to a thread that stopped (hvd.shutdown) fails at
+# synchronize instead of being waited for.
+
+_tasks: queue.SimpleQueue = queue.SimpleQueue()
+_thread: Optional[threading.Thread] = None
+_generation = 0      # of the thread: a bucket queued to a stopped one is waited for by nobody
+_lock = threading.RLock()  # hooks may run on several autograd threads (CPU and GPU parameters)
+active: set = set()  # the Buckets with a gradient final since their last finish: gate hvd's calls
+
+
+def alive() -> bool:
+    return _thread is not None and _thread.is_alive()
+
+
+def _started() -> queue.SimpleQueue:
+    global _thread, _generation
+    if not alive():
+        comm_thread.check_thread_level()
+        g = runtime.init_group()
+        _generation += 1
+        _thread = threading.Thread(target=comm_thread.communicate, args=(_tasks, g.board),
+                                   daemon=True, name="mpidp-hvd-comm")
+        _thread.start()
+        # Note [Stopping the users first] in mpidp/runtime/resources.py
+        g.resources.add_user(functools.partial(comm_thread.stop, _tasks, _thread))
+    return _tasks
+
+
+@contextlib.contextmanager
+def gate():
+    """The block's collectives in their place after the buckets: outside the backward pass
+    every bucket with a gradient final is launched first, the rest with zeros (a rank where
+    some parameter got no gradient would otherwise hold back a bucket the others queued),
+    then the thread, once done with what was queued, waits for the block."""
+    if threading.current_thread() is _thread:  # a Compression's own hvd call, on the thread
+        yield
+        return
+    with _lock:
+        if torch._C._current_autograd_node() is None:
+            for buckets in list(active):
+                buckets.launch_rest()
+    if not alive():
+        yield
+        return
+    with comm_thread.parked(_tasks):
+        yield
+
+
+def groups_of(params: Sequence[torch.Tensor], groups, cap_bytes: int) -> tuple:
+    """The buckets (tuples of indices into ``params``, in launch order): Horovod's ``groups``
+    (a number of contiguous groups, or lists of parameters, each one not in a list a group of
+    its own), else mpidp's size-capped buckets; the last parameters first."""
+    n = len(params)
+    if groups is None:
+        cap = min(cap_bytes, BUCKET_CAP_BYTES)
+        return assign_buckets([p.numel() * p.element_size() for p in params],
+                              [p.dtype for p in params], cap, min(FIRST_BUCKET_BYTES, cap),
+                              tuple(reversed(range(n))))
+    if isinstance(groups, bool) or not isinstance(groups, (int, list)) or \
+            (isinstance(groups, int) and groups < 1):
+        raise ValueError(f"groups should be a positive integer or a list of lists of "
+                         f"torch.Tensor, got {groups!r}")
+    if isinstance(groups, int):
+        cuts = [len(part) for part in _split(n, groups)]
+        starts = [sum(cuts[:k]) for k in range(len(cuts))]
+        return tuple(tuple(range(s, s + c)) for s, c in reversed(list(zip(starts, cuts))) if c)
+    index = {id(p): i for i, p in enumerate(params)}
+    taken: dict = {}
+    made = []
+    for k, members in enumerate(groups):
+        if not isinstance(members, (list, tuple)):
+            raise ValueError(f"groups[{k}] should be a list of parameters")
+        mine = []
+        for p in members:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"groups[{k}] holds a {type(p).__name__}, not a parameter")
+            if not p.requires_grad:
+                continue  # frozen: no gradient to reduce, as Horovod hooks none
+            i = index.get(id(p))
+            if i is None:
+                raise ValueError(f"groups[{k}] holds a tensor that is not one of the "
+                                 "optimizer's parameters")
+            if i in taken:
+                raise ValueError(f"a parameter is in groups[{taken[i]}] and groups[{k}]")
+            taken[i] = k
+            mine.append(i)
+        if mine:
+            made.append(tuple(sorted(mine)))
+    made += [(i,) for i in range(n) if i not in taken]
+    # complete when its first parameter's gradient is, which backward makes last
+    return tuple(sorted(made, key=lambda b: -b[0]))
+
+
+def _split(n: int, parts: int) -> list:
+    """range(n) in ``parts`` contiguous runs as even as can be (the first ones longer)."""
+    size, extra = divmod(n, parts)
+    out, start = [], 0
+    for k in range(parts):
+        end = start + size + (k < extra)
+        out.append(range(start, end))
+        start = end
+    return out
+
+
+class Buckets:
+    """One optimizer's buckets over its ``params``: ``ready(i)`` as parameter i's gradient is
+    final, ``finish()`` at synchronize. ``task(params)`` (called on the launching thread)
+    returns the function that all-reduces those parameters' gradients on the thread."""
+
+    def __init__(self, params: list, buckets: tuple, task: Callable[[list], Callable[[], None]],
+                 label: str):
+        self.params, self.buckets, self._task, self._label = params, buckets, task, label
+        self._bucket_of = {i: k for k, b in enumerate(buckets) for i in b}
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self.stats = {"steps": 0, "buckets": 0, "launched_in_backward": 0}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pending = [len(b) for b in self.buckets]
+        self._next = 0       # the next bucket to launch
+        self._queued = 0     # buckets queued to the thread of generation self._generation
+        self._generation = 0
+        self._streams: list = []
+        active.discard(self)
+
+    def ready(self, i: int) -> None:
+        with _lock:
+            active.add(self)
+            k = self._bucket_of[i]
+            self._pending[k] -= 1
+            while self._next < len(self.buckets) and self._pending[self._next] == 0:
+                self._launch()
+                self.stats["launched_in_backward"] += 1
+
+    def launch_rest(self) -> None:
+        with _lock:
+            while self._next < len(self.buckets):
+                self._launch()
+
+    def _launch(self) -> None:
+        members = [self.params[i] for i in self.buckets[self._next]]
+        fn = self._task(members)
+        if members[0].is_cuda:  # the stream the gradients were produced on
+            stream = torch.cuda.current_stream(members[0].device)
+            self._streams.append(stream)
+            fn = functools.partial(_on_stream, stream, fn)
+        tasks = _started()
+        if self._queued and self._generation != _generation:
+            raise _stopped()
+        tasks.put(((self._label + " bucket {} of {}", self._next + 1, len(self.buckets)), fn,
+                   self._results))
+        self._generation = _generation
+        self._queued += 1
+        self._next += 1
+
+    def finish(self) -> None:
+        """Launches the buckets not launched yet, waits for every one, and raises the first
+        error a bucket met (every rank then raises: a refused or failed all-reduce fails on
+        every rank)."""
+        try:
+            self.launch_rest()
+        finally:
+            error = None
+            for _ in range(self._queued):
+                exc = self._result()
+                error = error or exc
+                if isinstance(exc, ThreadStoppedError):
+                    break
+            for stream in self._streams:
+                torch.cuda.current_stream(stream.device).wait_stream(stream)
+            self.stats["steps"] += 1
+            self.stats["buckets"] += len(self.buckets)
+            with _lock:
+                self._reset()
+        if error is not None:
+            raise error
+
+    def _result(self) -> Optional[BaseException]:
+        """A bucket's outcome; an error where the thread it was queued to stopped first."""
+        while True:
+            if self._generation != _generation:
+                return _stopped()
+            try:
+                return self._results.get(timeout=1.0)[0]
+            except queue.Empty:
+                if not alive() and self._results.empty():
+                    return _stopped()
+
+
+class ThreadStoppedError(MpidpError):
+    """A bucket was queued to a communication thread that stopped before running it."""
+
+
+def _stopped() -> ThreadStoppedError:
+    return ThreadStoppedError("mpidp.horovod: the communication thread stopped "
+                              "(hvd.shutdown?) before this optimizer's gradients were "
+                              "all-reduced")
+
+
+def _on_stream(stream, fn: Callable[[], None]) -> None:
+    with torch.cuda.stream(stream):
+        fn()
