@@ -29,6 +29,7 @@ _next_handle = itertools.count(1)
 
 _MPIDP_OP = {Average: "avg", Sum: "sum", Min: "min", Max: "max"}
 _PLAIN = {None: "avg", **_MPIDP_OP}  # allreduce_'s shortcut: ops with no rule to apply
+_TENSOR = torch.Tensor
 
 
 def resolve_op(op: Optional[int], average: Optional[bool]) -> int:
@@ -107,12 +108,12 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=None):
     """In place: ``tensor`` holds the reduction afterwards, and is returned."""
-    if (op is None or type(op) is int) and op in _PLAIN and average is None and \
-            process_set is None and prescale_factor == 1.0 and postscale_factor == 1.0 and \
-            not backward.active and type(tensor) is torch.Tensor and \
-            (op in (Sum, Min, Max) or tensor.is_floating_point()):
-        collectives.allreduce_(tensor, _PLAIN[op])  # the common call, straight to mpidp's
-        return tensor
+    if average is None and process_set is None and prescale_factor == 1.0 and \
+            postscale_factor == 1.0 and type(tensor) is _TENSOR and not backward.active:
+        plain = _PLAIN.get(op) if op is None or type(op) is int else None
+        if plain is not None and (plain != "avg" or tensor.is_floating_point()):
+            collectives.allreduce_(tensor, plain)  # the common call, straight to mpidp's
+            return tensor
     check_tensor(tensor, "allreduce_")
     op = resolve_op(op, average)
     with torch.no_grad(), on(process_set):
