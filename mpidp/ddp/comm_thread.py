@@ -73,18 +73,22 @@ def stop(tasks: queue.SimpleQueue, thread: threading.Thread, timeout_s: float) -
 
 
 @contextlib.contextmanager
-def parked(tasks: queue.SimpleQueue):
+def parked(tasks: queue.SimpleQueue, alive: Optional[Callable[[], bool]] = None):
     """Runs the block once the communication thread has finished the tasks queued before it,
     with that thread waiting until the block ends: the block's collectives come in their
-    place in the order, and only one thread calls MPI at a time."""
+    place in the order, and only one thread calls MPI at a time. ``alive()`` false while
+    waiting (the thread stopped: shutdown) raises instead of waiting for ever."""
     reached, released = threading.Event(), threading.Event()
 
     def gate():
         reached.set()
         released.wait()
     tasks.put(gate)
-    reached.wait()
     try:
+        while not reached.wait(1.0):
+            if alive is not None and not alive():
+                raise MpidpError("mpidp: the communication thread stopped (shutdown?) "
+                                 "before this collective's turn")
         yield
     finally:
         released.set()

@@ -21,7 +21,10 @@ frame outside mpidp's collective layer, file name and line, hashed into the algo
 and every object collective is preceded by a header naming it (kind OTHER, the name's CRC-32
 in the shape word): a rank that calls another collective, or the same one from another line,
 is named on every rank, with its call site. The cost is a stack walk per collective and one
-more exchange per object collective, so it is off by default. A sequence number would add
+more exchange per object collective, so it is off by default. A caller that knows what its
+collectives are can stamp them with a name in the same place, debug mode or not
+(Resources.stamped in mpidp/runtime/resources.py: DistributedOptimizer's buckets, Note
+[Gradients during backward] in mpidp/horovod/backward.py). A sequence number would add
 nothing here (the k-th collectives of the ranks are the ones paired, so their numbers always
 agree); the watchdog's report carries it instead, to name the ranks that are behind."""
 from __future__ import annotations
@@ -105,11 +108,17 @@ def call_site() -> str:
     return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
 
 
-def with_site(hdr: tuple, site: str) -> tuple:
-    """``hdr`` carrying a hash of its call site ``site`` above the algorithm byte."""
+def site_hash(site: str) -> int:
+    """The 24-bit hash a header carries for call site (or name) ``site``, remembered so that
+    a report names it."""
     crc = zlib.crc32(site.encode()) & 0xFFFFFF
     _SITES[crc] = site
-    return (hdr[0], hdr[1] | crc << 8) + tuple(hdr[2:])
+    return crc
+
+
+def with_site(hdr: tuple, site: str) -> tuple:
+    """``hdr`` carrying a hash of its call site ``site`` above the algorithm byte."""
+    return (hdr[0], hdr[1] | site_hash(site) << 8) + tuple(hdr[2:])
 
 
 def with_site_hash(hdr: tuple, crc: int) -> tuple:

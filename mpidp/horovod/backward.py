@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import queue
 import threading
+import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -15,6 +17,7 @@ import torch
 from .. import runtime
 from ..comm.fusion import assign_buckets
 from ..ddp import comm_thread
+from ..engine import header
 from ..errors import MpidpError
 
 FIRST_BUCKET_BYTES = 1 << 20   # the first bucket small, so the first all-reduce starts early
@@ -36,9 +39,14 @@ BUCKET_CAP_BYTES = 25 << 20    # a larger bucket only starts its all-reduce late
 # between backward and step, a process set added — goes through ``gate``: it waits until the
 # thread has done the buckets queued before it and runs with the thread parked, so it too
 # has one place in the order on every rank. Outside the backward pass the gate first
-# launches every bucket left (with zeros), because a rank where some parameter got no
-# gradient holds back a bucket the others have queued; inside it, such a rank would pair
-# the gated call with another rank's bucket (the mismatch check then raises on every rank).
+# launches every bucket left (with zeros; the optimizers in the order they were made),
+# because a rank where some parameter got no gradient holds back a bucket the others have
+# queued. Where ranks still differ — such a rank inside the backward pass, a rank whose
+# backward made no bucket ready at all, two optimizers whose buckets became ready in
+# another order — one rank's call meets another's: each bucket's all-reduce carries the
+# names of its tensors in its header (Resources.stamped; Horovod's names, from
+# named_parameters, or allreduce.noname.<set>.<optimizer>.<index>), so the check raises on
+# every rank, naming the buckets, instead of averaging one tensor with another.
 # On a GPU each bucket runs on the stream its gradients were produced on, and the caller's
 # stream waits for it. A bucket queued to a thread that stopped (hvd.shutdown) fails at
 # synchronize instead of being waited for.
@@ -47,7 +55,11 @@ _tasks: queue.SimpleQueue = queue.SimpleQueue()
 _thread: Optional[threading.Thread] = None
 _generation = 0      # of the thread: a bucket queued to a stopped one is waited for by nobody
 _lock = threading.RLock()  # hooks may run on several autograd threads (CPU and GPU parameters)
-active: set = set()  # the Buckets with a gradient final since their last finish: gate hvd's calls
+# the Buckets with a gradient final since their last finish (hvd's calls are gated then);
+# weak: an optimizer dropped without a step leaves no gate behind
+active: weakref.WeakSet = weakref.WeakSet()
+_serials = itertools.count()  # Buckets in the order they were made: the flush's order
+_gating = threading.local()   # this thread is inside a gate: an inner one passes through
 
 
 def alive() -> bool:
@@ -74,18 +86,30 @@ def gate():
     every bucket with a gradient final is launched first, the rest with zeros (a rank where
     some parameter got no gradient would otherwise hold back a bucket the others queued),
     then the thread, once done with what was queued, waits for the block."""
-    if threading.current_thread() is _thread:  # a Compression's own hvd call, on the thread
-        yield
+    if threading.current_thread() is _thread or getattr(_gating, "on", False):
+        yield  # on the thread itself (a Compression's own hvd call), or inside a gate
         return
     with _lock:
         if torch._C._current_autograd_node() is None:
-            for buckets in list(active):
+            for buckets in sorted(active, key=lambda b: b.serial):
                 buckets.launch_rest()
     if not alive():
         yield
         return
-    with comm_thread.parked(_tasks):
-        yield
+    _gating.on = True
+    try:
+        with comm_thread.parked(_tasks, alive):
+            yield
+    finally:
+        _gating.on = False
+
+
+def tag(k: int, n: int, names: Sequence[str]) -> int:
+    """The stamp bucket ``k`` of ``n``'s all-reduce carries in its header (Resources.stamped),
+    from the names of its tensors."""
+    tensors = names[0] if len(names) == 1 else \
+        f"{names[0]} … {names[-1]}, {len(names)} tensors"
+    return header.site_hash(f"DistributedOptimizer bucket {k + 1} of {n} ({tensors})")
 
 
 def groups_of(params: Sequence[torch.Tensor], groups, cap_bytes: int) -> tuple:
@@ -146,12 +170,13 @@ def _split(n: int, parts: int) -> list:
 
 class Buckets:
     """One optimizer's buckets over its ``params``: ``ready(i)`` as parameter i's gradient is
-    final, ``finish()`` at synchronize. ``task(params)`` (called on the launching thread)
-    returns the function that all-reduces those parameters' gradients on the thread."""
+    final, ``finish()`` at synchronize. ``task(params, k)`` (called on the launching thread)
+    returns the function that all-reduces bucket k's gradients on the thread."""
 
-    def __init__(self, params: list, buckets: tuple, task: Callable[[list], Callable[[], None]],
-                 label: str):
+    def __init__(self, params: list, buckets: tuple,
+                 task: Callable[[list, int], Callable[[], None]], label: str):
         self.params, self.buckets, self._task, self._label = params, buckets, task, label
+        self.serial = next(_serials)
         self._bucket_of = {i: k for k, b in enumerate(buckets) for i in b}
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self.stats = {"steps": 0, "buckets": 0, "launched_in_backward": 0}
@@ -164,6 +189,8 @@ class Buckets:
         self._generation = 0
         self._streams: list = []
         active.discard(self)
+        while not self._results.empty():  # what a stopped thread left behind
+            self._results.get_nowait()
 
     def ready(self, i: int) -> None:
         with _lock:
@@ -181,7 +208,7 @@ class Buckets:
 
     def _launch(self) -> None:
         members = [self.params[i] for i in self.buckets[self._next]]
-        fn = self._task(members)
+        fn = self._task(members, self._next)
         if members[0].is_cuda:  # the stream the gradients were produced on
             stream = torch.cuda.current_stream(members[0].device)
             self._streams.append(stream)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import itertools
 import warnings
 
 import torch
@@ -17,6 +18,9 @@ from . import backward
 from .compression import Compression
 from .ops import fused, resolve_op
 from .process_sets import group_of, local_root, on
+
+
+_made: dict = {}  # process set id -> a count of the DistributedOptimizers made on it
 
 
 class _DistributedOptimizer:
@@ -61,10 +65,18 @@ class _DistributedOptimizer:
         self._hvd_counts = {p: 0 for p in self._hvd_params}  # backward passes since the last
         self._hvd_skip = False  # synchronize
         self._hvd_synchronized = False  # since the last step
-        self._hvd_buckets = backward.Buckets(  # Note [Gradients during backward]
-            self._hvd_params, backward.groups_of(self._hvd_params, groups,
-                                                 config.get().horovod_fusion_bytes),
-            self._hvd_task, "DistributedOptimizer gradient")
+        buckets = backward.groups_of(self._hvd_params, groups,
+                                     config.get().horovod_fusion_bytes)
+        # Note [Gradients during backward]: each bucket's all-reduce names its tensors (as
+        # Horovod's names them), so that a call in another's place raises on every rank
+        self._hvd_buckets = backward.Buckets(self._hvd_params, buckets, self._hvd_task,
+                                             "DistributedOptimizer gradient")
+        names = {id(p): n for n, p in named} if named_parameters is not None else {}
+        where = 0 if self._hvd_process_set is None else self._hvd_process_set.process_set_id
+        serial = next(_made.setdefault(where, itertools.count()))  # unnamed: the order the
+        self._hvd_tags = [backward.tag(k, len(buckets), [  # set's ranks all make them in
+            names.get(id(self._hvd_params[i]), f"allreduce.noname.{where}.{serial}.{i}")
+            for i in b]) for k, b in enumerate(buckets)]
         for i, p in enumerate(self._hvd_params):
             p.register_post_accumulate_grad_hook(functools.partial(self._hvd_accumulated, i))
 
@@ -89,9 +101,9 @@ class _DistributedOptimizer:
                 self._hvd_counts[p] = 0
         self._hvd_synchronized = True
 
-    def _hvd_task(self, params: list):
-        """The all-reduce of ``params``' gradients, to run on the communication thread:
-        gradients made dense, or missing ones zeros, here first."""
+    def _hvd_task(self, params: list, k: int):
+        """The all-reduce of bucket ``k``'s gradients (``params``'), to run on the
+        communication thread: gradients made dense, or missing ones zeros, here first."""
         sparse = any(p.grad is not None and p.grad.is_sparse for p in params)
         refused = sparse and not self._hvd_sparse_as_dense
         for p in params:
@@ -100,10 +112,11 @@ class _DistributedOptimizer:
             elif p.grad.is_sparse and not refused:
                 p.grad = p.grad.to_dense()
         g = group_of(self._hvd_process_set)
-        return functools.partial(self._hvd_reduce, g, [p.grad for p in params], refused)
+        return functools.partial(self._hvd_reduce, g, [p.grad for p in params], refused,
+                                 self._hvd_tags[k])
 
-    def _hvd_reduce(self, g, grads: list, refused: bool) -> None:
-        with runtime.using(g):
+    def _hvd_reduce(self, g, grads: list, refused: bool, tag: int) -> None:
+        with runtime.using(g), g.resources.stamped(tag):
             if refused:  # refused on every rank, none waits
                 exc = ValueError("mpidp.horovod: sparse gradients are reduced as dense ones "
                                  "only: pass sparse_as_dense=True to DistributedOptimizer")

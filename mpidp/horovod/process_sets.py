@@ -86,12 +86,12 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     valid."""
     if process_set.process_set_id in (None, 0):
         return False
-    _sets.pop(process_set.process_set_id, None)
-    process_set.process_set_id = None
-    if process_set._group is not None:
-        with _after_buckets():
+    with _after_buckets():  # an optimizer on the set flushes its buckets while it is valid
+        _sets.pop(process_set.process_set_id, None)
+        process_set.process_set_id = None
+        if process_set._group is not None:
             runtime.free_subgroup(process_set._group)
-        process_set._group = None
+            process_set._group = None
     return True
 
 

@@ -4,6 +4,8 @@ Note [Handed down] in mpidp/engine/links.py), and the facts the algorithm choice
 by ``mpidp.init`` for its group."""
 from __future__ import annotations
 
+import contextlib
+
 import sys
 import warnings
 from typing import Callable, Optional
@@ -51,6 +53,7 @@ class Resources:
             topo.local_size, topo.node_ranks, topo.node_of, topo.single_node,
             topo.node_count == topo.size)
         self._users: list = []  # Note [Stopping the users first]
+        self._closed = False  # stop_users ran: the one-call paths stay off
         self._stuck = False
         self.watchdog: Optional[Watchdog] = None
         # Note [Small all-reduce in one call] in csrc/small.c: the C call that is the whole
@@ -142,6 +145,28 @@ class Resources:
         every rank's free word, or an error raised on every rank. Collective."""
         return self.links_ready().exchange(hdr, operation, local_error, data, dtype, op)
 
+    @contextlib.contextmanager
+    def stamped(self, site: Optional[int]):
+        """The block's collectives carry stamp ``site`` (header.site_hash of a name, or
+        another rank's stamp; None: nothing done) in their headers where the call site goes
+        in debug mode, so the check compares it (Note [Debug fingerprints] in
+        mpidp/engine/header.py): one rank's call that comes in another's place raises on
+        every rank instead of pairing. The one-call paths, whose headers carry no stamp, are
+        off meanwhile; the node's context is made first (a collective on its first use:
+        every rank enters the block at the same call)."""
+        if site is None:
+            yield
+            return
+        self.links_ready()
+        fast, self.fast_allreduce = self.fast_allreduce, None
+        self.board.site = site
+        try:
+            yield
+        finally:
+            self.board.site = None
+            if self.fast_allreduce is None and not self._closed:
+                self.fast_allreduce = fast
+
     def add_user(self, stop: Callable[[float], bool]) -> None:
         """Registers a thread that calls collectives on its own (DDP's communication thread):
         ``stop(timeout_s)`` ends and joins it, True once it has ended. Note [Stopping the
@@ -152,6 +177,7 @@ class Resources:
         """Note [Stopping the users first]: ends every wait in the shared-memory context,
         then stops and joins every registered thread. True when all of them ended (also on a
         later call). This rank only; no communication."""
+        self._closed = True
         if self._shm is not None:
             self.fast_allreduce = None
             self._shm.close()

@@ -77,17 +77,19 @@ class Board:
         self.debug = debug
         self.seq = self.done = self.pseq = self.pdone = 0
         self.what = self.context = self.pwhat = None
-        self.site = None  # debug mode: another rank's call-site hash to stamp instead of ours
-                          # (a joined rank's part: Note [Joined ranks] in engine/header.py)
+        self.site = None  # a stamp to carry instead of the call site (Resources.stamped):
+                          # a name's hash, or another rank's (Note [Joined ranks] in
+                          # engine/header.py)
 
     def publish(self, hdr: tuple) -> tuple:
         """Starts collective number ``seq + 1`` with header ``hdr`` and returns the header
         to exchange (carrying its call site in debug mode: Note [Debug fingerprints] in
         mpidp/engine/header.py). The caller sets ``done = seq`` when the collective returns."""
         self.seq += 1
-        if self.debug:
-            hdr = header.with_site(hdr, header.call_site()) if self.site is None else \
-                header.with_site_hash(hdr, self.site)
+        if self.site is not None:
+            hdr = header.with_site_hash(hdr, self.site)
+        elif self.debug:
+            hdr = header.with_site(hdr, header.call_site())
         self.what = hdr
         return hdr
 

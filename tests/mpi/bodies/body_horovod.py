@@ -12,6 +12,7 @@ import warnings
 import torch
 
 import mpidp.horovod as hvd
+from mpidp.errors import MismatchError
 from bodykit import expect, finish
 
 hvd.init()
@@ -216,6 +217,24 @@ expect(torch.allclose(extra.weight.grad, rows_of_0.expand(3, 6) / n, atol=1e-6),
 held = uneven._hvd_buckets.stats
 expect((held["launched_in_backward"], held["buckets"]) == ((3, 3) if r == 0 else (2, 3)),
        f"the bucket held back where the gradient is missing: {held}")
+if n > 1:  # two optimizers, the second's parameter used on rank 0 only (and last, so its
+    # bucket is queued there first): the buckets would pair across optimizers; their names
+    # in the headers make it an error on every rank, not a wrong average
+    pa, pb = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    first_opt, second_opt = (hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.0))
+                             for p in (pa, pb))
+    crossing = (pa * (1.0 + r)).sum()
+    if r == 0:
+        crossing = crossing + (pb * 100.0).sum()
+    crossing.backward()
+    said = []
+    for o in (first_opt, second_opt):
+        try:
+            o.step()
+        except MismatchError as exc:
+            said.append(str(exc))
+    expect(len(said) == 2 and all("at DistributedOptimizer bucket 1 of 1 (allreduce.noname."
+                                  in e for e in said), f"crossed buckets: {said}")
 net = torch.nn.Linear(2, 2)
 again = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
 net(torch.ones(1, 2)).sum().backward()
