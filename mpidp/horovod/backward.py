@@ -31,8 +31,8 @@ BUCKET_CAP_BYTES = 25 << 20    # a larger bucket only starts its all-reduce late
 # or Horovod's groups= / num_groups= where given), and buckets launch strictly in that order,
 # a ready bucket waiting for the ones before it, so every rank queues the same all-reduces in
 # the same order whatever its timing. One thread per process runs the queue for every
-# DistributedOptimizer (two optimizers stepping on one backward share it, so their buckets
-# never cross). synchronize() launches what is left (a parameter without a gradient
+# DistributedOptimizer (two optimizers stepping on one backward queue into its one order).
+# synchronize() launches what is left (a parameter without a gradient
 # contributes zeros, as in Horovod) and waits for every bucket.
 # A collective hvd makes on the user's thread while an optimizer has buckets under way —
 # SyncBatchNorm's backward, the backward of hvd.allreduce / allgather / broadcast, a metric
@@ -55,9 +55,10 @@ _tasks: queue.SimpleQueue = queue.SimpleQueue()
 _thread: Optional[threading.Thread] = None
 _generation = 0      # of the thread: a bucket queued to a stopped one is waited for by nobody
 _lock = threading.RLock()  # hooks may run on several autograd threads (CPU and GPU parameters)
-# the Buckets with a gradient final since their last finish (hvd's calls are gated then);
-# weak: an optimizer dropped without a step leaves no gate behind
-active: weakref.WeakSet = weakref.WeakSet()
+# serial -> a weak reference to each Buckets with a gradient final since its last finish
+# (hvd's calls are gated then; a plain dict: its truth is read on hvd's every call); weak, so
+# an optimizer dropped without a step leaves a dead entry that the next gate removes
+active: dict = {}
 _serials = itertools.count()  # Buckets in the order they were made: the flush's order
 _gating = threading.local()   # this thread is inside a gate: an inner one passes through
 
@@ -91,8 +92,12 @@ def gate():
         return
     with _lock:
         if torch._C._current_autograd_node() is None:
-            for buckets in sorted(active, key=lambda b: b.serial):
-                buckets.launch_rest()
+            for serial in sorted(active):
+                buckets = active[serial]()
+                if buckets is None:
+                    del active[serial]
+                else:
+                    buckets.launch_rest()
     if not alive():
         yield
         return
@@ -127,9 +132,7 @@ def groups_of(params: Sequence[torch.Tensor], groups, cap_bytes: int) -> tuple:
         raise ValueError(f"groups should be a positive integer or a list of lists of "
                          f"torch.Tensor, got {groups!r}")
     if isinstance(groups, int):
-        cuts = [len(part) for part in _split(n, groups)]
-        starts = [sum(cuts[:k]) for k in range(len(cuts))]
-        return tuple(tuple(range(s, s + c)) for s, c in reversed(list(zip(starts, cuts))) if c)
+        return tuple(tuple(run) for run in reversed(_split(n, groups)) if run)
     index = {id(p): i for i, p in enumerate(params)}
     taken: dict = {}
     made = []
@@ -174,9 +177,9 @@ class Buckets:
     returns the function that all-reduces bucket k's gradients on the thread."""
 
     def __init__(self, params: list, buckets: tuple,
-                 task: Callable[[list, int], Callable[[], None]], label: str):
-        self.params, self.buckets, self._task, self._label = params, buckets, task, label
-        self.serial = next(_serials)
+                 task: Callable[[list, int], Callable[[], None]]):
+        self.params, self.buckets, self._task = params, buckets, task
+        self.serial, self._ref = next(_serials), weakref.ref(self)
         self._bucket_of = {i: k for k, b in enumerate(buckets) for i in b}
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self.stats = {"steps": 0, "buckets": 0, "launched_in_backward": 0}
@@ -188,13 +191,13 @@ class Buckets:
         self._queued = 0     # buckets queued to the thread of generation self._generation
         self._generation = 0
         self._streams: list = []
-        active.discard(self)
+        active.pop(self.serial, None)
         while not self._results.empty():  # what a stopped thread left behind
             self._results.get_nowait()
 
     def ready(self, i: int) -> None:
         with _lock:
-            active.add(self)
+            active[self.serial] = self._ref
             k = self._bucket_of[i]
             self._pending[k] -= 1
             while self._next < len(self.buckets) and self._pending[self._next] == 0:
@@ -216,8 +219,8 @@ class Buckets:
         tasks = _started()
         if self._queued and self._generation != _generation:
             raise _stopped()
-        tasks.put(((self._label + " bucket {} of {}", self._next + 1, len(self.buckets)), fn,
-                   self._results))
+        tasks.put((("DistributedOptimizer gradient bucket {} of {}", self._next + 1,
+                    len(self.buckets)), fn, self._results))
         self._generation = _generation
         self._queued += 1
         self._next += 1

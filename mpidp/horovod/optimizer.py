@@ -69,8 +69,7 @@ class _DistributedOptimizer:
                                      config.get().horovod_fusion_bytes)
         # Note [Gradients during backward]: each bucket's all-reduce names its tensors (as
         # Horovod's names them), so that a call in another's place raises on every rank
-        self._hvd_buckets = backward.Buckets(self._hvd_params, buckets, self._hvd_task,
-                                             "DistributedOptimizer gradient")
+        self._hvd_buckets = backward.Buckets(self._hvd_params, buckets, self._hvd_task)
         names = {id(p): n for n, p in named} if named_parameters is not None else {}
         where = 0 if self._hvd_process_set is None else self._hvd_process_set.process_set_id
         serial = next(_made.setdefault(where, itertools.count()))  # unnamed: the order the

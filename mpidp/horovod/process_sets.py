@@ -133,7 +133,7 @@ def on(process_set: Optional[ProcessSet]):
     """Runs the block's collectives on ``process_set``'s group, after the gradient buckets in
     flight (Note [Gradients during backward] in mpidp/horovod/backward.py); yields it."""
     g = group_of(process_set)
-    with backward.gate() if backward.active else _NOTHING, runtime.using(g):
+    with _after_buckets(), runtime.using(g):
         yield g
 
 
