@@ -65,6 +65,23 @@ class DeviceBucket(BucketBase):
             cupy().cuda.get_current_stream()
         return DeviceOps(stream)
 
+    def reduce_(self, sources: Sequence[Any], destinations: Sequence[Any], op: str,
+                algorithm: str) -> None:
+        """BucketBase.reduce_ with the pack, the all-reduce and the unpack on one stream: the
+        captured one, else the first source's producer for this call. (The all-reduce alone
+        sees no tensor: on CuPy's current stream it would not wait for a pack on a torch side
+        stream, which CUDA does not order against the legacy default stream.)"""
+        if self.stream is not None:
+            super().reduce_(sources, destinations, op, algorithm)
+            return
+        first = next((s for s in sources if s is not None), None)
+        self.stream = cupy().cuda.get_current_stream() if first is None else \
+            producer_stream(as_device_array(first))
+        try:
+            super().reduce_(sources, destinations, op, algorithm)
+        finally:
+            self.stream = None
+
     def allreduce_(self, op: str, algorithm: str) -> None:
         """All-reduces the bucket in place, in its stream's order."""
         with cupy().cuda.Device(self.device), self._ops([]).stream:

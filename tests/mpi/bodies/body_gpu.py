@@ -3,7 +3,7 @@ arrays and torch CUDA tensors equals the host result bit for bit (staged at any 
 ring and nccl where each rank has a GPU of its own, and nccl with one rank), and
 DistributedDataParallel with its buckets on the GPU ends with the parameters of CPU training;
 a rank that joined adds zeros to the others' CUDA all-reduces; Horovod's DistributedOptimizer
-on CUDA. Prints 'ok <rank>'."""
+on CUDA, and a grouped all-reduce on a side stream. Prints 'ok <rank>'."""
 import contextlib
 import sys
 
@@ -116,32 +116,63 @@ for name, make in (("fp16", lambda: (None, fp16_compress_hook)),
                for a, b in zip(pair["cpu"], pair["cuda"])),
            f"{name} compression on device buckets differs from the host's")
 
+# a grouped all-reduce of tensors a side stream is still writing: the pack, the all-reduce and
+# the unpack follow that stream (torch's side streams are not ordered against CuPy's default)
+side = torch.cuda.Stream()
+with torch.cuda.stream(side):
+    late = [torch.empty(k, device="cuda") for k in (3, 70_001, 5)]
+    torch.cuda._sleep(20_000_000)  # ~10 ms of the GPU before the values are written
+    for k, t in enumerate(late):
+        t.fill_(rank + k)
+    mpidp.grouped_allreduce_(late, "sum")
+torch.cuda.synchronize()
+expect(all(torch.equal(t.cpu(), torch.full((t.numel(),), float(n * k + n * (n - 1) // 2)))
+           for k, t in enumerate(late)), "grouped_allreduce_ on a side stream")
+
 # ---- Horovod's DistributedOptimizer on CUDA: a bucket per parameter, each all-reduced during
 # backward on the stream its gradients came from (Note [Gradients during backward]) ---------
 import mpidp.horovod as hvd  # noqa: E402
 hvd.init()
-trained = {}
-side = torch.cuda.Stream()  # not the comm thread's default stream: the bucket must follow it
-for dev in ("cpu", "cuda"):
+
+
+def hvd_training(dev, with_hvd):
+    """Three steps of SGD on rank-dependent batches: through hvd.DistributedOptimizer, or
+    (``with_hvd=False``) a plain optimizer after a synchronous all-reduce of each gradient."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 4)).to(dev)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), groups=4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    if with_hvd:
+        opt = hvd.DistributedOptimizer(opt, groups=4)
     for step in range(3):
         x = torch.randint(-3, 4, (64, 256),
                           generator=torch.Generator().manual_seed(rank + 10 * step)).float()
         with torch.cuda.stream(side) if dev == "cuda" else contextlib.nullcontext():
             opt.zero_grad()
             net(x.to(dev)).sum().backward()
-            if dev == "cuda":
+            if not with_hvd:
+                for p in net.parameters():
+                    mpidp.allreduce_(p.grad, "avg")
+            elif dev == "cuda":
                 expect(opt._hvd_buckets._streams and
                        all(st == side for st in opt._hvd_buckets._streams),
                        f"hvd buckets on the gradients' stream: {opt._hvd_buckets._streams}")
             opt.step()
-    trained[dev] = [p.detach().cpu() for p in net.parameters()]
-    expect(opt._hvd_buckets.stats["launched_in_backward"] == 12,
-           f"hvd buckets on {dev} launched from the hooks: {opt._hvd_buckets.stats}")
-expect(all(torch.allclose(a, b, atol=1e-5) for a, b in zip(trained["cpu"], trained["cuda"])),
-       "hvd.DistributedOptimizer on CUDA differs from the host's")
+    if with_hvd:
+        expect(opt._hvd_buckets.stats["launched_in_backward"] == 12,
+               f"hvd buckets on {dev} launched from the hooks: {opt._hvd_buckets.stats}")
+    torch.cuda.synchronize()
+    return [p.detach().cpu() for p in net.parameters()]
+
+
+# the same kernels on the same stream give the same bits; the host's matmuls sum in another order
+trained = {"cpu": hvd_training("cpu", True), "cuda": hvd_training("cuda", True),
+           "cuda, all-reduced after backward": hvd_training("cuda", False)}
+for other, same in (("cuda, all-reduced after backward", True), ("cpu", False)):
+    diff = max(float((a - b).abs().max()) for a, b in zip(trained["cuda"], trained[other]))
+    scale = max(float(a.abs().max()) for a in trained[other])
+    expect(diff == 0 if same else diff <= 1e-5 * scale,
+           f"hvd.DistributedOptimizer on CUDA differs from {other} by {diff:g} "
+           f"(largest parameter {scale:g})")
 
 # ---- a rank that joined adds zeros to the others' CUDA all-reduces (Note [Joined ranks]) ---
 from mpidp.comm import joined  # noqa: E402
