@@ -5,7 +5,8 @@ peer's buffer (process_vm_writev, what the shm all-reduce writes its results wit
 it (process_vm_readv, how it reads the peer's input), each into a destination written before
 (no page faults); the all-reduce's own read pattern (the peer's 256 KiB chunks into one
 cache-resident scratch) by CMA and by a user-space copy; and the in-place shm all-reduce of the
-same size beside them. Which copy the all-reduce runs at says where its time goes.
+same size beside them, of an ordinary buffer and of one from mpidp.alloc (Note [Node heap] in
+csrc/heap.c: the peer's stores land in it directly). Which copy the all-reduce runs at says where its time goes.
 
     mpiexec -n 2 python bench/copy_kinds.py [--size 32M] [--repeats 5]
 """
@@ -76,6 +77,8 @@ def main():
             np.copyto(scratch, src[at:at + chunk])
 
     buf = np.ones(nbytes // 4, np.float32)
+    node_buf = mpidp.alloc(nbytes // 4, np.float32)  # Note [Node heap]: peers store into it
+    node_buf[:] = 1
     kinds = {"numpy copy": lambda i: np.copyto(dst, src),
              "non-temporal copy": lambda i: ext.stream_copy(dst, src),
              "CMA write into the peer": cma(libc.process_vm_writev, local),
@@ -83,7 +86,9 @@ def main():
              f"numpy copy, {args.chunk} chunks into one hot scratch": copy_chunks,
              f"CMA read, {args.chunk} chunks into one hot scratch": cma_chunks,
              "shm all-reduce, in place": lambda i: mpidp.allreduce_(buf, "sum",
-                                                                    algorithm="shm")}
+                                                                    algorithm="shm"),
+             "shm all-reduce, in place, buffer from mpidp.alloc":
+                 lambda i: mpidp.allreduce_(node_buf, "sum", algorithm="shm")}
     rates = {k: [] for k in kinds}
     for _ in range(args.repeats):
         for name, call in kinds.items():  # the kinds take turns: drift is shared

@@ -21,6 +21,13 @@ int mp_add_shm_context_type(PyObject *m);
 int mp_add_checked_type(PyObject *m);
 /* Adds the HostView type (view.c) to module `m`; -1 on error. */
 int mp_add_host_view_type(PyObject *m);
+/* Adds the HeapBlock type (heap.c) to module `m`; -1 on error. */
+int mp_add_heap_type(PyObject *m);
+/* heap_alloc(nbytes): Note [Node heap] in heap.c. */
+PyObject *mp_heap_alloc(PyObject *module, PyObject *arg);
+extern const char mp_heap_alloc_doc[];
+PyObject *mp_heap_stats(PyObject *module, PyObject *unused);
+extern const char mp_heap_stats_doc[];
 /* host_view(addr, nbytes, format, shape, owner): Note [Host views] in view.c. */
 PyObject *mp_host_view(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 extern const char mp_host_view_doc[];

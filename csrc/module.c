@@ -6,6 +6,7 @@
 #include "fusion.h"
 #include "kernels.h"
 #include "shm.h"
+#include "cma.h"
 #include "binding.h"
 
 int mp_get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what) {
@@ -307,6 +308,8 @@ static PyMethodDef methods[] = {
     {"set_ptracer", py_set_ptracer, METH_VARARGS,
      "set_ptracer(pid) -> 0 or errno: Yama's PR_SET_PTRACER (0 clears it)"},
     {"cma_probe", py_cma_probe, METH_VARARGS, "cma_probe(pid, addr, nbytes) -> 0 or errno"},
+    {"heap_alloc", mp_heap_alloc, METH_O, mp_heap_alloc_doc},
+    {"heap_stats", mp_heap_stats, METH_NOARGS, mp_heap_stats_doc},
     {"host_view", (PyCFunction)(void (*)(void))mp_host_view, METH_FASTCALL, mp_host_view_doc},
     {"tensor_view", (PyCFunction)(void (*)(void))mp_tensor_view, METH_FASTCALL,
      mp_tensor_view_doc},
@@ -322,7 +325,7 @@ PyMODINIT_FUNC PyInit__ext(void) {
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     if (mp_add_shm_context_type(m) < 0 || mp_add_checked_type(m) < 0 ||
-        mp_add_host_view_type(m) < 0) {
+        mp_add_host_view_type(m) < 0 || mp_add_heap_type(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

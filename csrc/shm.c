@@ -30,13 +30,13 @@
  * published before it, so a peer failure is reported by every rank. */
 #define _GNU_SOURCE
 #include "shm.h"
+#include "cma.h"
+#include "heap.h"
 #include "kernels.h"
 #include <errno.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
-#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -136,89 +136,15 @@ static int wait_all(const shm_call *c, int second, shm_result *r) {
     return 0;
 }
 
-/* Moves n bytes between `local` and process `pid`'s address `remote` with cross-memory
- * attach, looping over partial transfers. Returns 0 or an errno. */
-static int cma_transfer(pid_t pid, void *local, uint64_t remote, size_t n, int write) {
-    size_t done = 0;
-    while (done < n) {
-        struct iovec l = {(char *)local + done, n - done};
-        struct iovec rv = {(void *)(uintptr_t)(remote + done), n - done};
-        ssize_t got = write ? process_vm_writev(pid, &l, 1, &rv, 1, 0)
-                            : process_vm_readv(pid, &l, 1, &rv, 1, 0);
-        if (got <= 0) return got < 0 ? errno : EIO;
-        done += (size_t)got;
-    }
-    return 0;
-}
-
-typedef struct {
-    int64_t addr, nbytes;
-} seg_entry;
-
-#define SEG_BATCH 64 /* remote pieces per cross-memory-attach call */
-
-/* Moves a batch of pieces between consecutive bytes at `buf` and process `pid`: one system
- * call for all of them, piece by piece only if the kernel stops short. */
-static int cma_batch(pid_t pid, char *buf, const struct iovec *remote, int count, size_t total,
-                     int write) {
-    struct iovec l = {buf, total};
-    ssize_t got = write ? process_vm_writev(pid, &l, 1, remote, (unsigned long)count, 0)
-                        : process_vm_readv(pid, &l, 1, remote, (unsigned long)count, 0);
-    if (got == (ssize_t)total) return 0;
-    for (int i = 0; i < count; i++) { /* idempotent: redo the batch piece by piece */
-        int err = cma_transfer(pid, buf, (uint64_t)(uintptr_t)remote[i].iov_base,
-                               remote[i].iov_len, write);
-        if (err) return err;
-        buf += remote[i].iov_len;
-    }
-    return 0;
-}
-
-/* Moves bytes [off, off + n) of the segmented buffer described by `rec` to (write = 0) or
- * from (write = 1) `buf`: with memcpy in this process (pid 0), else cross-memory attach in
- * batches of SEG_BATCH pieces. */
-static int seg_move(pid_t pid, const record_t *rec, size_t off, char *buf, size_t n, int write) {
-    const seg_entry *table = (const seg_entry *)rec->payload;
-    struct iovec batch[SEG_BATCH];
-    int count = 0;
-    size_t base = 0, pending = 0;
-    char *start = buf;
-    for (int64_t i = 0; i < rec->nsegs && n; i++) {
-        size_t len = (size_t)table[i].nbytes;
-        if (off < base + len) {
-            size_t skip = off - base, take = len - skip < n ? len - skip : n;
-            char *addr = (char *)(uintptr_t)table[i].addr + skip;
-            if (pid == 0) {
-                if (write) memcpy(addr, buf, take);
-                else memcpy(buf, addr, take);
-            } else {
-                batch[count].iov_base = addr;
-                batch[count].iov_len = take;
-                pending += take;
-                if (++count == SEG_BATCH) {
-                    int err = cma_batch(pid, start, batch, count, pending, write);
-                    if (err) return err;
-                    start += pending;
-                    count = 0;
-                    pending = 0;
-                }
-            }
-            buf += take;
-            off += take;
-            n -= take;
-        }
-        base += len;
-    }
-    return count ? cma_batch(pid, start, batch, count, pending, write) : 0;
-}
-
 static int peer_read(const shm_call *c, int q, void *local, size_t offset, size_t n) {
     const record_t *rec = &slot_of(c, q)->record[c->seq & 1];
     if (c->peers == SHM_PEERS_WINDOW) {
         memcpy(local, c->segments[q] + offset, n);
         return 0;
     }
-    if (rec->nsegs) return seg_move((pid_t)rec->pid, rec, offset, local, n, 0);
+    if (rec->nsegs)
+        return seg_move((pid_t)rec->pid, (const seg_entry *)rec->payload, rec->nsegs, offset,
+                        local, n, 0);
     return cma_transfer((pid_t)rec->pid, local, (uint64_t)rec->in_addr + offset, n, 0);
 }
 
@@ -228,12 +154,53 @@ static int peer_write(const shm_call *c, int q, size_t offset, const void *local
         memcpy(c->segments[q] + offset, local, n);
         return 0;
     }
-    if (rec->nsegs) return seg_move((pid_t)rec->pid, rec, offset, (char *)local, n, 1);
+    if (rec->nsegs)
+        return seg_move((pid_t)rec->pid, (const seg_entry *)rec->payload, rec->nsegs, offset,
+                        (char *)local, n, 1);
     return cma_transfer((pid_t)rec->pid, (void *)local, (uint64_t)rec->out_addr + offset, n, 1);
 }
 
+/* Peers' buffers mapped here (Note [Node heap] in heap.c): rank q's input and output at
+ * in[q], out[q], or NULL where they are reached through the kernel. */
+typedef struct {
+    char *in[SHM_MAX_RANKS], *out[SHM_MAX_RANKS];
+    int any;
+} direct_t;
+
+/* Where a sliced call's record publishes its buffers' places in the node heap. */
+typedef struct {
+    heap_desc in, out;
+} heap_pair;
+
+static void map_peers(const shm_call *c, direct_t *dx) {
+    dx->any = 0;
+    for (int q = 0; q < c->nranks; q++) {
+        const record_t *rec = &slot_of(c, q)->record[c->seq & 1];
+        const heap_pair *h = (const heap_pair *)rec->payload;
+        dx->in[q] = dx->out[q] = NULL;
+        if (q == c->rank || c->peers != SHM_PEERS_CMA || rec->nsegs) continue;
+        dx->in[q] = heap_peer((pid_t)rec->pid, &h->in);
+        dx->out[q] = rec->out_addr == rec->in_addr ? dx->in[q]
+                                                   : heap_peer((pid_t)rec->pid, &h->out);
+        dx->any |= dx->in[q] || dx->out[q];
+    }
+}
+
+/* Stores `n` bytes of this rank's result at offset `off` of rank q's output: straight into
+ * its memory where it is mapped here — plain stores in place, where the lines were just
+ * loaded, non-temporal ones otherwise (Note [Streaming copy] in kernels.c) — else through
+ * the kernel. */
+static int store_to_peer(const shm_call *c, const direct_t *dx, int q, size_t off,
+                         const char *src, size_t n) {
+    if (!dx->out[q]) return peer_write(c, q, off, src, n);
+    if (dx->out[q] == dx->in[q]) memcpy(dx->out[q] + off, src, n);
+    else mp_stream_copy(dx->out[q] + off, src, n);
+    return 0;
+}
+
 /* Reduces slice [slice_lo, slice_hi) of every rank's input into every rank's output,
- * chunk by chunk through a cache-sized scratch buffer. Returns 0 or an errno. */
+ * chunk by chunk through a cache-sized scratch buffer (peers mapped here are loaded from
+ * directly). Returns 0 or an errno. */
 /* Note [Chunk size]
  * A slice is reduced a chunk at a time (MPIDP_SHM_CHUNK_BYTES, 1 MiB by default): each peer's
  * chunk is read into a scratch that stays in cache, reduced, and written back out. Each chunk
@@ -243,14 +210,22 @@ static int peer_write(const shm_call *c, int q, size_t offset, const void *local
  * user-space copy of the same pattern: 12-16; bench/copy_kinds.py --chunk). The 64 MiB
  * in-place all-reduce on 2 ranks took 0.82x the time with 1 MiB chunks as with 256 KiB, and
  * 0.85-0.93x from 1 to 32 MiB (bench/RESULTS.md, issue 32). The scratch is never larger than
- * the slice. */
-static int sliced_reduce(const shm_call *c, shm_result *r) {
+ * the slice. Where a peer's buffer is mapped here (Note [Node heap] in heap.c) there is no
+ * system call to amortise, and the chunk is what must stay in cache between loading the
+ * peer's bytes and storing the result over them: at most SHM_DIRECT_CHUNK_BYTES (64 KiB). The
+ * 64 MiB in-place all-reduce of node memory on 2 ranks ran at 99-101% of the non-temporal
+ * copy with 64 KiB chunks, 72-94% with 128 KiB, 89-97% with 256 KiB, ~80% with 1 MiB
+ * (bench/copy_kinds.py, one launch each, the kinds taking turns). */
+static int sliced_reduce(const shm_call *c, const direct_t *dx, shm_result *r) {
     size_t isz = mp_itemsize(c->dtype);
-    size_t chunk = c->chunk_bytes / isz;
+    size_t chunk_bytes = c->chunk_bytes;
+    if (dx->any && chunk_bytes > SHM_DIRECT_CHUNK_BYTES) chunk_bytes = SHM_DIRECT_CHUNK_BYTES;
+    size_t chunk = chunk_bytes / isz;
     if (chunk == 0) chunk = 1;
     if (c->slice_hi > c->slice_lo && chunk > c->slice_hi - c->slice_lo)
         chunk = c->slice_hi - c->slice_lo; /* the scratch no larger than the slice */
     const record_t *mine = &slot_of(c, c->rank)->record[c->seq & 1];
+    const seg_entry *own_table = (const seg_entry *)mine->payload;
     /* Note [Summation order]: with three ranks or more the terms are added in rank order, so
      * that the result does not depend on who owns the slice (and so on bucket layout); an
      * in-place call on rank > 0 then needs a spare chunk, since its own data is added after
@@ -270,13 +245,15 @@ static int sliced_reduce(const shm_call *c, shm_result *r) {
         size_t off = lo * isz, nbytes = n * isz;
         char *dst = acc ? acc : c->out + off;
         const char *own = acc ? acc : c->in + off;
-        if (acc) seg_move(0, mine, off, acc, nbytes, 0);
+        if (acc) seg_move(0, own_table, mine->nsegs, off, acc, nbytes, 0);
         if (c->nranks == 1 && dst != own) memcpy(dst, own, nbytes);
         if (rank_order && c->nranks > 1) {
             char *sum = spare ? spare : dst;
             for (int q = 0; q < c->nranks && !err; q++) {
                 const char *term = own;
-                if (q != c->rank) {
+                if (q != c->rank && dx->in[q]) {
+                    term = dx->in[q] + off;
+                } else if (q != c->rank) {
                     char *into = q == 0 ? sum : scratch;
                     if ((err = peer_read(c, q, into, off, nbytes))) { r->peer_rank = q; break; }
                     term = into;
@@ -288,17 +265,18 @@ static int sliced_reduce(const shm_call *c, shm_result *r) {
         } else {
             for (int k = 1; k < c->nranks && !err; k++) {
                 int q = (c->rank + k) % c->nranks;
-                if ((err = peer_read(c, q, scratch, off, nbytes))) r->peer_rank = q;
-                else mp_reduce2(dst, k == 1 ? own : dst, scratch, n, c->dtype, c->op);
+                const char *term = dx->in[q] ? dx->in[q] + off : scratch;
+                if (!dx->in[q] && (err = peer_read(c, q, scratch, off, nbytes))) r->peer_rank = q;
+                else mp_reduce2(dst, k == 1 ? own : dst, term, n, c->dtype, c->op);
             }
         }
         if (!err && c->divisor > 1) mp_divide(dst, n, c->dtype, c->divisor);
         for (int k = 1; k < c->nranks && !err; k++) {
             int q = (c->rank + k) % c->nranks;
-            if ((err = peer_write(c, q, off, dst, nbytes))) r->peer_rank = q;
+            if ((err = store_to_peer(c, dx, q, off, dst, nbytes))) r->peer_rank = q;
         }
         if (c->peers == SHM_PEERS_WINDOW && !err) memcpy(c->segments[c->rank] + off, dst, nbytes);
-        else if (acc && !err) seg_move(0, mine, off, acc, nbytes, 1);
+        else if (acc && !err) seg_move(0, own_table, mine->nsegs, off, acc, nbytes, 1);
     }
     free(scratch);
     return err;
@@ -325,6 +303,11 @@ void shm_run(const shm_call *c, shm_result *r) {
     rec->status = 0;
     rec->nsegs = (int64_t)c->nsegs;
     rec->seq = (int64_t)c->seq;
+    if (c->data == SHM_DATA_SLICED && !c->nsegs && c->peers == SHM_PEERS_CMA && c->nranks > 1) {
+        heap_pair *h = (heap_pair *)rec->payload;
+        h->in = heap_find(c->in, nbytes);
+        h->out = c->out == c->in ? h->in : heap_find(c->out, nbytes);
+    }
     seg_entry *table = (seg_entry *)rec->payload;
     for (size_t i = 0; i < c->nsegs; i++) {
         table[i].addr = (int64_t)(uintptr_t)c->segs[i].ptr;
@@ -332,7 +315,7 @@ void shm_run(const shm_call *c, shm_result *r) {
     }
     if (c->data == SHM_DATA_INLINE && nbytes) memcpy(rec->payload, c->in, nbytes);
     if (c->data == SHM_DATA_SLICED && c->peers == SHM_PEERS_WINDOW && nbytes) {
-        if (c->nsegs) seg_move(0, rec, 0, c->segments[c->rank], nbytes, 0);
+        if (c->nsegs) seg_move(0, table, rec->nsegs, 0, c->segments[c->rank], nbytes, 0);
         else memcpy(c->segments[c->rank], c->in, nbytes);
     }
     __atomic_store_n(&mine->arrive1, c->seq, __ATOMIC_RELEASE);
@@ -355,7 +338,10 @@ void shm_run(const shm_call *c, shm_result *r) {
     if (c->data == SHM_DATA_INLINE) { inline_reduce(c); return; }
     if (c->data != SHM_DATA_SLICED) return;
 
-    int err = sliced_reduce(c, r);
+    direct_t dx;
+    map_peers(c, &dx);
+    int err = sliced_reduce(c, &dx, r);
+    heap_release_all();
     rec->status = err ? ((int64_t)r->peer_rank << 32) | (int64_t)err : 0;
     __atomic_store_n(&mine->arrive2, c->seq, __ATOMIC_RELEASE);
     waited = wait_all(c, 1, r);
@@ -371,26 +357,9 @@ void shm_run(const shm_call *c, shm_result *r) {
         }
     }
     if (c->peers == SHM_PEERS_WINDOW && nbytes) {
-        if (c->nsegs) seg_move(0, rec, 0, c->segments[c->rank], nbytes, 1);
+        if (c->nsegs) seg_move(0, table, rec->nsegs, 0, c->segments[c->rank], nbytes, 1);
         else memcpy(c->out, c->segments[c->rank], nbytes);
     }
-}
-
-int shm_cma_probe(pid_t pid, uint64_t addr, size_t nbytes) {
-    char buf[64];
-    if (nbytes > sizeof(buf)) nbytes = sizeof(buf);
-    struct iovec l = {buf, nbytes}, rv = {(void *)(uintptr_t)addr, nbytes};
-    ssize_t got = process_vm_readv(pid, &l, 1, &rv, 1, 0);
-    if (got < 0) return errno;
-    return got == (ssize_t)nbytes ? 0 : EIO;
-}
-
-int shm_set_ptracer(long pid) {
-#ifdef PR_SET_PTRACER
-    return prctl(PR_SET_PTRACER, (unsigned long)pid, 0, 0, 0) ? errno : 0;
-#else
-    return pid ? ENOSYS : 0;
-#endif
 }
 
 void shm_partition(size_t count, int nranks, int rank, size_t *lo, size_t *hi) {

@@ -12,6 +12,9 @@
 #define SHM_INLINE_BYTES 4096  /* payload carried inside the record itself */
 #define SHM_SLOT_BYTES (256 + 2 * (128 + SHM_INLINE_BYTES))
 #define SHM_MAX_SEGMENTS (SHM_INLINE_BYTES / 16) /* segment table in the inline payload */
+/* The chunk where peers' buffers are mapped (Note [Chunk size] in shm.c): a peer's chunk
+ * loaded for the reduction must still be in cache when the result is stored over it. */
+#define SHM_DIRECT_CHUNK_BYTES (64 << 10)
 
 enum { SHM_OK = 0, SHM_MISMATCH = 1, SHM_TIMEOUT = 2, SHM_PEER_ERROR = 3, SHM_OUT_OF_STEP = 4,
        SHM_INTERRUPTED = 5 };
@@ -56,11 +59,6 @@ typedef struct {
 
 /* Runs one call of the protocol; releases nothing (the caller drops the GIL). */
 void shm_run(const shm_call *c, shm_result *r);
-/* 0 if this process can read `nbytes` at `addr` in process `pid`, else errno. */
-int shm_cma_probe(pid_t pid, uint64_t addr, size_t nbytes);
-/* Declares `pid` (and its descendants) as allowed to attach to this process under Yama
- * ptrace_scope 1 (0: nobody). Returns 0 or an errno. Note [Cross-memory attach] in shm.py. */
-int shm_set_ptracer(long pid);
 /* Elements of rank `rank`'s slice of `count` split over `nranks` (as mpidp.engine.ring.partition). */
 void shm_partition(size_t count, int nranks, int rank, size_t *lo, size_t *hi);
 

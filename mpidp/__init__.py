@@ -17,6 +17,7 @@ _EXPORTS = {
     "broadcast": "comm.collectives", "broadcast_": "comm.collectives",
     "reduce_": "comm.collectives", "allgather": "comm.collectives",
     "reduce_scatter": "comm.collectives",
+    "alloc": "comm.node_memory",
     "grouped_allreduce": "comm.fusion", "grouped_allreduce_": "comm.fusion",
     "broadcast_parameters": "comm.state_broadcast",
     "broadcast_optimizer_state": "comm.state_broadcast",

@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "destination per rank (default: enough to fill 64 MiB, at most 64: "
                         "data from memory above a few hundred KiB; 3: data in cache up to "
                         "the cache's size, as a loop over a few tensors runs)")
+    p.add_argument("--memory", default="ordinary", choices=("ordinary", "node"),
+                   help="cpu buffers: ordinary arrays (default), or node: from mpidp.alloc, "
+                        "which the node's ranks reach directly (Note [Node heap])")
     p.add_argument("--json", metavar="FILE", help="write every row and the ceiling as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size (needs matplotlib)")
 
@@ -68,6 +71,14 @@ def _make(dtype: str, count: int, fill):
         import torch
         return torch.from_numpy(np.asarray(fill(count), dtype=np.float32)).to(torch.bfloat16)
     return np.asarray(fill(count), dtype=DTYPES[dtype])
+
+
+def _in_node_memory(x):
+    """``x`` copied into an array of mpidp.alloc's (``--memory node``)."""
+    import mpidp
+    out = mpidp.alloc(x.shape, x.dtype)
+    out[...] = x
+    return out
 
 
 def _as_numpy(x):
@@ -153,7 +164,7 @@ def measure(comm, args, gloo) -> list:
     sizes = sweep(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor, itemsize)
     algos = _algorithms(args)
     gpu = args.device == "gpu"
-    place = _to_device if gpu else (lambda x: x)
+    place = _to_device if gpu else _in_node_memory if args.memory == "node" else (lambda x: x)
     sync = _device_sync() if gpu else None
     rows = []
     progress = _progress(len(sizes) * len(algos), rank)
@@ -195,10 +206,12 @@ def measure(comm, args, gloo) -> list:
 
 def regime(args) -> str:
     """Where the data come from, as every table's header names it."""
+    memory = "; buffers from mpidp.alloc (node memory)" if args.memory == "node" else ""
     if args.buffers is None:
         return ("buffers rotated through up to 64 sets filling 64 MiB (data from memory "
-                "where that overflows the cache)")
-    return f"buffers rotated through {args.buffers} set(s) (data in cache up to the cache's size)"
+                "where that overflows the cache)" + memory)
+    return (f"buffers rotated through {args.buffers} set(s) (data in cache up to the cache's "
+            f"size){memory}")
 
 
 def _algorithms(args) -> list:

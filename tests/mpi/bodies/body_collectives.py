@@ -116,6 +116,50 @@ if g.single_node and "shm" in ALGOS:
         in_order += everyone[q]
     expect(np.array_equal(whole, in_order), "shm sum is not in rank order")
 
+# buffers from mpidp.alloc (Note [Node heap] in csrc/heap.c): the same bits as ordinary arrays,
+# on every rank or some; where peers reach each other by cross-memory attach, shm's sliced calls
+# load and store a peer's node memory directly: one of its mappings used per peer per call
+from mpidp.engine import host_ops  # noqa: E402
+from mpidp.engine.shm import PEERS_CMA  # noqa: E402
+ext = host_ops.EXTENSION
+shm_ctx = g.resources.shm() if ext is not None else None
+cma = shm_ctx is not None and shm_ctx.size > 1 and shm_ctx.peers == PEERS_CMA
+stats = ext.heap_stats if ext is not None else (lambda: (0, 0))
+for algo in ALGOS:
+    for dtype, count in ((np.float32, 70001), (np.float64, 5000), (np.int32, 1 << 20)):
+        for owners in ("every rank", "rank 0"):
+            seed += 1
+            every = [inputs(count, q, dtype, seed) for q in range(n)]
+            want = np.sum(np.stack(every), axis=0, dtype=dtype)
+            mine = owners == "every rank" or rank == 0
+            x = mpidp.alloc((count,), dtype) if mine else np.zeros(count, dtype)
+            expect(type(x) is np.ndarray and x.dtype == dtype and not x.any(),
+                   "mpidp.alloc: a zeroed numpy array")
+            x[:] = every[rank]
+            before = stats()
+            got = mpidp.allreduce(x, algorithm=algo)
+            mpidp.allreduce_(x, algorithm=algo)
+            used = stats()[1] - before[1]
+            what = f"node memory on {owners}, {algo} {np.dtype(dtype).name}[{count}]"
+            expect(np.array_equal(got, want) and np.array_equal(x, want), f"{what}: wrong values")
+            bitwise_same_everywhere(x, what)
+            # out of place the peers' inputs, in place their buffers: once per peer each
+            peers_in_node_memory = (n - 1 if owners == "every rank" else 0 if rank == 0 else 1)
+            if algo == "shm" or not cma:  # (auto and hier may or may not go through shm)
+                expected = 2 * peers_in_node_memory if cma else 0
+                expect(used == expected, f"{what}: {used} direct uses of peers' memory, "
+                                         f"expected {expected}")
+# freed and allocated again (a reused descriptor number names a new block), more blocks than
+# a rank keeps mapped (64), torch dtypes
+for k in range(70):
+    t = mpidp.alloc((3, 40000), torch.bfloat16 if k % 2 else torch.float32)
+    t += rank + k
+    mpidp.allreduce_(t)
+    expect(isinstance(t, torch.Tensor) and t.shape == (3, 40000) and
+           torch.equal(t, torch.full_like(t, n * k + n * (n - 1) // 2)),
+           f"mpidp.alloc block {k} ({t.dtype}): wrong values")
+    del t
+
 # broadcast, allgather, reduce_scatter
 for root in range(n):
     seed += 1
