@@ -10,7 +10,7 @@
 
 /* Moves n bytes between `local` and process `pid`'s address `remote` with cross-memory
  * attach, looping over partial transfers. Returns 0 or an errno. */
-int cma_transfer(pid_t pid, void *local, uint64_t remote, size_t n, int write) {
+int mp_cma_transfer(pid_t pid, void *local, uint64_t remote, size_t n, int write) {
     size_t done = 0;
     while (done < n) {
         struct iovec l = {(char *)local + done, n - done};
@@ -34,7 +34,7 @@ static int cma_batch(pid_t pid, char *buf, const struct iovec *remote, int count
                         : process_vm_readv(pid, &l, 1, remote, (unsigned long)count, 0);
     if (got == (ssize_t)total) return 0;
     for (int i = 0; i < count; i++) { /* idempotent: redo the batch piece by piece */
-        int err = cma_transfer(pid, buf, (uint64_t)(uintptr_t)remote[i].iov_base,
+        int err = mp_cma_transfer(pid, buf, (uint64_t)(uintptr_t)remote[i].iov_base,
                                remote[i].iov_len, write);
         if (err) return err;
         buf += remote[i].iov_len;
@@ -42,8 +42,8 @@ static int cma_batch(pid_t pid, char *buf, const struct iovec *remote, int count
     return 0;
 }
 
-int seg_move(pid_t pid, const seg_entry *table, int64_t nsegs, size_t off, char *buf, size_t n,
-             int write) {
+int mp_seg_move(pid_t pid, const seg_entry *table, int64_t nsegs, size_t off, char *buf,
+                size_t n, int write) {
     struct iovec batch[SEG_BATCH];
     int count = 0;
     size_t base = 0, pending = 0;

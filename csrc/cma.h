@@ -12,11 +12,11 @@ typedef struct {
 
 /* Moves n bytes between `local` and process `pid`'s address `remote` (write = 1: into it).
  * Returns 0 or an errno. */
-int cma_transfer(pid_t pid, void *local, uint64_t remote, size_t n, int write);
+int mp_cma_transfer(pid_t pid, void *local, uint64_t remote, size_t n, int write);
 /* Moves bytes [off, off + n) of the segmented buffer `table` (nsegs pieces, in process pid;
  * pid 0: this one) to (write = 0) or from (write = 1) `buf`. Returns 0 or an errno. */
-int seg_move(pid_t pid, const seg_entry *table, int64_t nsegs, size_t off, char *buf, size_t n,
-             int write);
+int mp_seg_move(pid_t pid, const seg_entry *table, int64_t nsegs, size_t off, char *buf,
+                size_t n, int write);
 /* 0 if this process can read `nbytes` at `addr` in process `pid`, else errno. */
 int shm_cma_probe(pid_t pid, uint64_t addr, size_t nbytes);
 /* Declares `pid` (and its descendants) as allowed to attach to this process under Yama

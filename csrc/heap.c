@@ -3,19 +3,29 @@
  * by the kernel's copy, whose ordinary stores read every destination line first: a two-rank
  * all-reduce in place then moves 2.5 bytes per byte where a copy moves 2 (bench/RESULTS.md,
  * "Why 90% is out of reach through the kernel"). Memory that both processes map has no such
- * step: the rank reducing a slice loads the peer's bytes and stores the result into them
- * itself, from user space, the lines it just loaded still in its cache.
+ * step: the rank reducing a slice loads the peer's bytes and stores the result over them
+ * itself, from user space, while the lines it just loaded are still in its cache.
  *
- * Each block is an anonymous shared file (memfd_create) mapped in its owner. A buffer inside
- * one is published in the call's record as (fd, serial, size, offset); a peer on the node maps
- * the same file by opening /proc/<pid>/fd/<fd>, which needs the access a same-user process
- * already has to read ours (PTRACE_MODE_READ, less than cross-memory attach asks), and keeps
- * the mapping for later calls. The serial (a per-process random prefix and a counter) names
- * the block, so a reused fd number is never taken for an older block; the owner holds the
- * block during the call, so the fd still names it when the peer opens it. Nothing appears in
- * /dev/shm and nothing outlives the processes. A peer's mapping keeps a freed block's pages
- * until it is evicted (least recently used, HEAP_PEER_SLOTS mappings at most); a mapping a
- * call is using is never evicted (pins are per thread, given back when the call ends). */
+ * Each block is an anonymous shared file (memfd_create), sealed against shrinking and growing
+ * (no process can truncate it under a mapping) and mapped in its owner. A buffer inside one is
+ * published in the call's record as (fd, serial, size, offset, inode); a peer on the node maps
+ * the same file by opening /proc/<pid>/fd/<fd> and checks its size and inode, and keeps the
+ * mapping for later calls. The serial (a per-process random prefix and a counter) names the
+ * block in the peer's cache, the inode makes sure a reused descriptor number is not taken for
+ * it. Nothing appears in /dev/shm and nothing outlives the processes.
+ *
+ * Who may map it: opening /proc/<pid>/fd needs ptrace's read access, which any process of the
+ * same user has and Yama never restricts. That is no more than such a process may already do
+ * where Yama is absent or at ptrace_scope 0 (attach, and so cross-memory attach, to any process
+ * of its user); at ptrace_scope >= 1 it would be more, so there mpidp.alloc hands out ordinary
+ * arrays (mpidp/comm/node_memory.py), as it does where peers use the staging window.
+ *
+ * Limits: blocks hold a descriptor each, at most a quarter of RLIMIT_NOFILE (then mpidp.alloc
+ * falls back to ordinary arrays). A peer keeps at most HEAP_PEER_SLOTS mappings, evicting the
+ * least recently used (more blocks than that in a loop are mapped again on every call), and a
+ * mapping keeps a freed block's pages until it is evicted. A mapping a call is using is never
+ * evicted (pins are per thread, given back when the call ends). The lock is taken around
+ * fork() so a child never inherits it held. */
 #define _GNU_SOURCE
 #include "heap.h"
 #include "binding.h"
@@ -25,15 +35,23 @@
 #include <stdio.h>
 #include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #define HEAP_MAX_BLOCKS 4096
-#define HEAP_PEER_SLOTS 64
+#define HEAP_PEER_SLOTS 128
 
-typedef struct { char *base; size_t size; int fd; uint64_t serial; } own_block;
-typedef struct { pid_t pid; uint64_t serial; char *base; size_t size; int refs; uint64_t used; } peer_map;
+typedef struct { char *base; size_t size; int fd; uint64_t serial; int64_t ino; } own_block;
+typedef struct {
+    pid_t pid;
+    uint64_t serial;
+    char *base;
+    size_t size;
+    int refs;
+    uint64_t used;
+} peer_map;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static own_block owned[HEAP_MAX_BLOCKS];
@@ -44,6 +62,13 @@ static uint64_t clock_;
 static uint64_t opened, pins; /* heap_stats(): peers' blocks mapped, pointers handed out */
 static __thread int pinned[HEAP_PEER_SLOTS];
 static __thread int n_pinned;
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+
+static void lock_for_fork(void) { pthread_mutex_lock(&lock); }
+static void unlock_after_fork(void) { pthread_mutex_unlock(&lock); }
+static void register_fork(void) {
+    pthread_atfork(lock_for_fork, unlock_after_fork, unlock_after_fork);
+}
 
 heap_desc heap_find(const void *p, size_t n) {
     heap_desc d = {-1, 0, 0, 0};
@@ -53,7 +78,7 @@ heap_desc heap_find(const void *p, size_t n) {
     for (int i = 0; i < n_owned; i++) {
         if (c >= owned[i].base && c + n <= owned[i].base + owned[i].size) {
             d = (heap_desc){owned[i].fd, (int64_t)owned[i].serial, (int64_t)owned[i].size,
-                            (int64_t)(c - owned[i].base)};
+                            (int64_t)(c - owned[i].base), owned[i].ino};
             break;
         }
     }
@@ -68,8 +93,11 @@ static void pin(int i) {
     pinned[n_pinned++] = i;
 }
 
-char *heap_peer(pid_t pid, const heap_desc *d) {
-    if (d->fd < 0 || n_pinned == HEAP_PEER_SLOTS) return NULL;
+char *heap_peer(pid_t pid, const heap_desc *d, size_t n) {
+    if (d->fd < 0 || n_pinned == HEAP_PEER_SLOTS || d->offset < 0 || d->size <= 0 ||
+        (uint64_t)d->offset > (uint64_t)d->size || n > (uint64_t)(d->size - d->offset))
+        return NULL;
+    pthread_once(&fork_once, register_fork);
     char *found = NULL;
     pthread_mutex_lock(&lock);
     int victim = -1;
@@ -90,7 +118,7 @@ char *heap_peer(pid_t pid, const heap_desc *d) {
     if (fd < 0) goto out;
     struct stat st;
     void *base = MAP_FAILED;
-    if (fstat(fd, &st) == 0 && st.st_size == d->size)
+    if (fstat(fd, &st) == 0 && st.st_size == d->size && (int64_t)st.st_ino == d->ino)
         base = mmap(NULL, (size_t)d->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (base == MAP_FAILED) goto out;
@@ -161,10 +189,22 @@ PyObject *mp_heap_alloc(PyObject *module, PyObject *arg) {
     if (n == -1 && PyErr_Occurred()) return NULL;
     if (n <= 0) return PyErr_Format(PyExc_ValueError, "heap_alloc: nbytes must be positive, "
                                     "got %zd", n);
-    int fd = memfd_create("mpidp-heap", MFD_CLOEXEC);
+    pthread_once(&fork_once, register_fork);
+    struct rlimit lim;
+    size_t most = HEAP_MAX_BLOCKS;
+    if (getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY &&
+        lim.rlim_cur / 4 < most)
+        most = lim.rlim_cur / 4;
+    if ((size_t)__atomic_load_n(&n_owned, __ATOMIC_RELAXED) >= most)
+        return PyErr_Format(PyExc_MemoryError, "heap_alloc: %zu blocks of the node heap are "
+                            "in use already (a quarter of RLIMIT_NOFILE at most)", most);
+    int fd = memfd_create("mpidp-heap", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) return PyErr_SetFromErrno(PyExc_OSError);
     void *base = MAP_FAILED;
-    if (ftruncate(fd, (off_t)n) == 0)
+    struct stat st;
+    if (ftruncate(fd, (off_t)n) == 0 &&
+        fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0 &&
+        fstat(fd, &st) == 0)
         base = mmap(NULL, (size_t)n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (base == MAP_FAILED) {
         int err = errno;
@@ -189,7 +229,7 @@ PyObject *mp_heap_alloc(PyObject *module, PyObject *arg) {
                 prefix = (uint32_t)time(NULL) ^ (uint32_t)getpid();
             next_serial = (uint64_t)prefix << 32;
         }
-        owned[n_owned++] = (own_block){base, (size_t)n, fd, ++next_serial};
+        owned[n_owned++] = (own_block){base, (size_t)n, fd, ++next_serial, (int64_t)st.st_ino};
     }
     pthread_mutex_unlock(&lock);
     if (full) {

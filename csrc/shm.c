@@ -143,9 +143,9 @@ static int peer_read(const shm_call *c, int q, void *local, size_t offset, size_
         return 0;
     }
     if (rec->nsegs)
-        return seg_move((pid_t)rec->pid, (const seg_entry *)rec->payload, rec->nsegs, offset,
-                        local, n, 0);
-    return cma_transfer((pid_t)rec->pid, local, (uint64_t)rec->in_addr + offset, n, 0);
+        return mp_seg_move((pid_t)rec->pid, (const seg_entry *)rec->payload, rec->nsegs,
+                           offset, local, n, 0);
+    return mp_cma_transfer((pid_t)rec->pid, local, (uint64_t)rec->in_addr + offset, n, 0);
 }
 
 static int peer_write(const shm_call *c, int q, size_t offset, const void *local, size_t n) {
@@ -155,46 +155,44 @@ static int peer_write(const shm_call *c, int q, size_t offset, const void *local
         return 0;
     }
     if (rec->nsegs)
-        return seg_move((pid_t)rec->pid, (const seg_entry *)rec->payload, rec->nsegs, offset,
-                        (char *)local, n, 1);
-    return cma_transfer((pid_t)rec->pid, (void *)local, (uint64_t)rec->out_addr + offset, n, 1);
+        return mp_seg_move((pid_t)rec->pid, (const seg_entry *)rec->payload, rec->nsegs,
+                           offset, (char *)local, n, 1);
+    return mp_cma_transfer((pid_t)rec->pid, (void *)local, (uint64_t)rec->out_addr + offset, n,
+                           1);
 }
 
-/* Peers' buffers mapped here (Note [Node heap] in heap.c): rank q's input and output at
- * in[q], out[q], or NULL where they are reached through the kernel. */
+/* Peers' buffers mapped here (Note [Node heap] in heap.c): rank q's input at in[q], and at
+ * out[q] its output where that is the input (in place), else NULL: reached through the kernel.
+ * `all`: every peer's input is mapped. */
 typedef struct {
     char *in[SHM_MAX_RANKS], *out[SHM_MAX_RANKS];
-    int any;
+    int all;
 } direct_t;
 
-/* Where a sliced call's record publishes its buffers' places in the node heap. */
-typedef struct {
-    heap_desc in, out;
-} heap_pair;
-
+/* A sliced call's record publishes where its input lies in the node heap (heap_desc) in its
+ * payload, unused otherwise in that mode (shm_run). An output that is not the input is
+ * always ordinary memory (mpidp.allreduce returns a new array), reached through the kernel. */
 static void map_peers(const shm_call *c, direct_t *dx) {
-    dx->any = 0;
+    size_t nbytes = c->count * mp_itemsize(c->dtype);
+    dx->all = c->nranks > 1 && c->peers == SHM_PEERS_CMA;
     for (int q = 0; q < c->nranks; q++) {
         const record_t *rec = &slot_of(c, q)->record[c->seq & 1];
-        const heap_pair *h = (const heap_pair *)rec->payload;
         dx->in[q] = dx->out[q] = NULL;
-        if (q == c->rank || c->peers != SHM_PEERS_CMA || rec->nsegs) continue;
-        dx->in[q] = heap_peer((pid_t)rec->pid, &h->in);
-        dx->out[q] = rec->out_addr == rec->in_addr ? dx->in[q]
-                                                   : heap_peer((pid_t)rec->pid, &h->out);
-        dx->any |= dx->in[q] || dx->out[q];
+        if (q == c->rank) continue;
+        if (c->peers == SHM_PEERS_CMA && !rec->nsegs)
+            dx->in[q] = heap_peer((pid_t)rec->pid, (const heap_desc *)rec->payload, nbytes);
+        if (rec->out_addr == rec->in_addr) dx->out[q] = dx->in[q];
+        dx->all &= dx->in[q] != NULL;
     }
 }
 
-/* Stores `n` bytes of this rank's result at offset `off` of rank q's output: straight into
- * its memory where it is mapped here — plain stores in place, where the lines were just
- * loaded, non-temporal ones otherwise (Note [Streaming copy] in kernels.c) — else through
- * the kernel. */
+/* Stores `n` bytes of this rank's result at offset `off` of rank q's output: where it is
+ * mapped here (in place: the lines were just loaded, so plain stores hit the cache) straight
+ * into it, else through the kernel. */
 static int store_to_peer(const shm_call *c, const direct_t *dx, int q, size_t off,
                          const char *src, size_t n) {
     if (!dx->out[q]) return peer_write(c, q, off, src, n);
-    if (dx->out[q] == dx->in[q]) memcpy(dx->out[q] + off, src, n);
-    else mp_stream_copy(dx->out[q] + off, src, n);
+    memcpy(dx->out[q] + off, src, n);
     return 0;
 }
 
@@ -210,16 +208,16 @@ static int store_to_peer(const shm_call *c, const direct_t *dx, int q, size_t of
  * user-space copy of the same pattern: 12-16; bench/copy_kinds.py --chunk). The 64 MiB
  * in-place all-reduce on 2 ranks took 0.82x the time with 1 MiB chunks as with 256 KiB, and
  * 0.85-0.93x from 1 to 32 MiB (bench/RESULTS.md, issue 32). The scratch is never larger than
- * the slice. Where a peer's buffer is mapped here (Note [Node heap] in heap.c) there is no
+ * the slice. Where every peer's buffer is mapped here (Note [Node heap] in heap.c) there is no
  * system call to amortise, and the chunk is what must stay in cache between loading the
  * peer's bytes and storing the result over them: at most SHM_DIRECT_CHUNK_BYTES (64 KiB). The
  * 64 MiB in-place all-reduce of node memory on 2 ranks ran at 99-101% of the non-temporal
- * copy with 64 KiB chunks, 72-94% with 128 KiB, 89-97% with 256 KiB, ~80% with 1 MiB
- * (bench/copy_kinds.py, one launch each, the kinds taking turns). */
+ * copy with 64 KiB chunks, 72-94% with 128 KiB, 89-97% with 256 KiB (bench/copy_kinds.py,
+ * the kinds taking turns), and ~80% with 1 MiB in the first experiment (bench/RESULTS.md). */
 static int sliced_reduce(const shm_call *c, const direct_t *dx, shm_result *r) {
     size_t isz = mp_itemsize(c->dtype);
     size_t chunk_bytes = c->chunk_bytes;
-    if (dx->any && chunk_bytes > SHM_DIRECT_CHUNK_BYTES) chunk_bytes = SHM_DIRECT_CHUNK_BYTES;
+    if (dx->all && chunk_bytes > SHM_DIRECT_CHUNK_BYTES) chunk_bytes = SHM_DIRECT_CHUNK_BYTES;
     size_t chunk = chunk_bytes / isz;
     if (chunk == 0) chunk = 1;
     if (c->slice_hi > c->slice_lo && chunk > c->slice_hi - c->slice_lo)
@@ -245,7 +243,7 @@ static int sliced_reduce(const shm_call *c, const direct_t *dx, shm_result *r) {
         size_t off = lo * isz, nbytes = n * isz;
         char *dst = acc ? acc : c->out + off;
         const char *own = acc ? acc : c->in + off;
-        if (acc) seg_move(0, own_table, mine->nsegs, off, acc, nbytes, 0);
+        if (acc) mp_seg_move(0, own_table, mine->nsegs, off, acc, nbytes, 0);
         if (c->nranks == 1 && dst != own) memcpy(dst, own, nbytes);
         if (rank_order && c->nranks > 1) {
             char *sum = spare ? spare : dst;
@@ -276,7 +274,7 @@ static int sliced_reduce(const shm_call *c, const direct_t *dx, shm_result *r) {
             if ((err = store_to_peer(c, dx, q, off, dst, nbytes))) r->peer_rank = q;
         }
         if (c->peers == SHM_PEERS_WINDOW && !err) memcpy(c->segments[c->rank] + off, dst, nbytes);
-        else if (acc && !err) seg_move(0, own_table, mine->nsegs, off, acc, nbytes, 1);
+        else if (acc && !err) mp_seg_move(0, own_table, mine->nsegs, off, acc, nbytes, 1);
     }
     free(scratch);
     return err;
@@ -303,11 +301,8 @@ void shm_run(const shm_call *c, shm_result *r) {
     rec->status = 0;
     rec->nsegs = (int64_t)c->nsegs;
     rec->seq = (int64_t)c->seq;
-    if (c->data == SHM_DATA_SLICED && !c->nsegs && c->peers == SHM_PEERS_CMA && c->nranks > 1) {
-        heap_pair *h = (heap_pair *)rec->payload;
-        h->in = heap_find(c->in, nbytes);
-        h->out = c->out == c->in ? h->in : heap_find(c->out, nbytes);
-    }
+    if (c->data == SHM_DATA_SLICED && !c->nsegs && c->peers == SHM_PEERS_CMA && c->nranks > 1)
+        *(heap_desc *)rec->payload = heap_find(c->in, nbytes);
     seg_entry *table = (seg_entry *)rec->payload;
     for (size_t i = 0; i < c->nsegs; i++) {
         table[i].addr = (int64_t)(uintptr_t)c->segs[i].ptr;
@@ -315,7 +310,7 @@ void shm_run(const shm_call *c, shm_result *r) {
     }
     if (c->data == SHM_DATA_INLINE && nbytes) memcpy(rec->payload, c->in, nbytes);
     if (c->data == SHM_DATA_SLICED && c->peers == SHM_PEERS_WINDOW && nbytes) {
-        if (c->nsegs) seg_move(0, table, rec->nsegs, 0, c->segments[c->rank], nbytes, 0);
+        if (c->nsegs) mp_seg_move(0, table, rec->nsegs, 0, c->segments[c->rank], nbytes, 0);
         else memcpy(c->segments[c->rank], c->in, nbytes);
     }
     __atomic_store_n(&mine->arrive1, c->seq, __ATOMIC_RELEASE);
@@ -357,7 +352,7 @@ void shm_run(const shm_call *c, shm_result *r) {
         }
     }
     if (c->peers == SHM_PEERS_WINDOW && nbytes) {
-        if (c->nsegs) seg_move(0, table, rec->nsegs, 0, c->segments[c->rank], nbytes, 1);
+        if (c->nsegs) mp_seg_move(0, table, rec->nsegs, 0, c->segments[c->rank], nbytes, 1);
         else memcpy(c->out, c->segments[c->rank], nbytes);
     }
 }

@@ -206,7 +206,12 @@ def measure(comm, args, gloo) -> list:
 
 def regime(args) -> str:
     """Where the data come from, as every table's header names it."""
-    memory = "; buffers from mpidp.alloc (node memory)" if args.memory == "node" else ""
+    memory = ""
+    if args.memory == "node":
+        from mpidp.comm import node_memory
+        memory = ("; buffers from mpidp.alloc (node memory)" if node_memory.offered() else
+                  "; buffers from mpidp.alloc, which offers no node memory here (ordinary "
+                  "arrays: Note [Node heap])")
     if args.buffers is None:
         return ("buffers rotated through up to 64 sets filling 64 MiB (data from memory "
                 "where that overflows the cache)" + memory)

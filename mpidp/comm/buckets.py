@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import collectives, node_memory
+from . import collectives
 from ..engine import host_ops
 from .. import runtime
 from ..runtime import timeline
@@ -110,8 +110,7 @@ class Bucket(BucketBase):
 
     def __init__(self, indices: Sequence[int], counts: Sequence[int], dtype: int):
         super().__init__(indices, counts, dtype)
-        # in node memory: the node's ranks reduce it with their own loads and stores
-        self.flat = node_memory.alloc(sum(self.counts), NUMPY_STORAGE[dtype])
+        self.flat = np.empty(sum(self.counts), NUMPY_STORAGE[dtype])
         self.buffer = flat_host_array(self.flat, dtype)
         self.wire: Optional[np.ndarray] = None  # the 16-bit bucket of reduce_cast_
 
@@ -124,7 +123,7 @@ class Bucket(BucketBase):
         ``destinations`` (None, or a None entry: this bucket's own slots). Collective."""
         g = runtime.group()
         if self.wire is None:
-            self.wire = node_memory.alloc(len(self.flat), np.uint16)
+            self.wire = np.empty(len(self.flat), np.uint16)
         before, after = (g.size, 1) if wire == F16 else (1, g.size)
         views = [np.zeros(c, np.float32) if s is None else as_host_array(s).flat
                  for s, c in zip(sources, self.counts)]

@@ -7,21 +7,25 @@ before. Both give the same bits; only the speed differs (bench/RESULTS.md, issue
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import numpy as np
 
+from .. import config
 from ..engine import host_ops
+from ..engine.shm import yama_scope
 
 
 def alloc(shape: Any, dtype: Any = np.float32) -> Any:
-    """A zeroed array of ``shape`` and ``dtype`` in the node heap: a numpy array, or a torch
-    CPU tensor where ``dtype`` is a torch dtype (``torch.bfloat16`` included). Without the C
-    extension (MPIDP_EXTENSION=0), or where the system refuses the memory, an ordinary zeroed
-    array, reduced as any other. Its memory is freed when the last array over it goes."""
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
-        raise ValueError(f"shape must be non-negative ints, got {shape!r}")
+    """A zeroed array of ``shape`` and ``dtype`` in node memory: a numpy array, or a torch CPU
+    tensor where ``dtype`` is a torch dtype (``torch.bfloat16`` included). This rank's, not
+    collective. An ordinary zeroed array instead where node memory is not offered: without
+    the C extension, where peers stage through a window (MPIDP_SHM_PEERS=window), where Yama
+    restricts ptrace (Note [Node heap]), or where the system refuses the memory or the
+    descriptors. Its memory is freed when the last array over it goes (a peer's mapping may
+    hold the pages a while longer)."""
+    dims = _dims(shape)
     torch_dtype = type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype"
     if torch_dtype:
         import torch
@@ -31,17 +35,37 @@ def alloc(shape: Any, dtype: Any = np.float32) -> Any:
             np_dtype = np.dtype(dtype)
         except TypeError as exc:
             raise TypeError(f"dtype must be a numpy or torch dtype, got {dtype!r}") from exc
+        if np_dtype.kind not in "biufc":
+            raise TypeError(f"dtype must be a numeric dtype, got {np_dtype}")
         itemsize = np_dtype.itemsize
     count = math.prod(dims)
-    ext = host_ops.EXTENSION
     block = None
-    if ext is not None and count:
+    if count and offered():
         try:
-            block = ext.heap_alloc(count * itemsize)  # zeroed: a new file's pages
-        except (OSError, MemoryError):  # no memfd here, or 4096 blocks: an ordinary array
+            block = host_ops.EXTENSION.heap_alloc(count * itemsize)  # zeroed: new file pages
+        except (OSError, MemoryError):  # no memfd here, or too many blocks
             block = None
     if block is None:
         return torch.zeros(dims, dtype=dtype) if torch_dtype else np.zeros(dims, np_dtype)
     if torch_dtype:
         return torch.frombuffer(block, dtype=dtype).view(dims)
     return np.frombuffer(block, np_dtype, count).reshape(dims)
+
+
+def _dims(shape: Any) -> tuple:
+    items = (shape,) if not isinstance(shape, (tuple, list)) else shape
+    try:
+        if any(isinstance(d, bool) for d in items):
+            raise TypeError
+        dims = tuple(operator.index(d) for d in items)
+    except TypeError:
+        dims = None
+    if dims is None or any(d < 0 for d in dims):
+        raise ValueError(f"shape must be non-negative ints, got {shape!r}")
+    return dims
+
+
+def offered() -> bool:
+    """Whether node memory is handed out here (Note [Node heap]: who may map it)."""
+    return (host_ops.EXTENSION is not None and config.get().shm_peers != "window" and
+            yama_scope() == 0)

@@ -50,22 +50,50 @@ def test_numpy_and_torch_arrays_in_the_heap_and_freed_with_the_last_view():
     assert heap_blocks() == start
 
 
-def test_empty_shapes_and_no_extension_give_ordinary_arrays(monkeypatch):
-    assert mpidp.alloc((0, 3)).shape == (0, 3)
-    monkeypatch.setattr(host_ops, "EXTENSION", None)
+@needs_extension
+def test_a_torch_tensor_alone_keeps_its_block_and_frees_it():
+    gc.collect()
+    start = heap_blocks()
+    t = mpidp.alloc(np.int64(6), torch.float32)  # a numpy integer is a size too
+    t += 2
+    assert heap_blocks() == start + 1 and float(t.sum()) == 12.0
+    del t
+    gc.collect()
+    assert heap_blocks() == start
+
+
+def ordinary_where(monkeypatch, setting):
+    """Node memory withheld: no block made, a zeroed ordinary array returned."""
+    from mpidp import config
+    from mpidp.comm import node_memory
+    if setting == "no extension":
+        monkeypatch.setattr(host_ops, "EXTENSION", None)
+    elif setting == "Yama ptrace_scope 1":  # /proc/<pid>/fd would widen who may write it
+        monkeypatch.setattr(node_memory, "yama_scope", lambda: 1)
+    else:
+        monkeypatch.setattr(config, "_current",
+                            config.from_env({**os.environ, "MPIDP_SHM_PEERS": "window"}))
     gc.collect()
     start = heap_blocks()
     a = mpidp.alloc([2, 2], "float64")
-    assert a.dtype == np.float64 and not a.any() and heap_blocks() == start
-    assert mpidp.alloc(3, torch.int64).dtype == torch.int64
+    t = mpidp.alloc(3, torch.int64)
+    assert a.dtype == np.float64 and not a.any() and t.dtype == torch.int64
+    assert heap_blocks() == start and not node_memory.offered()
 
 
-@pytest.mark.parametrize("shape", [-1, (2, -3), (2.5,), (True,), "4"])
+@pytest.mark.parametrize("setting", ["no extension", "Yama ptrace_scope 1", "window peers"])
+def test_ordinary_arrays_where_node_memory_is_not_offered(monkeypatch, setting):
+    ordinary_where(monkeypatch, setting)
+    assert mpidp.alloc((0, 3)).shape == (0, 3)
+
+
+@pytest.mark.parametrize("shape", [-1, (2, -3), (2.5,), (True,), "4", None])
 def test_a_bad_shape_is_refused_by_name(shape):
     with pytest.raises(ValueError, match="shape must be non-negative ints"):
         mpidp.alloc(shape)
 
 
-def test_a_bad_dtype_is_refused_by_name():
-    with pytest.raises(TypeError, match="numpy or torch dtype"):
-        mpidp.alloc(3, object())
+@pytest.mark.parametrize("dtype", [object(), object, "U4", "V8"])
+def test_a_bad_dtype_is_refused_by_name(dtype):
+    with pytest.raises(TypeError, match="numpy or torch dtype|numeric dtype"):
+        mpidp.alloc(3, dtype)

@@ -123,7 +123,10 @@ from mpidp.engine import host_ops  # noqa: E402
 from mpidp.engine.shm import PEERS_CMA  # noqa: E402
 ext = host_ops.EXTENSION
 shm_ctx = g.resources.shm() if ext is not None else None
-cma = shm_ctx is not None and shm_ctx.size > 1 and shm_ctx.peers == PEERS_CMA
+from mpidp.comm import node_memory  # noqa: E402
+# peers reached by cross-memory attach, and node memory offered (Note [Node heap])
+direct = (shm_ctx is not None and shm_ctx.size > 1 and shm_ctx.peers == PEERS_CMA and
+          node_memory.offered())
 stats = ext.heap_stats if ext is not None else (lambda: (0, 0))
 for algo in ALGOS:
     for dtype, count in ((np.float32, 70001), (np.float64, 5000), (np.int32, 1 << 20)):
@@ -145,19 +148,27 @@ for algo in ALGOS:
             bitwise_same_everywhere(x, what)
             # out of place the peers' inputs, in place their buffers: once per peer each
             peers_in_node_memory = (n - 1 if owners == "every rank" else 0 if rank == 0 else 1)
-            if algo == "shm" or not cma:  # (auto and hier may or may not go through shm)
-                expected = 2 * peers_in_node_memory if cma else 0
+            if algo == "shm" or not direct:  # (auto and hier may or may not go through shm)
+                expected = 2 * peers_in_node_memory if direct else 0
                 expect(used == expected, f"{what}: {used} direct uses of peers' memory, "
                                          f"expected {expected}")
-# freed and allocated again (a reused descriptor number names a new block), more blocks than
-# a rank keeps mapped (64), torch dtypes
-for k in range(70):
+# blocks freed and allocated again (a reused descriptor number names a new block, checked by
+# its inode), more of them than a rank keeps mapped (128: the oldest evicted), torch dtypes;
+# each new block is mapped by every peer once, in its first call
+algo = "shm" if "shm" in ALGOS else "auto"
+for k in range(130):
     t = mpidp.alloc((3, 40000), torch.bfloat16 if k % 2 else torch.float32)
-    t += rank + k
-    mpidp.allreduce_(t)
+    t += rank + k % 16  # sums exact in bfloat16 too
+    before = stats()
+    mpidp.allreduce_(t, algorithm=algo)
+    mapped, used = (a - b for a, b in zip(stats(), before))
     expect(isinstance(t, torch.Tensor) and t.shape == (3, 40000) and
-           torch.equal(t, torch.full_like(t, n * k + n * (n - 1) // 2)),
+           torch.equal(t, torch.full_like(t, n * (k % 16) + n * (n - 1) // 2)),
            f"mpidp.alloc block {k} ({t.dtype}): wrong values")
+    if algo == "shm" or not direct:
+        want = n - 1 if direct and algo == "shm" else 0
+        expect(mapped == used == want, f"mpidp.alloc block {k}: {mapped} peers' blocks mapped "
+                                       f"and {used} used, expected {want} of each")
     del t
 
 # broadcast, allgather, reduce_scatter
