@@ -190,7 +190,35 @@ def shared_memory(ctx) -> dict:
     return {"host": socket.gethostname(), "local_rank": g.local_rank,
             "local_size": g.local_size, "got": got,
             "expected": g.local_size * (g.local_size + 1) // 2, "mode": _shm_mode(g), "why": _shm_why(g),
-            "forced": config.get().shm_peers != "auto", "dev_shm_free": free}
+            "forced": config.get().shm_peers != "auto", "dev_shm_free": free,
+            "node_memory": _node_memory(g)}
+
+
+def _node_memory(g) -> str:
+    """How mpidp.alloc's memory is reached on this node (Note [Node heap]): "direct" where
+    the peers loaded and stored this rank's block in a one-node shm all-reduce of it,
+    "kernel" where they went through cross-memory attach, "wrong" for a wrong sum, "not
+    offered", or "untested" (several nodes, or one rank). Collective."""
+    from ..comm import collectives, node_memory
+    from ..engine import host_ops
+    offered = g.comm.allreduce(int(node_memory.offered()), op=_min())
+    if not offered:
+        return "not offered"
+    if not g.single_node or g.size == 1:
+        return "untested"
+    x = node_memory.alloc(16384, np.float32)  # 64 KiB: above the inline size, sliced
+    x[:] = g.local_rank + 1
+    before = host_ops.extension().heap_stats()[1]
+    collectives.allreduce_(x, algorithm="shm")
+    used = host_ops.extension().heap_stats()[1] - before
+    if not np.array_equal(x, np.full_like(x, g.size * (g.size + 1) // 2)):
+        return "wrong"
+    return "direct" if used == g.local_size - 1 else "kernel"
+
+
+def _min():
+    from mpi4py import MPI
+    return MPI.MIN
 
 
 def _shm_mode(g) -> str:

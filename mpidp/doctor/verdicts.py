@@ -196,6 +196,7 @@ def verdict_shm(values: list) -> list:
                            "kernel.yama.ptrace_scope=0, or run the container with "
                            "--cap-add=SYS_PTRACE (or set MPIDP_SHM_PEERS=window to accept "
                            "staging)"))
+    out += _verdict_node_memory(values)
     small = by_value([v for v in values if v["dev_shm_free"] is not None
                       and v["dev_shm_free"] < DEV_SHM_MIN_BYTES], lambda v: v["host"])
     for host in small:
@@ -205,6 +206,29 @@ def verdict_shm(values: list) -> list:
                            "give it more: docker run --shm-size=2g (or remount /dev/shm "
                            "larger)"))
     return out
+
+
+def _verdict_node_memory(values: list) -> list:
+    """values' "node_memory" (probes._node_memory): one finding, none where not probed."""
+    seen = {v.get("node_memory") for v in values} - {None}
+    if seen == {"direct"}:
+        return [Finding(OK, "node memory (mpidp.alloc): the node's ranks load and store "
+                            "each other's blocks directly")]
+    if seen == {"not offered"}:
+        return [Finding(OK, "node memory (mpidp.alloc): not offered here (no C extension, Yama "
+                            "restricting ptrace, or window peers): ordinary arrays")]
+    wrong = [r for r, v in enumerate(values) if v.get("node_memory") == "wrong"]
+    if wrong:
+        return [Finding(FAIL, f"node memory (mpidp.alloc): {rank_list(wrong)} got a wrong "
+                              "all-reduce of it", "report it; meanwhile all-reduce ordinary "
+                                                   "arrays")]
+    if "kernel" in seen:
+        return [Finding(WARN, "node memory (mpidp.alloc): offered, but the peers could not "
+                              "map it (/proc/<pid>/fd): its all-reduces go through "
+                              "cross-memory attach, correct and slower",
+                        "check that /proc is mounted without hidepid and that the ranks run "
+                        "as one user")]
+    return []
 
 
 FIX_NAMES = 3  # leftover files named in the rm command; the rest are counted

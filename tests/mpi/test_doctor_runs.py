@@ -49,6 +49,11 @@ def test_doctor_under_mpiexec(n):
     if n == 2:
         assert "launcher variables agree with MPI on every rank (MPICH/Hydra)" in proc.stdout
         assert "cross-memory attach" in proc.stdout or "staging" in proc.stdout
+        # node memory: reached directly where offered (Note [Node heap]), else named so
+        from mpidp.comm import node_memory
+        assert ("OK    node memory (mpidp.alloc): the node's ranks load and store"
+                if node_memory.offered() else "node memory (mpidp.alloc): not offered") \
+            in proc.stdout, proc.stdout
     print(f"doctor n={n}: {time.monotonic() - t0:.1f} s")
 
 

@@ -125,6 +125,23 @@ def test_shm_verdict_blocked_cma_and_small_dev_shm():
     assert wrong[0].status == FAIL
 
 
+def test_node_memory_verdict_says_how_the_peers_reach_it():
+    v = {"host": "a", "local_rank": 0, "local_size": 2, "got": 3, "expected": 3,
+         "mode": "cma", "forced": False, "dev_shm_free": 1 << 30}
+
+    def finding(*states):
+        found = verdicts.verdict_shm([dict(v, local_rank=r, node_memory=s)
+                                      for r, s in enumerate(states)])
+        return [f for f in found if "node memory" in f.text]
+
+    assert finding("direct", "direct")[0].status == OK
+    assert "not offered" in finding("not offered", "not offered")[0].text
+    assert finding("direct", "kernel")[0].status == WARN
+    bad = finding("direct", "wrong")[0]
+    assert bad.status == FAIL and "rank 1" in bad.text
+    assert finding("untested", "untested") == []
+
+
 SHM = "/dev/shm/mpich_shm_*"
 
 
