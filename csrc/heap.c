@@ -220,26 +220,16 @@ PyObject *mp_heap_alloc(PyObject *module, PyObject *arg) {
     }
     b->base = base;
     b->size = n;
+    /* the count was checked above: only a caller holding the GIL adds or frees blocks */
     pthread_mutex_lock(&lock);
-    int full = n_owned == HEAP_MAX_BLOCKS;
-    if (!full) {
-        if (!next_serial) {
-            uint32_t prefix = 0;
-            if (getrandom(&prefix, sizeof(prefix), 0) != sizeof(prefix))
-                prefix = (uint32_t)time(NULL) ^ (uint32_t)getpid();
-            next_serial = (uint64_t)prefix << 32;
-        }
-        owned[n_owned++] = (own_block){base, (size_t)n, fd, ++next_serial, (int64_t)st.st_ino};
+    if (!next_serial) {
+        uint32_t prefix = 0;
+        if (getrandom(&prefix, sizeof(prefix), 0) != sizeof(prefix))
+            prefix = (uint32_t)time(NULL) ^ (uint32_t)getpid();
+        next_serial = (uint64_t)prefix << 32;
     }
+    owned[n_owned++] = (own_block){base, (size_t)n, fd, ++next_serial, (int64_t)st.st_ino};
     pthread_mutex_unlock(&lock);
-    if (full) {
-        b->base = NULL;
-        munmap(base, (size_t)n);
-        close(fd);
-        Py_DECREF(b);
-        return PyErr_Format(PyExc_MemoryError, "heap_alloc: %d blocks of the node heap are "
-                            "in use already", HEAP_MAX_BLOCKS);
-    }
     return (PyObject *)b;
 }
 

@@ -172,8 +172,7 @@ typedef struct {
 /* A sliced call's record publishes where its input lies in the node heap (heap_desc) in its
  * payload, unused otherwise in that mode (shm_run). An output that is not the input is
  * always ordinary memory (mpidp.allreduce returns a new array), reached through the kernel. */
-static void map_peers(const shm_call *c, direct_t *dx) {
-    size_t nbytes = c->count * mp_itemsize(c->dtype);
+static void map_peers(const shm_call *c, size_t nbytes, direct_t *dx) {
     dx->all = c->nranks > 1 && c->peers == SHM_PEERS_CMA;
     for (int q = 0; q < c->nranks; q++) {
         const record_t *rec = &slot_of(c, q)->record[c->seq & 1];
@@ -334,7 +333,7 @@ void shm_run(const shm_call *c, shm_result *r) {
     if (c->data != SHM_DATA_SLICED) return;
 
     direct_t dx;
-    map_peers(c, &dx);
+    map_peers(c, nbytes, &dx);
     int err = sliced_reduce(c, &dx, r);
     heap_release_all();
     rec->status = err ? ((int64_t)r->peer_rank << 32) | (int64_t)err : 0;

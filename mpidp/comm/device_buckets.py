@@ -57,13 +57,15 @@ class DeviceBucket(BucketBase):
             torch.cuda.current_stream(self.device).wait_stream(
                 torch.cuda.ExternalStream(self.stream.ptr, device=self.device))
 
-    def _ops(self, arrays) -> DeviceOps:
+    def _stream(self, first: Optional[DeviceArray]):
+        """The stream the bucket's work runs on: the captured one, else ``first``'s
+        producer, else CuPy's current stream."""
         if self.stream is not None:
-            return DeviceOps(self.stream)
-        first = next((a for a in arrays if a is not None), None)
-        stream = producer_stream(first) if first is not None else \
-            cupy().cuda.get_current_stream()
-        return DeviceOps(stream)
+            return self.stream
+        return producer_stream(first) if first is not None else cupy().cuda.get_current_stream()
+
+    def _ops(self, arrays) -> DeviceOps:
+        return DeviceOps(self._stream(next((a for a in arrays if a is not None), None)))
 
     def reduce_(self, sources: Sequence[Any], destinations: Sequence[Any], op: str,
                 algorithm: str) -> None:
@@ -75,8 +77,7 @@ class DeviceBucket(BucketBase):
             super().reduce_(sources, destinations, op, algorithm)
             return
         first = next((s for s in sources if s is not None), None)
-        self.stream = cupy().cuda.get_current_stream() if first is None else \
-            producer_stream(as_device_array(first))
+        self.stream = self._stream(None if first is None else as_device_array(first))
         try:
             super().reduce_(sources, destinations, op, algorithm)
         finally:

@@ -39,12 +39,10 @@ def alloc(shape: Any, dtype: Any = np.float32) -> Any:
             raise TypeError(f"dtype must be a numeric dtype, got {np_dtype}")
         itemsize = np_dtype.itemsize
     count = math.prod(dims)
-    block = None
-    if count and offered():
-        try:
-            block = host_ops.EXTENSION.heap_alloc(count * itemsize)  # zeroed: new file pages
-        except (OSError, MemoryError):  # no memfd here, or too many blocks
-            block = None
+    try:  # zeroed: a new file's pages
+        block = host_ops.EXTENSION.heap_alloc(count * itemsize) if count and offered() else None
+    except (OSError, MemoryError):  # no memfd here, or too many blocks
+        block = None
     if block is None:
         return torch.zeros(dims, dtype=dtype) if torch_dtype else np.zeros(dims, np_dtype)
     if torch_dtype:
@@ -53,16 +51,13 @@ def alloc(shape: Any, dtype: Any = np.float32) -> Any:
 
 
 def _dims(shape: Any) -> tuple:
-    items = (shape,) if not isinstance(shape, (tuple, list)) else shape
-    try:
-        if any(isinstance(d, bool) for d in items):
-            raise TypeError
+    """``shape`` (an int, or a tuple or list of them) as a tuple of non-negative ints."""
+    items = shape if isinstance(shape, (tuple, list)) else (shape,)
+    if all(hasattr(type(d), "__index__") and not isinstance(d, bool) for d in items):
         dims = tuple(operator.index(d) for d in items)
-    except TypeError:
-        dims = None
-    if dims is None or any(d < 0 for d in dims):
-        raise ValueError(f"shape must be non-negative ints, got {shape!r}")
-    return dims
+        if all(d >= 0 for d in dims):
+            return dims
+    raise ValueError(f"shape must be non-negative ints, got {shape!r}")
 
 
 def offered() -> bool:

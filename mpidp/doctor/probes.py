@@ -199,9 +199,11 @@ def _node_memory(g) -> str:
     the peers loaded and stored this rank's block in a one-node shm all-reduce of it,
     "kernel" where they went through cross-memory attach, "wrong" for a wrong sum, "not
     offered", or "untested" (several nodes, or one rank). Collective."""
+    from mpi4py import MPI
+
     from ..comm import collectives, node_memory
     from ..engine import host_ops
-    offered = g.comm.allreduce(int(node_memory.offered()), op=_min())
+    offered = g.comm.allreduce(int(node_memory.offered()), op=MPI.MIN)
     if not offered:
         return "not offered"
     if not g.single_node or g.size == 1:
@@ -214,11 +216,6 @@ def _node_memory(g) -> str:
     if not np.array_equal(x, np.full_like(x, g.size * (g.size + 1) // 2)):
         return "wrong"
     return "direct" if used == g.local_size - 1 else "kernel"
-
-
-def _min():
-    from mpi4py import MPI
-    return MPI.MIN
 
 
 def _shm_mode(g) -> str:
