@@ -12,8 +12,8 @@
 
 /* Note [MPI from C]
  * The extension is built without MPI's headers (it needs none to install), so it calls the
- * three MPI functions it uses through pointers that Python found in the MPI library mpi4py
- * loaded (mpidp/engine/exchange.py: c_functions), with that library's handles for the communicator
+ * MPI functions it uses through pointers that Python found in the MPI library mpi4py
+ * loaded (mpidp/engine/exchange.py: c_context), with that library's handles for the communicator
  * and MPI_BYTE. It is only made where those handles are C ints (MPICH's ABI: mpi4py's
  * MPI._sizeof says so); elsewhere the Python path runs. The GIL is released around the
  * exchange, as mpi4py releases it around a blocking call, so the watchdog thread can answer

@@ -1,8 +1,13 @@
 """The benchmark under mpiexec: small real sweeps of each command (not timed); its pure helpers:
 tests/unit/test_bench.py."""
 import json
+import subprocess
+from pathlib import Path
 
-from mpirun import run
+import pytest
+
+from mpirun import ROOT, run
+from mpidp.runtime.launcher import mpiexec
 
 
 def test_allreduce_sweep_runs_and_counts_no_wrong(tmp_path):
@@ -72,3 +77,23 @@ def test_fusion_bench_runs(tmp_path):
     assert [r["tensors"] for r in data["pack_unpack"]] == [10, 2]
     assert all(v > 0 for r in data["pack_unpack"] for v in r["GBps"].values())
     assert data["allreduce"]["tensors"] == 50 and data["allreduce"]["speedup"] > 0
+
+
+def test_link_floor_sums_exactly_and_times_every_kind(tmp_path):
+    """bench/link_floor.c (the floor of an all-reduce between two nodes: bench/RESULTS.md,
+    issue 32 item 1), built with the MPI's own compiler wrapper, at its three smallest sizes
+    on 2 ranks of one node: each kind checks its sum of small integers before it is timed
+    (a wrong one ends the run with exit code 1), and every kind gets a time."""
+    mpicc = Path(mpiexec()).with_name("mpicc")
+    if not mpicc.exists():
+        pytest.skip(f"no MPI compiler wrapper beside {mpiexec()}")
+    exe = tmp_path / "link_floor"
+    subprocess.run([mpicc, "-O2", "-Wall", "-Werror", "-o", exe, ROOT / "bench" / "link_floor.c"],
+                   check=True, capture_output=True, timeout=120)
+    proc = subprocess.run([mpiexec(), "-n", "2", exe, "32", str(64 << 10)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line[:1] != "#"]
+    assert rows[0] == ["bytes", "mpi", "halves", "swap", "checked"], proc.stdout
+    assert [int(r[0]) for r in rows[1:]] == [8, 32 << 10, 64 << 10], proc.stdout
+    assert all(len(r) == 5 and min(map(float, r[1:])) > 0 for r in rows[1:]), proc.stdout

@@ -64,9 +64,11 @@ for count in (4, 300_000):
         check_next_is_exact(f"after read-only[{count}]")
 
 # ---- counts that differ across ranks, small and large (across nodes the large ones travel
-# after their records: Note [Chunks after the record] in csrc/exchange.c) ----------------------
-for count in (1000, 12_000, 150_000):  # 12_000 vs 24_000 floats: 48 KiB in the records
-    x = np.ones(count * (2 if rank == n - 1 else 1), np.float32)  # against 96 KiB after them
+# after their records: Note [Chunks after the record] in csrc/exchange.c). In floats: 12_000
+# against 24_000 is 48 KiB in the records against 96 KiB in chunks, 16_384 against 32_768 two
+# chunks posted ahead against four, 150_000 against 300_000 a full window on both -------------
+for count in (1000, 12_000, 16_384, 150_000):
+    x = np.ones(count * (2 if rank == n - 1 else 1), np.float32)
     exc = outcome(lambda: mpidp.allreduce_(x))
     expect(isinstance(exc, MismatchError), f"counts differ [{count}]: {exc!r}")
     expect(np.all(x == 1), f"counts differ [{count}]: the refused array was written")
