@@ -12,6 +12,10 @@ import socket
 from mpirun import assert_ok, body, run
 
 NO_MASTER = {"MASTER_ADDR": None, "MASTER_PORT": None}
+# the watchdog's bound where a test waits for it: 8 times a bound no healthy run of the same
+# jobs fired at (the backend's set-up and all-reduces; mpidp's DDP built and a step: 7 runs
+# each on the busy 2-core machine with the bound at 0.25 s)
+WATCHDOG = {"MPIDP_TIMEOUT_S": "2"}
 
 
 INIT = ("import torch, torch.distributed as dist; dist.init_process_group({args}); "
@@ -45,7 +49,7 @@ def test_uncaught_exception_with_torch_distributed_prints_and_ends_the_job():
 
 
 def test_stall_through_the_backend_is_named_by_the_watchdog():
-    proc = body(2, "body_dist_faults.py", env=dict(NO_MASTER, MPIDP_TIMEOUT_S="3"),
+    proc = body(2, "body_dist_faults.py", env=dict(NO_MASTER, **WATCHDOG),
                 extra=["stall"], timeout_s=60)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 124, out
@@ -55,7 +59,7 @@ def test_stall_through_the_backend_is_named_by_the_watchdog():
 
 
 def test_uneven_inputs_without_join_are_named_by_the_watchdog():
-    proc = body(2, "body_uneven.py", env={"MPIDP_TIMEOUT_S": "3"}, timeout_s=60)
+    proc = body(2, "body_uneven.py", env=WATCHDOG, timeout_s=60)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 124, out
     assert re.search(r"uneven inputs\? in an all-reduce: rank 1; finished \(in mpidp's "

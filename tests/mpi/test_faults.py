@@ -19,7 +19,13 @@ import user_factories  # noqa: E402
 N = 3
 BOUND_S = 60  # a fault ends the job well within this, or the test fails
 USER = {"PYTHONPATH": str(BODIES)}
-WATCHDOG = {"MPIDP_TIMEOUT_S": "3"}
+# the watchdog's bound (MPIDP_TIMEOUT_S) where a test waits for it, so that only the fault
+# ends the job: at least 4 times a bound no healthy run of the same job fired at on the busy
+# 2-core machine (ps 0.75 s: 7 runs, one of 8 fired at 0.5 s in its set-up; mirrored 0.5 s: 10
+# runs, one of 3 fired at 0.33 s; the watchdog body's first all-reduces 0.25 s: 8 runs)
+WATCHDOG_PS = {"MPIDP_TIMEOUT_S": "3"}          # ps under the training tool
+WATCHDOG_MIRRORED = {"MPIDP_TIMEOUT_S": "2"}    # mirrored under the training tool
+WATCHDOG_BODY = {"MPIDP_TIMEOUT_S": "2"}        # tests/mpi/bodies/body_watchdog.py
 # mirrored on 3 ranks: 15 steps of 32 per epoch, checkpoints after steps 5 and 10, so a fault
 # in step 8 leaves the checkpoint of step 5 the newest (rank 0 wrote it before step 6)
 MIRRORED = ("--model", "user_factories:tiny_model", "--epochs", 1, "--checkpoint-every", 5,
@@ -85,11 +91,11 @@ def test_sigkill_of_one_rank_ends_the_job(tmp_path):
 
 def test_stalled_rank_is_named_by_the_watchdog(tmp_path):
     proc = train((*MIRRORED, "--dataset", "user_factories:faulty_digits"),
-                 dict(WATCHDOG, FAULT="sleep", FAULT_RANK="1", FAULT_AT=str(IN_STEP_8)),
-                 tmp_path)
+                 dict(WATCHDOG_MIRRORED, FAULT="sleep", FAULT_RANK="1",
+                      FAULT_AT=str(IN_STEP_8)), tmp_path)
     failed(proc, r"mpidp: watchdog: rank [02] of 3 on \S+: collective #\d+, allreduce float32"
                  r"\[\d+\] op=avg algorithm=shm \(DDP gradient bucket 1 of 1\), has not "
-                 r"completed after \d+ s \(MPIDP_TIMEOUT_S=3\); aborting the job",
+                 r"completed after \d+ s \(MPIDP_TIMEOUT_S=2\); aborting the job",
            r"arrived at collective #\d+: ranks 0, 2\n  not arrived: rank 1\n",
            r"rank 1 \(pid \d+ on \S+\): in no mpidp operation for [\d.]+ s \(its last "
            r"collective: #\d+\): in its own code")
@@ -139,7 +145,7 @@ def test_parameter_server_survives_a_worker_that_stops_mid_push(tmp_path):
     the server's window: the server, whose drain waits for that lock, and the other worker,
     waiting for the staleness bound or the lock, do not hang: the watchdog ends the job."""
     proc = train((*PS, "--staleness", 1),
-                 dict(WATCHDOG, FAULT="stop_push", FAULT_RANK="0", FAULT_AT="2"), tmp_path)
+                 dict(WATCHDOG_PS, FAULT="stop_push", FAULT_RANK="0", FAULT_AT="2"), tmp_path)
     failed(proc, r"mpidp: watchdog: rank [12] of 3 on \S+: ps (worker|server): .* "
                  r"has waited \d+ s without progress \(MPIDP_TIMEOUT_S=3\); aborting the job",
            r"  waiting in an mpidp operation: ranks 1, 2\n", r"  no answer: rank 0\n",
@@ -160,7 +166,7 @@ def test_parameter_server_survives_a_worker_that_stops_mid_push(tmp_path):
       r"arrived at collective #6: ranks 0, 1\n  not arrived: rank 2\n")),
 ])
 def test_watchdog_names_the_missing_rank(case, env, patterns):
-    proc = body(N, "body_watchdog.py", dict(WATCHDOG, BODY_CASE=case, **env), BOUND_S)
+    proc = body(N, "body_watchdog.py", dict(WATCHDOG_BODY, BODY_CASE=case, **env), BOUND_S)
     failed(proc, *patterns)
     assert proc.returncode == 124
 

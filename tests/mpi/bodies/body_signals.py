@@ -4,6 +4,9 @@ before it frees the windows that thread waits in (Note [Stopping the users first
 mpidp/runtime/resources.py). Rank 1 arrives late, or never: rank 0 waits alone and sends itself
 SIGINT after WAIT_S; it must raise KeyboardInterrupt within a second, not wait for rank 1,
 and while it waits it must sleep, not spin (Note [Waiting for a late rank] in csrc/shm.c).
+Rank 1 stays away until rank 0 tells it (a point-to-point message) that its checks are over,
+or for LATE_S at most: it can never arrive while rank 0 still waits, and the job does not
+sit out a fixed delay after rank 0 is done.
 
 BODY_CASE=allreduce: rank 0 waits in an in-place all-reduce of BODY_BYTES (8: inline, the
 one-call path; 65536: sliced), is interrupted, and then no later call enters.
@@ -21,11 +24,27 @@ import mpidp
 from mpidp.errors import CommunicationError
 
 WAIT_S = 0.5
-LATE_S = 3.0  # rank 1's delay: twice the longest rank 0 may wait (WAIT_S + 1 s)
+LATE_S = 3.0  # rank 1's longest absence: twice the longest rank 0 may wait (WAIT_S + 1 s)
+DONE_TAG = 14  # rank 0 to rank 1: its checks are over
 case = os.environ["BODY_CASE"]
 g = mpidp.init()
 assert g.size == 2 and g.local_size == 2, "run on 2 ranks of one node"
 failures = []
+
+
+def tell_rank_1_done() -> None:
+    """Rank 0, once its checks of the interrupted wait are over: rank 1 may stop being late."""
+    g.comm.Send(np.zeros(1, np.uint8), dest=1, tag=DONE_TAG)
+
+
+def stay_away_until_rank_0_is_done(limit_s: float) -> None:
+    """Rank 1: joins nothing until rank 0's message comes, or for ``limit_s`` at most."""
+    deadline = time.monotonic() + limit_s
+    while not g.comm.Iprobe(source=0, tag=DONE_TAG):
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
+    g.comm.Recv(np.zeros(1, np.uint8), source=0, tag=DONE_TAG)
 
 
 def interrupted_within(call) -> float:
@@ -60,8 +79,9 @@ if case == "allreduce":
         except CommunicationError as exc:
             if "interrupted" not in str(exc):
                 failures.append(f"the refusal does not say why: {exc}")
+        tell_rank_1_done()
     else:
-        time.sleep(LATE_S)  # never joins: rank 0 gives up first
+        stay_away_until_rank_0_is_done(LATE_S)  # never joins: rank 0 gives up first
 elif case == "ddp":
     import torch
     model = torch.nn.Linear(64, 64)
@@ -74,8 +94,9 @@ elif case == "ddp":
         thread = ddp._thread
         if thread is None or not thread.is_alive():
             failures.append("the communication thread should still wait in its bucket")
+        tell_rank_1_done()
     else:
-        time.sleep(2.0)  # joins no backward: only shutdown
+        stay_away_until_rank_0_is_done(2.0)  # joins no backward: only shutdown
         thread = None
     mpidp.shutdown()  # collective: both ranks; frees the windows
     if thread is not None and thread.is_alive():
