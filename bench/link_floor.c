@@ -27,26 +27,25 @@ static void add(float *x, const float *y, size_t n) {
     for (size_t i = 0; i < n; i++) x[i] += y[i];
 }
 
+/* Posts chunk i of both arrays' swap (its receive into `tmp`, its send from `x`) in slot
+ * i % WINDOW; returns its length in bytes. */
+static size_t post(float *x, size_t bytes, size_t i, int peer, MPI_Request *rq) {
+    size_t at = i * CHUNK, n = bytes - at < CHUNK ? bytes - at : CHUNK, s = i % WINDOW;
+    MPI_Irecv((char *)tmp + at, (int)n, MPI_BYTE, peer, 2, MPI_COMM_WORLD, &rq[2 * s]);
+    MPI_Isend((char *)x + at, (int)n, MPI_BYTE, peer, 2, MPI_COMM_WORLD, &rq[2 * s + 1]);
+    return n;
+}
+
 /* Both arrays swapped in chunks, `WINDOW` in flight, each added as it arrives. */
 static void swap(float *x, size_t bytes, int peer) {
-    size_t nchunks = (bytes + CHUNK - 1) / CHUNK, posted = 0;
+    size_t nchunks = (bytes + CHUNK - 1) / CHUNK, len[WINDOW];
     MPI_Request rq[2 * WINDOW];
-    for (; posted < nchunks && posted < WINDOW; posted++) {
-        size_t at = posted * CHUNK, n = bytes - at < CHUNK ? bytes - at : CHUNK;
-        MPI_Irecv((char *)tmp + at, (int)n, MPI_BYTE, peer, 2, MPI_COMM_WORLD, &rq[2 * posted]);
-        MPI_Isend((char *)x + at, (int)n, MPI_BYTE, peer, 2, MPI_COMM_WORLD, &rq[2 * posted + 1]);
-    }
+    for (size_t i = 0; i < nchunks && i < WINDOW; i++) len[i] = post(x, bytes, i, peer, rq);
     for (size_t i = 0; i < nchunks; i++) {
-        size_t at = i * CHUNK, n = bytes - at < CHUNK ? bytes - at : CHUNK, s = i % WINDOW;
+        size_t s = i % WINDOW, at = i * CHUNK;
         MPI_Waitall(2, &rq[2 * s], MPI_STATUSES_IGNORE);
-        add((float *)((char *)x + at), (float *)((char *)tmp + at), n / 4);
-        if (posted < nchunks) {
-            size_t a2 = posted * CHUNK, n2 = bytes - a2 < CHUNK ? bytes - a2 : CHUNK;
-            MPI_Irecv((char *)tmp + a2, (int)n2, MPI_BYTE, peer, 2, MPI_COMM_WORLD, &rq[2 * s]);
-            MPI_Isend((char *)x + a2, (int)n2, MPI_BYTE, peer, 2, MPI_COMM_WORLD,
-                      &rq[2 * s + 1]);
-            posted++;
-        }
+        add((float *)((char *)x + at), (float *)((char *)tmp + at), len[s] / 4);
+        if (i + WINDOW < nchunks) len[s] = post(x, bytes, i + WINDOW, peer, rq);
     }
 }
 
