@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ab_figures import MIN_PAIRS, TOLERANCE, Bench, Figure, same, schedule, select, \
+from ab_figures import MIN_PAIRS, TOLERANCE, Bench, Figure, extract, same, schedule, select, \
     summarize, table  # this script's sibling, as ab_guard
 
 DRIVER = Path(__file__).resolve().parents[1]  # the checkout this script runs from
@@ -140,22 +140,24 @@ def build(rev: str, python: str, log=print) -> Build:
         describe = _git("log", "-1", "--format=%h %cs %s", sha, text=True).stdout.strip()[:90]
         if not (tree / ".ab-built").exists():
             log(f"ab: building {rev} ({sha[:10]}) in {tree}")
-            shutil.rmtree(tree, ignore_errors=True)
+            shutil.rmtree(tree, ignore_errors=True)  # an unfinished build of an earlier run
             work = Path(tempfile.mkdtemp(prefix=f"{sha}.", dir=root))
-            archive = subprocess.Popen(["git", "-C", str(DRIVER), "archive", sha],
-                                       stdout=subprocess.PIPE)
-            subprocess.run(["tar", "-x", "-C", str(work)], stdin=archive.stdout, check=True)
-            if archive.wait() != 0:
-                raise ABError(f"git archive {sha} failed")
-            work.rename(tree)
             try:
-                _compile_and_check(tree, python)
-            except ABError:
-                shutil.rmtree(tree, ignore_errors=True)
-                raise
-            (tree / ".ab-built").write_text(describe + "\n")
-        else:
-            check_import(tree, python)
+                archive = subprocess.Popen(["git", "-C", str(DRIVER), "archive", sha],
+                                           stdout=subprocess.PIPE)
+                subprocess.run(["tar", "-x", "-C", str(work)], stdin=archive.stdout,
+                               check=True)
+                if archive.wait() != 0:
+                    raise ABError(f"git archive {sha} failed")
+                _compile_and_check(work, python)
+                (work / ".ab-built").write_text(describe + "\n")
+                work.rename(tree)  # complete or absent: a build is used only once stamped
+            except OSError:
+                if not (tree / ".ab-built").exists():  # else another run finished it first
+                    raise
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        check_import(tree, python)
     return Build(rev, sha, tree, describe, time.perf_counter() - t0)
 
 
@@ -297,7 +299,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         s.add_argument("--python", default=sys.executable,
                        help="the venv python the builds and launches use (default this one)")
     guard, one = sub.choices["guard"], sub.choices["run"]
-    guard.add_argument("--only", help="comma-separated benchmark names from the guard set")
+    guard.add_argument("--only", help="comma-separated benchmark names instead of the guard "
+                       "set (python bench/ab.py list), e.g. one figure's bench to confirm it")
     one.add_argument("--bench", help="a named benchmark (python bench/ab.py list)")
     one.add_argument("--command", help="a launch TEMPLATE (see above) instead of --bench")
     one.add_argument("--figure", action="append", default=[], metavar="NAME=SPEC",
@@ -315,9 +318,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.what == "guard":
         wanted = args.only.split(",") if args.only else list(ab_guard.GUARD)
-        unknown = [w for w in wanted if w not in ab_guard.GUARD]
+        unknown = [w for w in wanted if w not in named]
         if unknown:
-            p.error(f"--only {','.join(unknown)}: accepted {','.join(ab_guard.GUARD)}")
+            p.error(f"--only {','.join(unknown)}: accepted {','.join(named)}")
         benches = [named[w] for w in wanted]
     elif args.bench:
         if args.bench not in named:
