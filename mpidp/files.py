@@ -303,9 +303,11 @@ def lock_run(target, what: str, *, directory: bool, command: Optional[str] = Non
             continue
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
                   "command": command or shlex.join(sys.orig_argv), "token": _TOKEN}
-        data = (json.dumps(record) + "\n").encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        except OSError:  # a full disk: held all the same, only not named to a second run
+            pass
         return RunLock(path, fd)
     raise OutputError(f"the lock file of {what}", path,
                       OSError(errno.EBUSY, "removed and created again at every try"))

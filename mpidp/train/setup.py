@@ -120,14 +120,12 @@ def check_outputs(settings: TrainSettings) -> list:
     checkpoints with an earlier run's. ValueError otherwise, with no lock held."""
     locks: list = []
     try:
-        if settings.log_json:
+        log = settings.log_json
+        if log:
             try:
-                files.check_writable(settings.log_json, "JSON log")
-                locks.append(files.lock_run(settings.log_json, f"--log-json {settings.log_json}",
-                                            directory=False))
+                files.check_writable(log, "JSON log")
             except OutputError as exc:
-                raise ValueError(f"--log-json {settings.log_json}: cannot write: "
-                                 f"{exc.strerror}") from None
+                raise ValueError(f"--log-json {log}: cannot write: {exc.strerror}") from None
         if settings.checkpoint_dir:
             d = Path(settings.checkpoint_dir)
             _check_directory(d, settings)
@@ -138,6 +136,11 @@ def check_outputs(settings: TrainSettings) -> list:
             if not settings.resume and checkpoint.existing(d):  # checked under the lock
                 raise ValueError(f"--checkpoint-dir {d} holds checkpoints of an earlier run: "
                                  "pass --resume to continue it, or choose an empty directory")
+        if log:
+            try:
+                locks.append(files.lock_run(log, f"--log-json {log}", directory=False))
+            except OutputError as exc:
+                raise ValueError(f"--log-json {log}: cannot lock: {exc.strerror}") from None
     except BaseException:
         release(locks)
         raise
