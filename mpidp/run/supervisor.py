@@ -173,7 +173,7 @@ class Supervisor:
         try:
             try:
                 self._take_locks()
-            except (ValueError, OutputError) as exc:  # in use by another run, or unusable
+            except ValueError as exc:  # in use by another run, or unusable
                 self.say(f"error: {exc}")
                 return REFUSED
             return self._supervise()
@@ -195,9 +195,11 @@ class Supervisor:
 
     def _take_locks(self) -> None:
         """The checkpoint directory's lock (the directory created 0700 if need be) and the
-        log's, for the whole supervised run (Note [One run per directory]); ValueError or
-        OutputError, one line, where another run holds one or it cannot be taken."""
-        d = self.directory
+        log's, for the whole supervised run (Note [One run per directory]); ValueError, one
+        line, where another run holds one or it cannot be taken."""
+        d, log = self.directory, self.log_path
+        if log is not None and not log.parent.is_dir():  # before anything is created
+            raise ValueError(f"--log-json {log}: cannot lock: its directory does not exist")
         if not d.is_dir():
             if "--resume" in self.command:  # as the training tool says it
                 raise ValueError(f"--resume: --checkpoint-dir {d} does not exist, so there is "
@@ -208,10 +210,13 @@ class Supervisor:
                 raise ValueError(f"--checkpoint-dir {d}: cannot create: {exc.strerror}") \
                     from None
         targets = [(d, f"--checkpoint-dir {d}", True)]
-        if self.log_path is not None:
-            targets.append((self.log_path, f"--log-json {self.log_path}", False))
+        if log is not None:
+            targets.append((log, f"--log-json {log}", False))
         for target, what, directory in targets:
-            lock = files.lock_run(target, what, directory=directory)
+            try:
+                lock = files.lock_run(target, what, directory=directory)
+            except OutputError as exc:  # its directory is missing, say
+                raise ValueError(f"{what}: cannot lock: {exc.strerror}") from None
             self.locks.append(lock)
             if lock.warning:
                 self.say(lock.warning)

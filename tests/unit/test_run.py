@@ -491,3 +491,18 @@ def test_host_files_and_slurm_variables_are_named_in_their_errors(tmp_path, monk
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1, err
         assert err.startswith(f"mpidp.run: error: {line}"), err
+
+
+def test_a_directory_or_log_the_supervisor_cannot_lock_is_refused_creating_nothing(tmp_path,
+                                                                                    fake, capfd):
+    for command, line in [
+            ([*TRAIN, "--resume", "--checkpoint-dir", str(tmp_path / "typo")],
+             f"--resume: --checkpoint-dir {tmp_path}/typo does not exist, so there is nothing "
+             "to continue"),
+            ([*TRAIN, "--checkpoint-dir", str(tmp_path / "new"), "--log-json",
+              str(tmp_path / "missing" / "log.json")],
+             f"--log-json {tmp_path}/missing/log.json: cannot lock: its directory does not "
+             "exist")]:
+        code = Supervisor(command, 1, None, 3, 1, str(fake)).run()
+        assert code == 2 and capfd.readouterr().err == f"mpidp.run: error: {line}\n"
+    assert sorted(os.listdir(tmp_path)) == ["mpiexec"]  # nothing created, nothing launched
