@@ -54,6 +54,20 @@ def hosts(env: Mapping[str, str], show_hostnames=None) -> Optional[list]:
 
 
 def _scontrol_hostnames(nodelist: str) -> list:
-    proc = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                          text=True, timeout=60, check=True)
+    """The nodes of ``nodelist`` (SLURM_JOB_NODELIST's) by `scontrol show hostnames`;
+    ValueError naming the variable where scontrol cannot say (variables left from an
+    allocation this shell is no longer in, or no Slurm here)."""
+    fix = ("; outside a Slurm allocation unset the SLURM_* variables left from one, or give "
+           "--hosts or --hostfile")
+    try:
+        proc = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        why = "no scontrol on PATH" if isinstance(exc, FileNotFoundError) else str(exc)
+        raise ValueError(f"SLURM_JOB_NODELIST={nodelist} is set, but `scontrol show "
+                         f"hostnames` could not expand it ({why}){fix}") from None
+    if proc.returncode != 0 or not proc.stdout.split():
+        said = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        raise ValueError(f"SLURM_JOB_NODELIST={nodelist} is set, but `scontrol show "
+                         f"hostnames` could not expand it ({said}){fix}")
     return proc.stdout.split()

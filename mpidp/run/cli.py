@@ -2,30 +2,53 @@
 [--min-ranks M] -- python -m mpidp.train --checkpoint-dir DIR ...``: runs the command on N
 ranks through MPICH's mpiexec and relaunches it from its newest checkpoint when it fails
 (Note [Supervising a run] in supervisor.py, Note [What is retried] in policy.py). Exits with
-the last attempt's exit code."""
+the last attempt's exit code, 2 for a command line it refuses or a directory another run
+uses, 3 where it cannot write its log for a cause that stays (Note [Exit codes] in
+mpidp/runtime/exit.py), 128 + N after the signal N stopped it."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
 from ..runtime import hostlist
+from ..runtime.exit import REFUSED
 from ..runtime.launcher import mpiexec
 from .supervisor import HEARTBEAT_S, PROG, Supervisor, option_value
 from . import allocation, probe
 
 EPILOG = """Retried: a rank killed or crashed, a node lost, a stall the watchdog ended (124),
-an exception on a rank (1). Never retried: refused input (2), the job interrupted (130, 143,
-138), a failure before the first checkpoint, and any failure after the supervisor itself got
-Ctrl-C, SIGTERM or SIGHUP (it passes them on to the job). The command must take
---checkpoint-dir and --resume as python -m mpidp.train does; restarts append --resume."""
+an exception on a rank (1). Never retried: refused input (2), a cause a relaunch cannot fix
+(3: a full disk, ...), the job interrupted (130, 143, 138), a failure before the first
+checkpoint, and any failure after the supervisor itself got Ctrl-C, SIGTERM or SIGHUP (it
+passes them on to the job, and exits 128 + the signal's number). The command must take
+--checkpoint-dir and --resume as python -m mpidp.train does; restarts append --resume. One
+run at a time per checkpoint directory and log: the supervisor holds both for its job."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        sys.stderr.write(f"{PROG}: error: {message}\n")
+        sys.exit(REFUSED)
+
+
+def seconds(zero_ok: bool):
+    """An argparse type: a finite number of seconds, > 0 (>= 0 with ``zero_ok``)."""
+    def parse(text: str) -> float:
+        value = float(text)  # a ValueError: argparse names the flag and the value
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected a finite number of seconds {'>=' if zero_ok else '>'} 0")
+        return value
+    parse.__name__ = "seconds"
+    return parse
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=f"python -m {PROG}", epilog=EPILOG,
         description="Run a training job on N ranks and relaunch it from its newest checkpoint "
                     "on the nodes that still answer when it fails.")
@@ -39,9 +62,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=3, help="relaunches at most")
     p.add_argument("--min-ranks", type=int, default=1,
                    help="relaunch on fewer ranks than -n, if nodes are lost, down to this many")
-    p.add_argument("--probe-timeout", type=float, default=probe.PROBE_S,
+    p.add_argument("--probe-timeout", type=seconds(False), default=probe.PROBE_S,
                    help="seconds a node has to run a process before it is taken as lost")
-    p.add_argument("--heartbeat", type=float, default=HEARTBEAT_S,
+    p.add_argument("--heartbeat", type=seconds(True), default=HEARTBEAT_S,
                    help="with a host list, probe the job's nodes this often while it runs, "
                    "and end and relaunch it when one does not answer (0: never)")
     p.add_argument("command", nargs=argparse.REMAINDER,
@@ -60,19 +83,20 @@ def check(args: argparse.Namespace, command: Sequence[str]) -> Optional[list]:
         raise ValueError(f"--max-restarts {args.max_restarts}: expected 0 or more")
     if not 1 <= args.min_ranks <= args.ranks:
         raise ValueError(f"--min-ranks {args.min_ranks}: expected 1 to -n {args.ranks}")
-    if args.heartbeat < 0:
-        raise ValueError(f"--heartbeat {args.heartbeat}: expected seconds >= 0")
-    if args.probe_timeout <= 0:
-        raise ValueError(f"--probe-timeout {args.probe_timeout}: expected seconds > 0")
     if not option_value(command, "--checkpoint-dir"):
         raise ValueError("the command has no --checkpoint-dir: a relaunch would have nothing "
                          "to resume from")
     if args.hosts is not None and not args.hosts.strip():
         raise ValueError("--hosts is empty: give host:slots,... or leave it out")
-    hostfile = args.hostfile or os.environ.get("HYDRA_HOST_FILE")  # where Hydra would look
-    hosts = hostlist.parse(args.hosts, "--hosts") if args.hosts else \
-        hostlist.of_file(Path(hostfile).read_text(), hostfile) if hostfile else \
-        allocation.hosts(os.environ)  # Note [Inside an allocation]
+    if args.hosts:
+        hosts = hostlist.parse(args.hosts, "--hosts")
+    elif args.hostfile:
+        hosts = hostlist.read_file(args.hostfile, f"--hostfile {args.hostfile}")
+    elif os.environ.get("HYDRA_HOST_FILE"):  # where Hydra would look
+        hosts = hostlist.read_file(os.environ["HYDRA_HOST_FILE"],
+                                   f"HYDRA_HOST_FILE={os.environ['HYDRA_HOST_FILE']}")
+    else:
+        hosts = allocation.hosts(os.environ)  # Note [Inside an allocation]
     if hosts is not None and sum(h.slots for h in hosts) < args.ranks:
         raise ValueError(f"-n {args.ranks}: the hosts have {sum(h.slots for h in hosts)} "
                          f"slot(s) ({hostlist.format_hosts(hosts)})")
@@ -86,6 +110,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         hosts = check(args, command)
         launcher = mpiexec()
     except (ValueError, OSError, subprocess.SubprocessError) as exc:
-        parser().error(str(exc))
+        parser().error(str(exc))  # one line, exit 2
     return Supervisor(command, args.ranks, hosts, args.max_restarts, args.min_ranks,
                       launcher, args.probe_timeout, args.heartbeat).run()

@@ -5,20 +5,26 @@ from __future__ import annotations
 import signal
 from typing import NamedTuple, Optional
 
+from ..runtime.exit import LASTING, REFUSED
+
 # Note [What is retried]
 # A relaunch helps where the job died of something outside its own input: a rank killed (the
 # out-of-memory killer, a crashed process: Hydra reports it and exits non-zero), a node lost
 # or a stall (the watchdog ends the job with 124), an exception on one rank (exit 1: a
 # transient error of the file system or the network looks the same as a bug, and
 # --max-restarts bounds the loop). It cannot help, and is never tried, where the job refused
-# its input (exit 2: the same command would be refused again), where the job was interrupted
-# on purpose (130, 143 after Ctrl-C or SIGTERM to the job, 138 after --checkpoint-on-signal's
-# SIGUSR1: someone wants it stopped; the supervisor's own SIGINT or SIGTERM is passed to the
-# job and ends the supervision the same way), and where a run fails before its first
+# its input (exit 2: the same command would be refused again), where it failed for a cause
+# that stays (exit 3: an output it cannot write, the disk full, a quota, a read-only file
+# system, no permission; Note [Exit codes] in mpidp/runtime/exit.py), where the job was
+# interrupted on purpose (130, 143 after Ctrl-C or SIGTERM to the job, 138 after
+# --checkpoint-on-signal's SIGUSR1: someone wants it stopped; the supervisor's own SIGINT or
+# SIGTERM is passed to the job and ends the supervision the same way), and where a run fails before its first
 # checkpoint (a fresh one, or one told to --resume from a directory that holds none): there
 # is nothing to resume from, and a failure that early is most likely the command's own.
 
-NEVER = {2: "the command's input was refused",
+NEVER = {REFUSED: "the command's input was refused",
+         LASTING: "a cause a relaunch cannot fix (an output it could not write: a full disk, "
+                  "a quota, a read-only file system, no permission)",
          128 + signal.SIGINT: "interrupted by SIGINT",
          128 + signal.SIGTERM: "interrupted by SIGTERM",
          128 + signal.SIGUSR1: "stopped on SIGUSR1 after its checkpoint"}

@@ -12,10 +12,13 @@ import time
 from pathlib import Path
 from typing import NamedTuple, Optional, Sequence
 
-from ..files import AppendedFile
+from .. import files
+from ..errors import OutputError
+from ..runtime.exit import REFUSED, output_failure
 from ..runtime.hostlist import format_hosts
 from ..train import checkpoint_names
 from . import allocation, policy, probe
+from .processes import Launch
 
 PROG = "mpidp.run"
 HEARTBEAT_S = 10.0  # Note [Heartbeat]: how often the nodes of a running job are probed
@@ -37,8 +40,13 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # "restart" event in the command's --log-json file, and the end of the supervision one
 # "supervised" event (the restarts, and the steps lost: those the failed attempts had logged
 # past the checkpoint each restart resumed from, so at least that many). If the supervisor
-# stops while its job runs (an error of its own), it ends the job first. Nothing lives
-# outside the checkpoint directory and the log, and no port is opened.
+# stops while its job runs (an error of its own), it ends the job first. For the whole
+# supervised run it holds the lock of the checkpoint directory and of the log, which its job
+# shares (Note [One run per directory] in mpidp/files.py), and no attempt starts before every
+# process of the previous one on this machine is gone (Note [The job's processes] in
+# processes.py). Nothing lives outside the checkpoint directory and the log, and no port is
+# opened. A log it cannot write ends the supervision in one line (exit 3 where the cause
+# stays, a full disk: Note [Exit codes] in mpidp/runtime/exit.py).
 #
 # Note [Heartbeat]
 # A node lost with its network leaves its peers waiting in a collective that never ends, and
@@ -120,7 +128,10 @@ class Supervisor:
         self.log_path = Path(log) if log else None
         self.signalled: Optional[int] = None
         self.unsent: list = []  # signals for the job, passed on once it runs
-        self.child = None
+        self.child = None  # the launcher of the attempt that runs
+        self.launch: Optional[Launch] = None  # that attempt's processes
+        self.locks: list = []  # Note [One run per directory]
+        self.leftovers: list = []  # pids of an attempt that SIGKILL did not end
         self.restarts = 0
         self.steps_lost = 0
 
@@ -138,7 +149,7 @@ class Supervisor:
             with open(self.log_path, "rb") as f:
                 f.seek(-1, os.SEEK_END)
                 torn = f.read(1) != b"\n"
-        log = AppendedFile(self.log_path, "JSON log")
+        log = files.AppendedFile(self.log_path, "JSON log")
         try:
             log.write_line(("\n" if torn else "") + json.dumps(event, sort_keys=True))
         finally:
@@ -157,20 +168,86 @@ class Supervisor:
             os.kill(self.child.pid, self.unsent.pop(0))
 
     def run(self) -> int:
+        """Supervises the run to its end; returns the supervisor's exit code (Note [Exit
+        codes] in mpidp/runtime/exit.py)."""
+        try:
+            try:
+                self._take_locks()
+            except ValueError as exc:  # in use by another run, or unusable
+                self.say(f"error: {exc}")
+                return REFUSED
+            return self._supervise()
+        finally:
+            for lock in reversed(self.locks):  # its file stays while a leftover holds it
+                lock.release(remove=not self.leftovers)
+
+    def _supervise(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
         try:
             return self._loop()
+        except OutputError as exc:  # its JSON log: the job would not write it either
+            self.say(f"error: {exc}; the supervision ends")
+            return output_failure(exc)
         finally:
             self._stop_child()
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
+    def _take_locks(self) -> None:
+        """The checkpoint directory's lock (the directory created 0700 if need be) and the
+        log's, for the whole supervised run (Note [One run per directory]); ValueError, one
+        line, where another run holds one or it cannot be taken."""
+        d, log = self.directory, self.log_path
+        if log is not None and not log.parent.is_dir():  # before anything is created
+            raise ValueError(f"--log-json {log}: cannot lock: its directory does not exist")
+        if not d.is_dir():
+            if "--resume" in self.command:  # as the training tool says it
+                raise ValueError(f"--resume: --checkpoint-dir {d} does not exist, so there is "
+                                 "nothing to continue")
+            try:
+                d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"--checkpoint-dir {d}: cannot create: {exc.strerror}") \
+                    from None
+        targets = [(d, f"--checkpoint-dir {d}", True)]
+        if log is not None:
+            targets.append((log, f"--log-json {log}", False))
+        for target, what, directory in targets:
+            try:
+                lock = files.lock_run(target, what, directory=directory)
+            except OutputError as exc:  # its directory is missing, say
+                raise ValueError(f"{what}: cannot lock: {exc.strerror}") from None
+            self.locks.append(lock)
+            if lock.warning:
+                self.say(lock.warning)
+
+    def _start(self, line: list, env: dict) -> None:
+        """Launches ``line``: the job shares the supervisor's locks (their token in its
+        environment, their descriptors inherited) and dies with the supervisor (Note [The
+        job's processes])."""
+        env = dict(env, **{files.LOCK_VARIABLE: files.run_token()})
+        self.launch = Launch(line, env, [lock.fd for lock in self.locks if lock.held])
+        self.child = self.launch.popen
+
+    def _end_leftovers(self) -> None:
+        """Once the launcher has exited: the attempt's processes still on this machine
+        SIGKILLed and waited for (Note [The job's processes])."""
+        if self.launch is None:
+            return
+        self.leftovers = self.launch.end_leftovers(END_S)
+        self.launch.close()
+        self.launch = None
+        if self.leftovers:
+            self.say(f"process(es) {', '.join(map(str, self.leftovers))} of the ended job "
+                     f"still run {END_S:g} s after SIGKILL")
+
     def _stop_child(self) -> None:
         """Whatever made the supervisor stop while its job runs (an error of its own, say),
         the job does not outlive it: SIGINT, then SIGKILL to the launcher's session after
-        END_S."""
+        END_S, and its leftovers SIGKILLed."""
         if self.child is not None and self.child.poll() is None:
             self._end_job()
+        self._end_leftovers()
 
     def _newest(self) -> Optional[Path]:
         found = checkpoint_names.existing(self.directory)
@@ -188,11 +265,12 @@ class Supervisor:
             t0 = time.monotonic()
             # a relaunch overlaps what is left of the failed job's step (Note [Inside an
             # allocation] in allocation.py)
-            env = dict(os.environ, **allocation.BESIDE_STEPS) if self.restarts else None
-            self.child = subprocess.Popen(line, start_new_session=True, env=env)
+            env = dict(os.environ, **(allocation.BESIDE_STEPS if self.restarts else {}))
+            self._start(line, env)
             self._pass_signals()  # one that came before the job started
             code, silent = self._wait(attempt.hosts)
             code = 128 - code if code < 0 else code  # the launcher ended by a signal
+            self._end_leftovers()  # before anything looks at the directory or starts again
             took = time.monotonic() - t0
             newest = self._newest()
             v = policy.verdict(code, newest is not None, self.signalled, silent)
@@ -278,6 +356,9 @@ class Supervisor:
         return [h for h in self.hosts if h in alive], [h for h in self.hosts if h not in alive]
 
     def _end(self, code: int, why: str, took: float) -> int:
+        """The last line and event; returns the supervisor's exit code: the job's, or 128 +
+        the signal the supervisor got where the job did not finish (after a second Ctrl-C
+        Hydra's mpiexec exits with 255: the supervisor still says 130)."""
         restarts = f" after {self.restarts} restart(s)" if self.restarts else ""
         if code == 0:
             self.say(f"the run finished{restarts}; {self.steps_lost} step(s) lost")
@@ -285,4 +366,4 @@ class Supervisor:
             self.say(f"the job ended after {took:.1f} s ({why}){restarts}; not relaunched")
         self.record({"event": "supervised", "exit_code": code, "restarts": self.restarts,
                      "steps_lost": self.steps_lost, "ended": why})
-        return code
+        return 128 + self.signalled if self.signalled is not None and code != 0 else code

@@ -1,4 +1,5 @@
-"""Ending a tool's process once its work is done, without the interpreter's last collections.
+"""Ending a tool's process once its work is done, without the interpreter's last collections;
+what its exit code says (Note [Exit codes]).
 
 Note [Ending without the interpreter's teardown]
 A rank of ``python -m mpidp.train`` spent over a second after its last line (measured on this
@@ -15,6 +16,7 @@ still in its teardown when another had left: not worth it.) Library code (``mpid
 user's script) never calls it: a user's process ends as the user ends it."""
 from __future__ import annotations
 
+import errno
 import gc
 import sys
 
@@ -25,3 +27,29 @@ def exit_now(code) -> None:
     teardown]). Does not return."""
     gc.freeze()
     sys.exit(code)
+
+
+# Note [Exit codes]
+# What the exit code of mpidp's tools (python -m mpidp.train, python -m mpidp.run) says, so
+# that a supervisor, a scheduler or a script can tell what a retry can fix (Note [What is
+# retried] in mpidp/run/policy.py; the table in docs/operations.md):
+#   0        the run finished
+#   1        failed for a cause that may pass (an exception on a rank, an output error that
+#            may be transient, such as EIO): a relaunch from the newest checkpoint may help
+#   2        refused: bad flags or inputs, an output that cannot be used, a directory or log
+#            in use by another run; nothing ran, and the same command is refused again
+#   3        failed for a cause a relaunch cannot fix: an output the run could not write
+#            because the disk is full, a quota or a file-size limit is reached, the file
+#            system is read-only or permission is denied (LASTING_ERRNOS)
+#   124      the watchdog ended a stalled job
+#   128 + N  ended by signal N (130 Ctrl-C, 143 SIGTERM, 138 --checkpoint-on-signal's SIGUSR1)
+REFUSED = 2
+LASTING = 3
+LASTING_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS,
+                            errno.EACCES, errno.EPERM))
+
+
+def output_failure(exc: OSError) -> int:
+    """The exit code of a run ended by ``exc``, an output it could not write: LASTING where
+    its cause stays (a full disk, ...), else 1 (Note [Exit codes])."""
+    return LASTING if exc.errno in LASTING_ERRNOS else 1

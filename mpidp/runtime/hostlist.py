@@ -51,6 +51,24 @@ def of_file(text: str, path: str = "hostfile") -> list:
     return out
 
 
+def read_file(path: str, what: str) -> list:
+    """[Host] from the host file at ``path`` (``of_file``); ValueError in one line naming
+    ``what`` ("--hostfile F", "HYDRA_HOST_FILE=F") where it cannot be read or is not UTF-8
+    text."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ValueError(f"{what}: cannot read the host file: {exc.strerror}") from None
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{what}: line {line} is not UTF-8 text (byte {data[exc.start]:#04x}"
+                         f"): a host file holds host names") from None
+    return of_file(text, what)
+
+
 def format_hosts(hosts: Sequence[Host]) -> str:
     """Hydra's ``-hosts`` argument for ``hosts``."""
     return ",".join(f"{h.name}:{h.slots}" for h in hosts)

@@ -2,7 +2,9 @@
 the job on every rank with one line on rank 0 and exit code 2, before any training collective;
 Ctrl-C or SIGTERM end it with one line (Note [Interrupted run]) and exit code 130 or 143; with
 --checkpoint-on-signal, SIGTERM or SIGUSR1 first checkpoint (Note [Checkpoint on signal] in
-on_signal.py) and end it with exit code 143 or 138."""
+on_signal.py) and end it with exit code 143 or 138; a checkpoint or log it cannot write ends it
+with 3 where a relaunch cannot help (a full disk: Note [Exit codes] in mpidp/runtime/exit.py),
+else 1."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +23,7 @@ from .. import algorithms
 from ..workloads import data, models
 from .. import runtime
 from ..runtime.abort import FORWARD_S, abort_job
+from ..runtime.exit import REFUSED, output_failure
 from ..errors import ConfigError, LaunchError, MismatchError, OutputError
 from ..runtime.helpformat import DefaultsHelpFormatter, Parser
 from . import checkpoint
@@ -33,7 +36,7 @@ from .devices import AMPS, DEVICES
 from .settings import COMPRESSIONS, LR_SCALINGS, OPTIMIZERS, STRATEGIES, TrainSettings, check_world
 from .setup import SetupError, agree
 
-USAGE_ERROR = 2
+USAGE_ERROR = REFUSED  # Note [Exit codes] in mpidp/runtime/exit.py
 
 
 def fail(message: str, rank: Optional[int] = None) -> None:
@@ -292,8 +295,10 @@ def _run(settings: TrainSettings, argv: Sequence[str]) -> int:
             _train(settings, g)
     except SetupError as exc:
         fail(str(exc), g.rank)
-    except OutputError as exc:  # a checkpoint or the log could not be written: the job ends
-        abort_job(f"{PROG}: error: rank {g.rank}: {exc}; aborting the job\n", 1)
+    except OutputError as exc:  # a checkpoint or the log could not be written: the job ends,
+        # with 3 where a relaunch would fail the same way (Note [Exit codes])
+        abort_job(f"{PROG}: error: rank {g.rank}: {exc}; aborting the job\n",
+                  output_failure(exc))
     except (KeyboardInterrupt, StoppedOnSignal) as exc:  # Ctrl-C, SIGTERM: Note [Interrupted run]
         _end_interrupted(exc, settings, argv, g.rank, g.size)
     except Exception as exc:  # an interrupt that code it hit turned into its own error

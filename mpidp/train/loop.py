@@ -55,8 +55,23 @@ class Trainer:
         mine = torch_gpu(g.local_rank)
         gpus = objects.allgather(g, mine, "set-up: every rank's GPU")
         kind, why = setup.agree(g, lambda: devices.decide(s.device, s.strategy, gpus))
-        # last of the checks, as it creates the checkpoint directory
-        setup.agree(g, lambda: setup.check_outputs(s) if g.rank == 0 else None, name_rank=False)
+        # last of the checks, as it creates the checkpoint directory; rank 0 holds its lock
+        # and the log's till the end (Note [One run per directory] in mpidp/files.py)
+        locks = setup.agree(g, lambda: setup.check_outputs(s) if g.rank == 0 else None,
+                            name_rank=False)
+        try:
+            for lock in locks or ():
+                if lock.warning:
+                    _warn(lock.warning)
+            return self._set_up_and_train(g, model, train_data, test_data, loss_fn, sampler,
+                                          kind, why, names)
+        finally:
+            setup.release(locks)
+
+    def _set_up_and_train(self, g, model, train_data, test_data, loss_fn, sampler, kind, why,
+                          names):
+        """``fit`` once its outputs are checked and held: the resume point, then ``_train``."""
+        s = self.settings
         resumed = None
         if s.resume:
             resumed = setup.agree(g, lambda: setup.find_resume_point(

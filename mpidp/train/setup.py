@@ -112,35 +112,63 @@ def fingerprint(settings: TrainSettings, train_data, test_data) -> dict:
                 test_samples=None if test_data is None else len(test_data))
 
 
-def check_outputs(settings: TrainSettings) -> None:
+def check_outputs(settings: TrainSettings) -> list:
     """On rank 0: the log file can be written, the checkpoint directory can be written and
-    only by us (Note [Checkpoint directory] in checkpoint.py), and a fresh run does not mix
-    its checkpoints with an earlier run's. ValueError otherwise."""
-    if settings.log_json:
-        try:
-            files.check_writable(settings.log_json, "JSON log")
-        except OutputError as exc:
-            raise ValueError(f"--log-json {settings.log_json}: cannot write: {exc.strerror}") \
-                from None
-    if settings.checkpoint_dir:
-        d = Path(settings.checkpoint_dir)
-        if settings.resume and not d.is_dir():  # a typo must not leave an empty directory
-            raise ValueError(f"--resume: --checkpoint-dir {d} does not exist, so there is "
-                             "nothing to continue")
-        try:
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ValueError(f"--checkpoint-dir {d}: cannot create: {exc.strerror}") from None
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise ValueError(f"--checkpoint-dir {d}: not writable")
-        shared = checkpoint.shared_directory_problem(d)
-        if shared and not settings.allow_shared_checkpoint_dir:
-            raise ValueError(f"--checkpoint-dir {d} {shared}, who could replace its "
-                             "checkpoints: use a directory only you can write to (chmod go-w), "
-                             "or pass --allow-shared-checkpoint-dir")
-        if not settings.resume and checkpoint.existing(d):
-            raise ValueError(f"--checkpoint-dir {d} holds checkpoints of an earlier run: pass "
-                             "--resume to continue it, or choose an empty directory")
+    only by us (Note [Checkpoint directory] in checkpoint.py), no other run uses either (Note
+    [One run per directory] in mpidp/files.py: their locks, taken here, are returned, to be
+    held for the run's life and released by ``release``), and a fresh run does not mix its
+    checkpoints with an earlier run's. ValueError otherwise, with no lock held."""
+    locks: list = []
+    try:
+        log = settings.log_json
+        if log:
+            try:
+                files.check_writable(log, "JSON log")
+            except OutputError as exc:
+                raise ValueError(f"--log-json {log}: cannot write: {exc.strerror}") from None
+        if settings.checkpoint_dir:
+            d = Path(settings.checkpoint_dir)
+            _check_directory(d, settings)
+            try:
+                locks.append(files.lock_run(d, f"--checkpoint-dir {d}", directory=True))
+            except OutputError as exc:
+                raise ValueError(f"--checkpoint-dir {d}: cannot lock: {exc.strerror}") from None
+            if not settings.resume and checkpoint.existing(d):  # checked under the lock
+                raise ValueError(f"--checkpoint-dir {d} holds checkpoints of an earlier run: "
+                                 "pass --resume to continue it, or choose an empty directory")
+        if log:
+            try:
+                locks.append(files.lock_run(log, f"--log-json {log}", directory=False))
+            except OutputError as exc:
+                raise ValueError(f"--log-json {log}: cannot lock: {exc.strerror}") from None
+    except BaseException:
+        release(locks)
+        raise
+    return locks
+
+
+def release(locks) -> None:
+    """Lets go of the locks ``check_outputs`` took (None, or an empty list: none)."""
+    for lock in reversed(locks or ()):
+        lock.release()
+
+
+def _check_directory(d: Path, settings: TrainSettings) -> None:
+    """The checkpoint directory exists (created 0700) and only we can write to it."""
+    if settings.resume and not d.is_dir():  # a typo must not leave an empty directory
+        raise ValueError(f"--resume: --checkpoint-dir {d} does not exist, so there is "
+                         "nothing to continue")
+    try:
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--checkpoint-dir {d}: cannot create: {exc.strerror}") from None
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise ValueError(f"--checkpoint-dir {d}: not writable")
+    shared = checkpoint.shared_directory_problem(d)
+    if shared and not settings.allow_shared_checkpoint_dir:
+        raise ValueError(f"--checkpoint-dir {d} {shared}, who could replace its "
+                         "checkpoints: use a directory only you can write to (chmod go-w), "
+                         "or pass --allow-shared-checkpoint-dir")
 
 
 def newest_meeting_checkpoint(directory, resumed: checkpoint.Checkpoint):

@@ -16,7 +16,7 @@ import torch
 from file_faults import flip_bytes_in_a_tensor, small_tmpfs
 from mpidp.train import checkpoint
 from mpidp.workloads import data
-from mpirun import BODIES, ROOT, assert_ok, body, mpiexec, run
+from mpirun import BODIES, ROOT, Job, assert_ok, body, mpiexec, run
 
 USER = {"PYTHONPATH": str(BODIES)}  # tests/mpi/bodies/user_factories.py
 END_S = 10  # a job signalled with --checkpoint-on-signal ends within this
@@ -453,18 +453,48 @@ def test_retention_keeps_the_resumed_and_written_checkpoints_past_damaged_and_pl
 
 def test_a_full_disk_ends_the_job_with_one_line(tmp_path):
     """The second checkpoint does not fit: one line names the file and the cause, the job
-    ends (exit code 1, as for any failure after set-up), no temporary is left, and the first
-    checkpoint is whole."""
+    ends (exit code 3: a relaunch would fail the same way, Note [Exit codes] in
+    mpidp/runtime/exit.py), no temporary is left, and the first checkpoint is whole."""
     with small_tmpfs(tmp_path / "small", size="1536k") as small:  # one checkpoint fits
         proc = train(2, "--epochs", 1, "--checkpoint-every", 10, "--optimizer", "adam",
                      "--no-progress", "--checkpoint-dir", small)
-        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert proc.returncode == 3, proc.stdout + proc.stderr
         ours = [l for l in proc.stderr.splitlines() if l.startswith("mpidp")]
         assert ours == [f"mpidp.train: error: rank 0: cannot write checkpoint "
                         f"{small}/ckpt-000000020.pt: No space left on device; aborting the "
                         "job"], proc.stderr
         assert "Traceback" not in proc.stderr and os.listdir(small) == ["ckpt-000000010.pt"]
         assert checkpoint.read(small / "ckpt-000000010.pt").state["global_step"] == 10
+
+
+def test_a_second_run_on_a_supervised_runs_directory_is_refused(tmp_path):
+    """The issue's two runs on one directory (Note [One run per directory] in mpidp/files.py):
+    run A under the supervisor, its job writing checkpoints into the directory the
+    supervisor holds; a second supervisor, and a plain run on 2 ranks with --seed 7, on the
+    same directory and log are each refused in one line naming A's supervisor, exit 2 (every
+    rank ends); A goes on, and ends on Ctrl-C as a supervised run does, letting go of both."""
+    d, log = tmp_path / "ck", tmp_path / "log.jsonl"
+    flags = ["-m", "mpidp.train", *ON_CPU, "--dataset", "user_factories:slow_digits",
+             "--epochs", 100, "--checkpoint-every", 10, "--checkpoint-dir", d, "--log-json",
+             log, "--no-progress"]
+    with Job(1, flags, tmp_path / "a.out", env=USER, supervised=[]) as a:
+        a.wait_for(lambda: (d / "ckpt-000000010.pt").exists(), 120)
+        again = run(1, [*flags, "--seed", 7], env=USER, supervised=[], timeout_s=60)
+        plain = train(2, *flags[2:], "--seed", 7, env=USER)
+        assert a.proc.poll() is None, a.text[-4000:]
+        a.proc.send_signal(signal.SIGINT)
+        assert a.wait(60) == 130, a.text[-4000:]
+    holder = rf"is in use by another run \(pid {a.proc.pid} on [^,]+, since [-0-9 :]+: " \
+        rf"\S+ -m mpidp\.run -n 1 -- .*\): wait for it to end, or choose another"
+    assert re.fullmatch(rf"mpidp\.run: error: --checkpoint-dir {d} {holder}\n", again.stderr), \
+        again.stderr
+    ours = [l for l in plain.stderr.splitlines() if l.strip()]
+    assert plain.returncode == 2 and len(ours) == 1, plain.stdout + plain.stderr
+    assert re.fullmatch(rf"mpidp\.train: error: --checkpoint-dir {d} {holder}", ours[0]), ours
+    events = [json.loads(l)["event"] for l in log.read_text().splitlines()]
+    assert events.count("supervised") == 1 and "summary" not in events, events  # A's alone
+    assert not (d / ".mpidp-lock").exists()
+    assert not (tmp_path / ".log.jsonl.lock").exists()
 
 
 # Every bad input refused before the first training collective is checked in one process

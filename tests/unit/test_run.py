@@ -13,7 +13,9 @@ import threading
 import time
 
 import pytest
+from file_faults import small_tmpfs
 
+from mpidp import files
 from mpidp.run import allocation, cli, policy, probe
 from mpidp.run.supervisor import Supervisor, option_value
 from mpidp.runtime import hostlist
@@ -44,6 +46,28 @@ FAKE = textwrap.dedent("""\
     step = json.loads(os.environ["PLAN"])[done]
     directory = Path(argv[argv.index("--checkpoint-dir") + 1])
     directory.mkdir(parents=True, exist_ok=True)
+    if step.get("lock"):  # the training tool's locks, as its rank 0 takes them
+        from mpidp import files
+        took = [files.lock_run(directory, "d", directory=True)]
+        if "--log-json" in argv:
+            took.append(files.lock_run(argv[argv.index("--log-json") + 1], "l",
+                                       directory=False))
+        with open(str(calls) + ".lock", "a") as f:
+            f.write(json.dumps([lock.held for lock in took]) + "\\n")
+    if os.path.exists(str(calls) + ".orphan"):  # the previous attempt's leftover: still there?
+        pid = int(Path(str(calls) + ".orphan").read_text())
+        with open(str(calls) + ".alive", "a") as f:
+            f.write(str(os.path.exists(f"/proc/{{pid}}")
+                        and Path(f"/proc/{{pid}}/stat").read_text().split()[2] != "Z") + "\\n")
+    if step.get("orphan"):  # a rank in a session of its own, left when the launcher dies
+        import subprocess
+        orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                  start_new_session=True, close_fds=False)
+        Path(str(calls) + ".orphan").write_text(str(orphan.pid))
+    if "sigint_code" in step:  # how the launcher ends on the supervisor's SIGINT
+        import signal
+        signal.signal(signal.SIGINT, lambda s, f: os._exit(step["sigint_code"]))
+        Path(str(calls) + ".ready").write_text(str(os.getpid()))
     for n in step.get("checkpoints", []):
         (directory / f"ckpt-{{n:09d}}.pt").write_bytes(b"x")
     if "--log-json" in argv:
@@ -79,7 +103,8 @@ def supervise(tmp_path, fake, plan, ranks=2, hosts=None, max_restarts=3, min_ran
             del os.environ[k]
         if overlap is not None:
             os.environ["SLURM_OVERLAP"] = overlap
-    calls = [json.loads(l) for l in (tmp_path / "calls").read_text().splitlines()]
+    calls = [json.loads(l) for l in (tmp_path / "calls").read_text().splitlines()] \
+        if (tmp_path / "calls").exists() else []
     log = tmp_path / "log.json"
     events = [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
     return code, calls, [e for e in events if e["event"] in ("restart", "supervised")]
@@ -106,6 +131,9 @@ def test_a_killed_rank_is_relaunched_with_resume_from_the_newest_checkpoint(tmp_
 
 
 @pytest.mark.parametrize("code,why", [(2, "the command's input was refused"),
+                                      (3, "a cause a relaunch cannot fix (an output it could "
+                                       "not write: a full disk, a quota, a read-only file "
+                                       "system, no permission)"),
                                       (130, "interrupted by SIGINT"),
                                       (143, "interrupted by SIGTERM")])
 def test_what_a_relaunch_cannot_help_is_not_retried(tmp_path, fake, capfd, code, why):
@@ -230,10 +258,22 @@ def test_the_command_line_is_checked_before_anything_runs(tmp_path, capsys):
                          "the hosts have 3 slot(s)"),
                         (["-n", "2", "--min-ranks", "3", "--", "x", "--checkpoint-dir", "d"],
                          "--min-ranks 3"),
-                        (["-n", "2"], "no command")]:
+                        (["-n", "2"], "no command"),
+                        (["-n", "1", "--probe-timeout", "nan", "--", "x", "--checkpoint-dir",
+                          "d"], "argument --probe-timeout: 'nan': expected a finite number of "
+                         "seconds > 0"),
+                        (["-n", "1", "--probe-timeout", "0", "--", "x", "--checkpoint-dir", "d"],
+                         "argument --probe-timeout: '0': expected"),
+                        (["-n", "1", "--heartbeat", "nan", "--", "x", "--checkpoint-dir", "d"],
+                         "argument --heartbeat: 'nan': expected a finite number of seconds >= 0"),
+                        (["-n", "1", "--heartbeat", "inf", "--", "x", "--checkpoint-dir", "d"],
+                         "argument --heartbeat: 'inf': expected"),
+                        (["-n", "1", "--heartbeat", "-1", "--", "x", "--checkpoint-dir", "d"],
+                         "argument --heartbeat: '-1': expected")]:
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
-        assert e.value.code == 2 and words in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and words in err and err.count("\n") == 1, err
 
 
 def test_the_supervisor_imports_neither_torch_nor_mpi():
@@ -270,3 +310,199 @@ def test_option_values_and_host_lists():
     assert not policy.verdict(137, True, signal.SIGTERM).retry
     assert not policy.verdict(1, False, None).retry  # nothing to resume from
     assert policy.verdict(130, True, None, ["b"]).retry  # the supervisor's own SIGINT
+
+
+# Note [One run per directory] (mpidp/files.py), Note [The job's processes] (processes.py)
+
+def test_the_job_shares_the_supervisors_locks_which_are_free_again_after(tmp_path, fake):
+    """The stand-in takes the training tool's locks as its rank 0 would: the directory and
+    the log are its supervisor's (not held by the job itself, not refused); once the
+    supervision ends both are free and their lock files gone."""
+    code, calls, _ = supervise(tmp_path, fake, [{"code": 137, "checkpoints": [10],
+                                                 "lock": True}, {"code": 0, "lock": True}])
+    assert code == 0 and len(calls) == 2
+    assert (tmp_path / "calls.lock").read_text() == "[false, false]\n" * 2
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["ckpt-000000010.pt"]
+    assert not (tmp_path / ".log.json.lock").exists()
+    for target, directory in ((tmp_path / "ck", True), (tmp_path / "log.json", False)):
+        again = files.lock_run(target, "x", directory=directory)
+        assert again.held
+        again.release()
+
+
+@pytest.mark.parametrize("which", ["--checkpoint-dir", "--log-json"])
+def test_a_second_run_on_the_directory_or_the_log_is_refused_in_one_line(tmp_path, fake, capfd,
+                                                                        which):
+    """Another run holds the directory or the log: the supervisor launches nothing and says
+    who, in one line, exit 2; the other run's hold is untouched."""
+    (tmp_path / "ck").mkdir()
+    target = tmp_path / "ck" if which == "--checkpoint-dir" else tmp_path / "log.json"
+    other = files.lock_run(target, "other", directory=which == "--checkpoint-dir",
+                           command="python -m mpidp.train --seed 7")
+    try:
+        code, calls, _ = supervise(tmp_path, fake, [{"code": 0}])
+        err = capfd.readouterr().err
+        assert code == 2 and calls == [] and other.held
+        assert err.count("\n") == 1 and err.startswith(
+            f"mpidp.run: error: {which} {target} is in use by another run (pid {os.getpid()} "
+            f"on {os.uname().nodename}, since "), err
+        assert err.endswith(": python -m mpidp.train --seed 7): wait for it to end, or choose "
+                            "another\n"), err
+    finally:
+        other.release()
+
+
+def test_a_lock_is_free_once_its_holder_is_killed(tmp_path):
+    """The kernel lets go of a killed holder's lock: nothing is left "held"."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from mpidp import files; "
+         f"held = files.lock_run({str(tmp_path)!r}, 'd', directory=True); print('held', "
+         "flush=True); "
+         "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(files.InUseError, match=f"pid {holder.pid} on "):
+            files.lock_run(tmp_path, "d", directory=True)
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = files.lock_run(tmp_path, "d", directory=True)
+    assert lock.held and json.loads(files.lock_path(tmp_path, True).read_text())["pid"] == \
+        os.getpid()
+    lock.release()
+
+
+def test_an_attempts_leftover_processes_are_gone_before_the_next_starts(tmp_path, fake):
+    """The launcher dies and leaves a process of the job in a session of its own (as Hydra
+    leaves ranks): the supervisor ends it before the relaunch, which finds it gone."""
+    try:
+        code, calls, _ = supervise(tmp_path, fake, [
+            {"code": 137, "checkpoints": [10], "orphan": True}, {"code": 0}])
+    finally:
+        orphan = int((tmp_path / "calls.orphan").read_text())
+        if os.path.exists(f"/proc/{orphan}"):
+            os.kill(orphan, signal.SIGKILL)
+    assert code == 0 and len(calls) == 2
+    assert (tmp_path / "calls.alive").read_text() == "False\n"
+
+
+def test_a_supervisor_killed_outright_takes_its_launcher_along(tmp_path, fake):
+    """SIGKILL to the supervisor: its launcher (PR_SET_PDEATHSIG) does not run on without it
+    (it would wait 60 s)."""
+    env = dict(os.environ, PLAN=json.dumps([{"code": 0, "wait": 60, "sigint_code": 130}]),
+               CALLS=str(tmp_path / "calls"))
+    script = ("from mpidp.run.supervisor import Supervisor\n"
+              f"Supervisor(['x', '--checkpoint-dir', {str(tmp_path / 'ck')!r}], 1, None, 0, 1, "
+              f"{str(fake)!r}).run()\n")
+    supervisor = subprocess.Popen([sys.executable, "-c", script], env=env,
+                                  stderr=subprocess.DEVNULL)
+    ready = tmp_path / "calls.ready"
+    try:
+        t0 = time.monotonic()
+        while not ready.exists() or not ready.read_text():
+            assert supervisor.poll() is None and time.monotonic() - t0 < 60
+            time.sleep(0.02)
+        launcher = int(ready.read_text())
+        supervisor.kill()
+        supervisor.wait()
+        t0 = time.monotonic()
+        while _running(launcher) and time.monotonic() - t0 < 30:
+            time.sleep(0.02)
+        assert not _running(launcher)
+    finally:
+        supervisor.kill()
+        if ready.exists() and ready.read_text() and _running(int(ready.read_text())):
+            os.kill(int(ready.read_text()), signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_supervisor_stopped_by_a_signal_exits_128_plus_it(tmp_path, fake, capfd):
+    """Ctrl-C to the supervisor, passed to its job: a second one makes Hydra's mpiexec exit
+    255 (the stand-in exits so on the first); the supervisor exits 130 all the same."""
+    def interrupt():
+        while not (tmp_path / "calls.ready").exists():
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)  # the supervisor's handler takes it
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    code, calls, events = supervise(tmp_path, fake, [
+        {"code": 0, "checkpoints": [10], "wait": 60, "sigint_code": 255}])
+    assert code == 130 and len(calls) == 1
+    assert "exit 255: a rank or the launcher failed; the supervisor was sent SIGINT); not " \
+        "relaunched" in capfd.readouterr().err
+    assert events[-1]["exit_code"] == 255
+
+
+def test_a_log_the_supervisor_cannot_write_ends_it_in_one_line(tmp_path, fake, capfd):
+    """A full disk under the supervisor's JSON log: one line naming it, exit 3, no
+    traceback."""
+    with small_tmpfs(tmp_path / "full") as full:
+        with open(full / "filler", "wb", buffering=0) as f:  # till the disk is full
+            try:
+                while True:
+                    f.write(b"x" * 4096)
+            except OSError:
+                pass
+        os.environ.update(PLAN=json.dumps([{"code": 0}]), CALLS=str(tmp_path / "calls"))
+        try:
+            code = Supervisor([*TRAIN, "--checkpoint-dir", str(tmp_path / "ck"), "--log-json",
+                               str(full / "log.json")], 1, None, 3, 1, str(fake)).run()
+        finally:
+            del os.environ["PLAN"], os.environ["CALLS"]
+        err = capfd.readouterr().err
+        assert code == 3 and "Traceback" not in err
+        assert err.splitlines()[-1] == f"mpidp.run: error: cannot write JSON log {full}/" \
+            "log.json: No space left on device; the supervision ends", err
+
+
+def test_host_files_and_slurm_variables_are_named_in_their_errors(tmp_path, monkeypatch,
+                                                                  capsys):
+    bad = tmp_path / "hosts"
+    bad.write_bytes(b"a:2\nb\xff:2\n")
+    command = ["-n", "1", "--", "x", "--checkpoint-dir", "d"]
+    for env, argv, line in [
+            ({"HYDRA_HOST_FILE": "/nonexistent"}, command,
+             "HYDRA_HOST_FILE=/nonexistent: cannot read the host file: No such file or "
+             "directory"),
+            ({"HYDRA_HOST_FILE": str(bad)}, command,
+             f"HYDRA_HOST_FILE={bad}: line 2 is not UTF-8 text (byte 0xff): a host file holds "
+             "host names"),
+            ({}, ["--hostfile", str(bad), *command],
+             f"--hostfile {bad}: line 2 is not UTF-8 text"),
+            ({"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "1(x2)",
+              "PATH": str(tmp_path)}, command,
+             "SLURM_JOB_NODELIST=n[1-2] is set, but `scontrol show hostnames` could not "
+             "expand it (no scontrol on PATH); outside a Slurm allocation unset the SLURM_* "
+             "variables left from one, or give --hosts or --hostfile")]:
+        with monkeypatch.context() as m:
+            for k in ("HYDRA_HOST_FILE", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+                m.delenv(k, raising=False)
+            for k, v in env.items():
+                m.setenv(k, v)
+            with pytest.raises(SystemExit) as e:
+                cli.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"mpidp.run: error: {line}"), err
+
+
+def test_a_directory_or_log_the_supervisor_cannot_lock_is_refused_creating_nothing(tmp_path,
+                                                                                    fake, capfd):
+    for command, line in [
+            ([*TRAIN, "--resume", "--checkpoint-dir", str(tmp_path / "typo")],
+             f"--resume: --checkpoint-dir {tmp_path}/typo does not exist, so there is nothing "
+             "to continue"),
+            ([*TRAIN, "--checkpoint-dir", str(tmp_path / "new"), "--log-json",
+              str(tmp_path / "missing" / "log.json")],
+             f"--log-json {tmp_path}/missing/log.json: cannot lock: its directory does not "
+             "exist")]:
+        code = Supervisor(command, 1, None, 3, 1, str(fake)).run()
+        assert code == 2 and capfd.readouterr().err == f"mpidp.run: error: {line}\n"
+    assert sorted(os.listdir(tmp_path)) == ["mpiexec"]  # nothing created, nothing launched

@@ -702,6 +702,36 @@ def test_outputs_are_checked_before_training(tmp_path):
     check_outputs(_resume_settings(tmp_path / "used"))
 
 
+def test_outputs_in_use_by_another_run_are_refused_and_a_supervisors_are_shared(
+        tmp_path, monkeypatch):
+    """Note [One run per directory]: rank 0's check takes the directory's and the log's
+    locks; a second run is refused naming the first; a run whose supervisor holds them (its
+    token in MPIDP_RUN_LOCK) goes on without its own; a refused run holds nothing."""
+    from mpidp import files
+    from mpidp.train.setup import check_outputs, release
+    s = TrainSettings(checkpoint_dir=str(tmp_path / "ck"), log_json=str(tmp_path / "log"))
+    first = check_outputs(s)
+    assert [lock.held for lock in first] == [True, True]
+    with pytest.raises(ValueError, match=rf"^--checkpoint-dir {tmp_path}/ck is in use by "
+                       rf"another run \(pid {os.getpid()} on .*\): wait for it to end, or "
+                       "choose another$"):
+        check_outputs(dataclasses.replace(s, seed=7))
+    with pytest.raises(ValueError, match=rf"^--log-json {tmp_path}/log is in use by another "
+                       "run"):  # another directory, the same log: the directory's lock let go
+        check_outputs(dataclasses.replace(s, checkpoint_dir=str(tmp_path / "other")))
+    assert files.lock_run(tmp_path / "other", "x", directory=True).held
+    monkeypatch.setenv(files.LOCK_VARIABLE, files.run_token())  # as under the supervisor
+    shared = check_outputs(s)
+    assert [lock.held for lock in shared] == [False, False]
+    release(shared)
+    monkeypatch.delenv(files.LOCK_VARIABLE)
+    release(first)
+    assert sorted(os.listdir(tmp_path / "ck")) == [] and not (tmp_path / ".log.lock").exists()
+    again = check_outputs(s)
+    assert all(lock.held for lock in again)
+    release(again)
+
+
 def test_straggler_detection_is_per_sample_and_needs_a_clear_margin():
     from mpidp.train import stragglers
     hosts = ["a", "b", "c"]
