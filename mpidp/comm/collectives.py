@@ -17,7 +17,7 @@ Every function here is a synchronisation point: every rank of the group must cal
 same order, all with host arrays or all with device arrays."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -90,12 +90,14 @@ def bump_version(a) -> None:
         bump_tensor_version(a.original)
 
 
-def refuse(g, kind: int, exc: BaseException) -> None:
+def refuse(g, kind: int, exc: BaseException, hdr: Optional[tuple] = None) -> None:
     """This rank's input to collective ``kind`` is bad (``exc``): the collective's frame
-    refuses it (Note [The collective frame] in mpidp/runtime/frame.py), which raises on every
+    refuses it (Note [The collective frame] in mpidp/runtime/frame.py) with header ``hdr``
+    (header.refusal, naming the values this rank was called with: Note [Agreement before
+    refusal] in mpidp/comm/agreement.py; None: the plain error header), which raises on every
     rank (``exc`` here, a MismatchError elsewhere). Alone, returns (the caller raises)."""
     with Frame(g, kind) as f:
-        f.refuse(exc)
+        f.refuse(exc, hdr)
 
 
 def allreduce(x: Any, op: str = "sum", algorithm: str = "auto"):

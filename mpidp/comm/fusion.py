@@ -6,15 +6,18 @@ Every function that communicates is collective: every rank calls it with tensors
 shapes and dtypes, in the same order."""
 from __future__ import annotations
 
+import contextlib
+import zlib
 from collections.abc import Mapping
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
 from . import collectives
+from .agreement import agreed
 from .. import runtime
 from .buckets import Bucket
-from ..engine.dtypes import FLOATING, as_host_array
+from ..engine.dtypes import DTYPE_NAMES, FLOATING, as_host_array
 from ..engine.gpu import is_device_array
 from ..engine.gpu.arrays import as_device_array
 from ..engine.gpu.arrays import empty_like as device_empty_like
@@ -112,18 +115,32 @@ def _views(tensors: Sequence[Any]) -> list:
 # (cap, (dtype, count) of every tensor) -> buckets. A training loop calls with one signature.
 _PLANS: dict = {}
 _PLANS_KEPT = 4
+_NOTHING = contextlib.nullcontext()
 
 
-def _cached_plan(arrays: list, cap_bytes: int, max_count: Optional[int]) -> list:
+def _cached_plan(arrays: list, cap_bytes: int, max_count: Optional[int]) -> tuple:
+    """(buckets, the layout's text) for ``arrays``: the text, which every rank's first bucket
+    carries (Note [Agreement before refusal] in mpidp/comm/agreement.py), says the shapes and
+    dtypes in order and the bucket cap, on which the buckets depend."""
     key = (cap_bytes, max_count,
-           tuple((a.dtype, len(a.flat), getattr(a, "device", None)) for a in arrays))
-    buckets = _PLANS.pop(key, None)
-    if buckets is None:
-        buckets = plan(arrays, cap_bytes, max_count=max_count)
+           tuple((a.dtype, a.shape, getattr(a, "device", None)) for a in arrays))
+    planned = _PLANS.pop(key, None)
+    if planned is None:
+        planned = (plan(arrays, cap_bytes, max_count=max_count), _layout(arrays, cap_bytes))
         while len(_PLANS) >= _PLANS_KEPT:
             del _PLANS[next(iter(_PLANS))]
-    _PLANS[key] = buckets  # most recently used last
-    return buckets
+    _PLANS[key] = planned  # most recently used last
+    return planned
+
+
+def _layout(arrays: list, cap_bytes: int, shown: int = 4) -> str:
+    """The text of a group's layout: its tensors' dtypes and shapes (the first ``shown``, and
+    a CRC of them all), and the bucket cap."""
+    every = [f"{DTYPE_NAMES[a.dtype]}{list(a.shape)}" for a in arrays]
+    text = ", ".join(every[:shown]) + (f", ... ({len(every)} tensors, layout "
+                                       f"{zlib.crc32(' '.join(every).encode()):#010x})"
+                                       if len(every) > shown else "")
+    return f"a group of [{text}] in buckets of {cap_bytes} bytes"
 
 
 def grouped_allreduce_(tensors: Sequence[Any], op: str = "avg", algorithm: str = "auto",
@@ -173,13 +190,16 @@ def _grouped(tensors, in_place: bool, op, algorithm, bucket_cap_mb):
         count = max_tensors(DEVICE if on_device else HOST,
                             collectives.check_algorithm(algorithm, on_device),
                             collectives.facts(g, on_device), cap, in_place)
-        buckets = _cached_plan(arrays, cap, count)
+        buckets, layout = _cached_plan(arrays, cap, count)
     except Exception as exc:
         collectives.refuse(g, ALLREDUCE, exc)
         raise
-    for bucket in buckets:
-        bucket.reduce_([arrays[i] for i in bucket.indices], [results[i] for i in bucket.indices],
-                       op, algorithm)
+    for k, bucket in enumerate(buckets):
+        # the first carries the layout: ranks whose buckets would add different tensors
+        # into each other raise instead (Note [Agreement before refusal], agreement.py)
+        with agreed(g, layout) if k == 0 else _NOTHING:
+            bucket.reduce_([arrays[i] for i in bucket.indices],
+                           [results[i] for i in bucket.indices], op, algorithm)
     if in_place:
         for a in arrays:
             collectives.bump_version(a)
