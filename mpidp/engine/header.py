@@ -184,12 +184,12 @@ def describe(h: Sequence[int], modes: bool = False) -> str:
         what = "join (out of data: adds zeros to the others' all-reduces)"
     elif kind == OTHER:
         what = _OTHER_NAMES.get(shape, f"object collective {shape:#x}")
-        if error:
-            what += " with an input it rejected"
-        elif 0 < dtype <= len(OTHER_DTYPES):
+        if 0 < dtype <= len(OTHER_DTYPES):
             what += f" {OTHER_DTYPES[dtype - 1]}[{count}]"
-        if op and not error:
+        if op:
             what += f" root={op - 1}"
+        if error:
+            what += f", refused there ({_ERR_NAMES.get(error & ~ERR_SHOWN, 'error')})"
     elif error & ERR_SHOWN:
         what = name + (f" {DTYPE_NAMES[dtype]}" if 0 <= dtype < len(DTYPE_NAMES) else "") + \
             (f"[{count}]" if count >= 0 else "")
