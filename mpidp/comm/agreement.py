@@ -74,7 +74,7 @@ def _name_every_text(g, exc: MismatchError, text: str) -> None:
     lines = []
     for r, (h, t) in enumerate(zip(headers, texts)):
         plain = header.with_site_hash(h, 0)
-        line = f"  rank {r}: {header.describe(plain)}, {t}"
+        line = f"  rank {r}: {header.describe(plain)} at {t}"
         if t != texts[0] or tuple(plain[:header.FREE_WORD]) != \
                 tuple(header.with_site_hash(headers[0], 0)[:header.FREE_WORD]):
             line += "  <- differs from rank 0"

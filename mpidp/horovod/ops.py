@@ -335,6 +335,7 @@ def _checked_root(tensor, root_rank, process_set, what: str) -> int:
     refused on every rank otherwise (Note [Agreement before refusal])."""
     try:
         check_tensor(tensor, what)
+        group_of(process_set)  # a set this rank cannot run on: its error alone
         return local_root(process_set, root_rank)
     except Exception as exc:
         refuse(exc, process_set, BROADCAST, tensor,
