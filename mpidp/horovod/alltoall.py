@@ -10,7 +10,8 @@ import torch
 from ..comm import collectives
 from ..dist import ops as dist_ops
 from ..engine.header import ALLGATHER
-from .ops import check_tensor, done_handle, named, refuse
+from .arguments import check_tensor, named, refuse
+from .ops import done_handle
 from .process_sets import on
 
 
@@ -68,7 +69,7 @@ class _Alltoall(torch.autograd.Function):
 def alltoall(tensor, splits=None, name=None, process_set=None):
     """The blocks every rank sent this one, in rank order (and, with ``splits``, a tensor of
     the rows received from each rank); differentiable. ``name``: checked against every
-    rank's (Note [Names] in mpidp/horovod/ops.py)."""
+    rank's (Note [Names] in mpidp/horovod/arguments.py)."""
     _check(tensor, process_set)
     with named(name, process_set):
         out, received = _Alltoall.apply(tensor, splits, process_set)

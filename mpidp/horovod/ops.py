@@ -3,26 +3,23 @@ broadcast, reducescatter, their in-place, grouped and ``_async`` forms, ``poll``
 ``synchronize``), on mpidp's collectives: shapes, dtypes and ops that differ between ranks
 raise on every rank (mpidp's header exchange), never hang; so do an argument refused on one
 rank only (its own error there, a MismatchError naming it elsewhere) and names that differ
-(Note [Agreement before refusal] in mpidp/comm/agreement.py, Note [Names]). Note [Handles that
-are done]."""
+(Note [Agreement before refusal] in mpidp/comm/agreement.py; Note [Names] in
+mpidp/horovod/arguments.py). Note [Handles that are done]."""
 from __future__ import annotations
 
-import contextlib
 import itertools
-from typing import Any, Optional
 
 import torch
 
 from .. import config
 from ..comm import collectives, fusion, joined
-from ..comm.agreement import agreed
 from ..ddp import sync_bn
-from ..engine import header
-from ..engine.dtypes import BF16, F16, F32, F64, I32, I64
 from ..engine.header import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, UNKNOWN
-from . import backward, basics
+from . import backward
+from .arguments import (check_average, check_tensor, checked, named, op_word, refuse,
+                        resolve_op)
 from .process_sets import group_of, local_root, on
-from .basics import Adasum, Average, Max, Min, Product, Sum
+from .basics import Average, Max, Min, Product, Sum
 from .compression import Compression
 
 # Note [Handles that are done]
@@ -35,97 +32,9 @@ from .compression import Compression
 _handles: dict = {}
 _next_handle = itertools.count(1)
 
-# Note [Names]
-# Horovod matches the operations of the ranks by name: a named operation submitted on one
-# rank waits for the one of that name on the others, in whatever order they submit them.
-# mpidp's operations run when they are called (Note [Handles that are done]), in the order
-# called, so a named operation instead carries its name in its header (a described stamp:
-# Note [Agreement before refusal] in mpidp/comm/agreement.py), and ranks that submit named
-# operations in another order — ``a`` then ``b`` on one rank, ``b`` then ``a`` on another
-# — raise a MismatchError on every rank naming each rank's name, where they would have
-# added ``a`` to ``b``. Unnamed operations are matched by their order, as always, and keep
-# the one-call path (an unnamed call pays nothing); DistributedOptimizer's buckets carry
-# their parameters' names their own way (Note [Gradients during backward] in backward.py).
-# The backward pass of a named operation is not named (Horovod names it after the forward).
-
 _MPIDP_OP = {Average: "avg", Sum: "sum", Min: "min", Max: "max"}
 _PLAIN = {None: "avg", **_MPIDP_OP}  # allreduce_'s shortcut: ops with no rule to apply
 _TENSOR = torch.Tensor
-
-
-def resolve_op(op: Optional[int], average: Optional[bool]) -> int:
-    """Horovod's rule: ``op`` defaults to Average; the deprecated ``average`` maps to Average
-    or Sum and may not be given with ``op``. Adasum is refused (docs/horovod.md)."""
-    if op is not None and average is not None:
-        raise ValueError("op and average cannot both be given; average is deprecated, use op")
-    if op is None:
-        op = Sum if average is False else Average
-    if op == Adasum:
-        raise NotImplementedError("mpidp.horovod: op=hvd.Adasum is not supported; use "
-                                  "hvd.Average (docs/horovod.md)")
-    if op not in basics.OP_NAMES:
-        raise ValueError(f"unknown op {op!r}; accepted: hvd.Average, hvd.Sum, hvd.Min, "
-                         "hvd.Max, hvd.Product")
-    return op
-
-
-def check_tensor(tensor: Any, what: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
-
-
-def _check_average(tensor: torch.Tensor, op: int) -> None:
-    if op == Average and (tensor.is_complex() or not tensor.is_floating_point()):
-        raise ValueError(f"op=hvd.Average needs a floating tensor, got {tensor.dtype}; use "
-                         "op=hvd.Sum and divide")
-
-
-_DTYPE_CODES = {torch.float16: F16, torch.bfloat16: BF16, torch.float32: F32,
-                torch.float64: F64, torch.int32: I32, torch.int64: I64}
-_OP_WORDS = {Average: header.op_word(0, True), Sum: 0, Min: 1, Max: 2, Adasum: 8}
-
-
-def op_word(op: Any, average: Any = None) -> int:
-    """The header's op word of Horovod op ``op`` as given (UNKNOWN for one it has none of)."""
-    if op is None:
-        op = Sum if average is False else Average
-    return _OP_WORDS.get(op, UNKNOWN) if type(op) is int else UNKNOWN
-
-
-def refuse(exc: BaseException, process_set, kind: int, tensor: Any = None,
-           op: int = UNKNOWN) -> None:
-    """This rank refuses its call (``exc``) of collective ``kind`` on ``process_set``: it
-    joins the header exchange with a refusal showing ``tensor``'s dtype and size and ``op``
-    (its op word, or a broadcast's root), so every rank raises — ``exc`` here, which the
-    caller raises, a MismatchError naming this rank and those values elsewhere (Note
-    [Agreement before refusal] in mpidp/comm/agreement.py). A process set this rank cannot
-    run on (not added, not a member) is this rank's error alone."""
-    try:
-        group_of(process_set)
-    except (TypeError, ValueError):
-        return
-    dtype, count = UNKNOWN, UNKNOWN
-    if isinstance(tensor, torch.Tensor):
-        dtype, count = _DTYPE_CODES.get(tensor.dtype, UNKNOWN), tensor.numel()
-    with on(process_set) as g:
-        collectives.refuse(g, kind, exc, header.refusal(kind, exc, op, dtype, count))
-
-
-def named(name: Any, process_set):
-    """The block of an operation named ``name`` (None: not named): its collectives carry the
-    name, checked against every rank's (Note [Names])."""
-    if name is None:
-        return _NOTHING
-    return _named(str(name), process_set)
-
-
-@contextlib.contextmanager
-def _named(name: str, process_set):
-    with on(process_set) as g, agreed(g, f"name {name!r}"):
-        yield
-
-
-_NOTHING = contextlib.nullcontext()
 
 
 def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
@@ -139,7 +48,7 @@ def _reduce_into(x: torch.Tensor, op: int) -> torch.Tensor:
     if op == Product:  # no product kernel: every rank multiplies all inputs in rank order
         every = collectives.allgather(x.reshape(1, -1))
         return x.copy_(torch.prod(every, dim=0).reshape(x.shape))
-    _check_average(x, op)
+    check_average(x, op)
     collectives.allreduce_(x, _MPIDP_OP[op])
     return x
 
@@ -170,15 +79,9 @@ class _Allreduce(torch.autograd.Function):
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """The reduction of ``tensor`` over every rank, a new tensor (``tensor`` unchanged);
-    differentiable. ``name``: checked against every rank's (Note [Names])."""
-    asked = op_word(op, average)
-    try:
-        check_tensor(tensor, "allreduce")
-        op = resolve_op(op, average)
-        _check_average(tensor, op)
-    except Exception as exc:
-        refuse(exc, process_set, ALLREDUCE, tensor, asked)
-        raise
+    differentiable. ``name``: checked against every rank's (Note [Names] in
+    mpidp/horovod/arguments.py)."""
+    op = checked(tensor, op, average, process_set, ALLREDUCE, "allreduce")
     with named(name, process_set):
         compressed, ctx = compression.compress(tensor)
         return compression.decompress(_Allreduce.apply(compressed, op, float(prescale_factor),
@@ -196,14 +99,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
         if plain is not None and (plain != "avg" or tensor.is_floating_point()):
             collectives.allreduce_(tensor, plain)  # the common call, straight to mpidp's
             return tensor
-    asked = op_word(op, average)
-    try:
-        check_tensor(tensor, "allreduce_")
-        op = resolve_op(op, average)
-        _check_average(tensor, op)
-    except Exception as exc:
-        refuse(exc, process_set, ALLREDUCE, tensor, asked)
-        raise
+    op = checked(tensor, op, average, process_set, ALLREDUCE, "allreduce_")
     with torch.no_grad(), on(process_set), named(name, process_set):
         if tensor.is_contiguous() and op != Product and prescale_factor == 1.0:
             return _scaled(_reduce_into(tensor, op), float(postscale_factor))
@@ -233,7 +129,7 @@ def _grouped(tensors, in_place, average, op, prescale, postscale, process_set, c
         tensors = list(tensors)
         for t in tensors:
             check_tensor(t, "grouped_allreduce")
-            _check_average(t, op)
+            check_average(t, op)
     except Exception as exc:
         refuse(exc, process_set, ALLREDUCE, None, asked)
         raise
@@ -356,17 +252,8 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=None, prescale_factor=1.0, postscale_factor=1.0):
     """This rank's block (along dimension 0, the first ranks taking one row more where it
     does not divide) of the reduction of ``tensor`` over every rank."""
-    asked = op_word(op)
-    try:
-        check_tensor(tensor, "reducescatter")
-        op = resolve_op(op, None)
-        if op not in (Average, Sum, Min, Max):
-            raise ValueError(f"reducescatter takes hvd.Average, hvd.Sum, hvd.Min or hvd.Max, "
-                             f"not {basics.op_name(op)}")
-        _check_average(tensor, op)
-    except Exception as exc:
-        refuse(exc, process_set, REDUCE_SCATTER, tensor, asked)
-        raise
+    op = checked(tensor, op, None, process_set, REDUCE_SCATTER, "reducescatter",
+                 (Average, Sum, Min, Max))
     compressed, ctx = compression.compress(tensor)
     with torch.no_grad(), on(process_set), named(name, process_set):
         x = _scaled(compressed.detach().clone(memory_format=torch.contiguous_format),
