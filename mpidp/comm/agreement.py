@@ -28,7 +28,8 @@ from . import objects
 # - a process set's ranks by one exchange of every rank's list where it is made
 #   (mpidp.horovod.process_sets.add_process_set, fingerprint.check_same).
 # The common call pays nothing: an unnamed all-reduce carries no stamp and keeps its one C
-# call; a grouped one stamps its first bucket only.
+# call; a grouped one stamps its first bucket only, and only where its layout changed (Note
+# [A group's layout] in mpidp/comm/fusion.py).
 
 
 _TEXTS: dict = {}  # described stamp -> its text, on this rank
@@ -69,7 +70,9 @@ def _name_every_text(g, exc: MismatchError, text: str) -> None:
     headers = getattr(exc, "headers", None)
     if not headers or any(h[6] or not header.stamp_of(h) & header.DESCRIBED for h in headers):
         raise exc
-    texts = objects.allgather(g, text, "the texts of a disagreement")
+    said = getattr(exc, "said", None)  # what an inner block without a stamp added
+    texts = objects.allgather(g, text if said is None or said in text else f"{text}; {said}",
+                              "the texts of a disagreement")
     mine = headers[g.rank]
     lines = []
     for r, (h, t) in enumerate(zip(headers, texts)):

@@ -24,6 +24,7 @@ from ..engine.gpu.arrays import empty_like as device_empty_like
 from .device_buckets import DeviceBucket  # these import no CuPy until a device array arrives
 from ..engine.header import ALLREDUCE
 from ..engine.planner import DEVICE, HOST, max_tensors
+from ..errors import MismatchError
 
 
 def assign_buckets(sizes_bytes: Sequence[int], dtypes: Sequence[Any], cap_bytes: int,
@@ -116,6 +117,20 @@ def _views(tensors: Sequence[Any]) -> list:
 _PLANS: dict = {}
 _PLANS_KEPT = 4
 _NOTHING = contextlib.nullcontext()
+# group -> the layout of this rank's last grouped call on it that did not raise (Note [A
+# group's layout]); a group freed keeps its entry, a few strings
+_LAST_LAYOUT: dict = {}
+
+# Note [A group's layout]
+# A bucket's header holds its total count, which [t4, t2] and [t2, t4] share: where the ranks'
+# layouts (shapes and dtypes in order, the bucket cap) differ, their buckets would add one
+# tensor into another. So the first bucket carries the layout (mpidp.comm.agreement.agreed:
+# Note [Agreement before refusal]) — where it differs from this rank's previous grouped call
+# on the group, the first call included, or one that raised; otherwise it keeps the one C
+# call (a stamp costs the Python path, tens of microseconds on a small group). That is
+# enough: ranks whose layouts agree change them at the same calls, so they stamp alike; a
+# layout that differs on some rank at a call where the previous call agreed differs from its
+# previous one on at least one rank, whose stamp meets another rank's other stamp, or none.
 
 
 def _cached_plan(arrays: list, cap_bytes: int, max_count: Optional[int]) -> tuple:
@@ -192,18 +207,33 @@ def _grouped(tensors, in_place: bool, op, algorithm, bucket_cap_mb):
                             collectives.facts(g, on_device), cap, in_place)
         buckets, layout = _cached_plan(arrays, cap, count)
     except Exception as exc:
+        _LAST_LAYOUT.pop(g, None)
         collectives.refuse(g, ALLREDUCE, exc)
         raise
+    last = _LAST_LAYOUT.pop(g, None)
+    changed = last is not layout and last != layout  # Note [A group's layout]
     for k, bucket in enumerate(buckets):
-        # the first carries the layout: ranks whose buckets would add different tensors
-        # into each other raise instead (Note [Agreement before refusal], agreement.py)
-        with agreed(g, layout) if k == 0 else _NOTHING:
-            bucket.reduce_([arrays[i] for i in bucket.indices],
-                           [results[i] for i in bucket.indices], op, algorithm)
+        try:
+            with agreed(g, layout) if k == 0 and changed else _NOTHING:
+                bucket.reduce_([arrays[i] for i in bucket.indices],
+                               [results[i] for i in bucket.indices], op, algorithm)
+        except MismatchError as exc:
+            if k or layout in str(exc):
+                raise
+            raise _with_layout(exc, g.rank, layout) from None
+    _LAST_LAYOUT[g] = layout
     if in_place:
         for a in arrays:
             collectives.bump_version(a)
     return outs
+
+
+def _with_layout(exc: MismatchError, rank: int, layout: str) -> MismatchError:
+    """``exc`` saying this rank's layout too (a rank whose layout is unchanged sends none:
+    Note [A group's layout])."""
+    out = MismatchError(f"{exc}\n  rank {rank} (this rank) called it with {layout}")
+    out.headers, out.said = getattr(exc, "headers", None), layout
+    return out
 
 
 def writable_view(t: Any) -> Any:

@@ -161,7 +161,9 @@ def site_hash(site: str) -> int:
 
 def site_text(crc: int) -> str:
     """What stamp or call-site hash ``crc`` stands for, where this process made it."""
-    return _SITES.get(crc, f"call site {crc:#08x}")
+    if crc in _SITES:
+        return _SITES[crc]
+    return f"a name or layout {crc:#08x}" if crc & DESCRIBED else f"call site {crc:#08x}"
 
 
 def with_site(hdr: tuple, site: str) -> tuple:
@@ -210,7 +212,7 @@ def describe(h: Sequence[int], modes: bool = False) -> str:
         if mode and modes:
             what += f" (shared memory: {_DATA_MODES[min(mode & 3, 2)]}, {_PEER_MODES[mode >> 2 & 1]})"
     if site:
-        what += f" at {_SITES[site]}" if site in _SITES else f" at call site {site:#08x}"
+        what += f" at {site_text(site)}"
     return what
 
 
