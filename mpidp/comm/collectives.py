@@ -17,7 +17,7 @@ Every function here is a synchronisation point: every rank of the group must cal
 same order, all with host arrays or all with device arrays."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -90,12 +90,27 @@ def bump_version(a) -> None:
         bump_tensor_version(a.original)
 
 
-def refuse(g, kind: int, exc: BaseException) -> None:
+def refusal(kind: int, exc: BaseException, a=None, op: Any = None, root: Any = None) -> tuple:
+    """The header refusing ``exc`` for collective ``kind`` that shows what this rank was called
+    with, as far as it knows: host array ``a``'s dtype and count, op name ``op`` or ``root``
+    (Note [Agreement before refusal] in mpidp/comm/agreement.py)."""
+    word = header.UNKNOWN
+    if isinstance(op, str) and op in OP_CODES:
+        word = op_word(*OP_CODES[op])
+    elif isinstance(root, (int, np.integer)) and not isinstance(root, bool):
+        word = int(root)
+    return header.refusal(kind, exc, word, header.UNKNOWN if a is None else a.dtype,
+                          header.UNKNOWN if a is None else len(a.flat))
+
+
+def refuse(g, kind: int, exc: BaseException, hdr: Optional[tuple] = None) -> None:
     """This rank's input to collective ``kind`` is bad (``exc``): the collective's frame
-    refuses it (Note [The collective frame] in mpidp/runtime/frame.py), which raises on every
+    refuses it (Note [The collective frame] in mpidp/runtime/frame.py) with header ``hdr``
+    (header.refusal, naming the values this rank was called with: Note [Agreement before
+    refusal] in mpidp/comm/agreement.py; None: the plain error header), which raises on every
     rank (``exc`` here, a MismatchError elsewhere). Alone, returns (the caller raises)."""
     with Frame(g, kind) as f:
-        f.refuse(exc)
+        f.refuse(exc, hdr)
 
 
 def allreduce(x: Any, op: str = "sum", algorithm: str = "auto"):
@@ -192,6 +207,7 @@ def _allreduce(g, x, op, algorithm, inplace):
     if is_device_array(x):
         return _device_allreduce(g, x, op, algorithm, inplace)
     with Frame(g, ALLREDUCE) as f:
+        a = None
         try:
             a = as_host_array(x)
             opc, avg = _op_codes(op, a.dtype)
@@ -201,7 +217,7 @@ def _allreduce(g, x, op, algorithm, inplace):
             src = a.flat
             out, dst = (a.original, src) if inplace else empty_like(a)
         except Exception as exc:
-            f.refuse(exc)
+            f.refuse(exc, refusal(ALLREDUCE, exc, a, op))
             raise
         if g.size == 1:
             if dst is not src:
@@ -293,6 +309,7 @@ def broadcast_in(g, x: Any, root: int = 0, inplace: bool = False):
     if is_device_array(x):
         return _staged(g, x, inplace, BROADCAST, lambda h: broadcast_in(g, h, root, True))
     with Frame(g, BROADCAST) as f:
+        a = None
         try:
             a = as_host_array(x)
             check_root(root, g.size)
@@ -300,7 +317,7 @@ def broadcast_in(g, x: Any, root: int = 0, inplace: bool = False):
                 check_writable(a)
             out, flat = (a.original, a.flat) if inplace else empty_like(a)
         except Exception as exc:
-            f.refuse(exc)
+            f.refuse(exc, refusal(BROADCAST, exc, a, root=root))
             raise
         if not inplace:
             flat[...] = a.flat
@@ -325,6 +342,7 @@ def reduce_in(g, x: Any, root: int = 0, op: str = "sum"):
     if is_device_array(x):
         return _staged(g, x, True, REDUCE, lambda h: reduce_in(g, h, root, op))
     with Frame(g, REDUCE) as f:
+        a = None
         try:
             a = as_host_array(x)
             check_root(root, g.size)
@@ -332,7 +350,7 @@ def reduce_in(g, x: Any, root: int = 0, op: str = "sum"):
             if g.rank == root:
                 check_writable(a)
         except Exception as exc:
-            f.refuse(exc)
+            f.refuse(exc, refusal(REDUCE, exc, a, op))
             raise
         root = int(root)
         if g.size > 1:

@@ -6,21 +6,25 @@ Every function that communicates is collective: every rank calls it with tensors
 shapes and dtypes, in the same order."""
 from __future__ import annotations
 
+import contextlib
+import zlib
 from collections.abc import Mapping
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
 from . import collectives
+from .agreement import agreed
 from .. import runtime
 from .buckets import Bucket
-from ..engine.dtypes import FLOATING, as_host_array
+from ..engine.dtypes import DTYPE_NAMES, FLOATING, as_host_array
 from ..engine.gpu import is_device_array
 from ..engine.gpu.arrays import as_device_array
 from ..engine.gpu.arrays import empty_like as device_empty_like
 from .device_buckets import DeviceBucket  # these import no CuPy until a device array arrives
 from ..engine.header import ALLREDUCE
 from ..engine.planner import DEVICE, HOST, max_tensors
+from ..errors import MismatchError
 
 
 def assign_buckets(sizes_bytes: Sequence[int], dtypes: Sequence[Any], cap_bytes: int,
@@ -112,18 +116,46 @@ def _views(tensors: Sequence[Any]) -> list:
 # (cap, (dtype, count) of every tensor) -> buckets. A training loop calls with one signature.
 _PLANS: dict = {}
 _PLANS_KEPT = 4
+_NOTHING = contextlib.nullcontext()
+# group -> the layout of this rank's last grouped call on it that did not raise (Note [A
+# group's layout]); a group freed keeps its entry, a few strings
+_LAST_LAYOUT: dict = {}
+
+# Note [A group's layout]
+# A bucket's header holds its total count, which [t4, t2] and [t2, t4] share: where the ranks'
+# layouts (shapes and dtypes in order, the bucket cap) differ, their buckets would add one
+# tensor into another. So the first bucket carries the layout (mpidp.comm.agreement.agreed:
+# Note [Agreement before refusal]) — where it differs from this rank's previous grouped call
+# on the group, the first call included, or one that raised; otherwise it keeps the one C
+# call (a stamp costs the Python path, tens of microseconds on a small group). That is
+# enough: ranks whose layouts agree change them at the same calls, so they stamp alike; a
+# layout that differs on some rank at a call where the previous call agreed differs from its
+# previous one on at least one rank, whose stamp meets another rank's other stamp, or none.
 
 
-def _cached_plan(arrays: list, cap_bytes: int, max_count: Optional[int]) -> list:
+def _cached_plan(arrays: list, cap_bytes: int, max_count: Optional[int]) -> tuple:
+    """(buckets, the layout's text) for ``arrays``: the text, which every rank's first bucket
+    carries (Note [Agreement before refusal] in mpidp/comm/agreement.py), says the shapes and
+    dtypes in order and the bucket cap, on which the buckets depend."""
     key = (cap_bytes, max_count,
-           tuple((a.dtype, len(a.flat), getattr(a, "device", None)) for a in arrays))
-    buckets = _PLANS.pop(key, None)
-    if buckets is None:
-        buckets = plan(arrays, cap_bytes, max_count=max_count)
+           tuple((a.dtype, a.shape, getattr(a, "device", None)) for a in arrays))
+    planned = _PLANS.pop(key, None)
+    if planned is None:
+        planned = (plan(arrays, cap_bytes, max_count=max_count), _layout(arrays, cap_bytes))
         while len(_PLANS) >= _PLANS_KEPT:
             del _PLANS[next(iter(_PLANS))]
-    _PLANS[key] = buckets  # most recently used last
-    return buckets
+    _PLANS[key] = planned  # most recently used last
+    return planned
+
+
+def _layout(arrays: list, cap_bytes: int, shown: int = 4) -> str:
+    """The text of a group's layout: its tensors' dtypes and shapes (the first ``shown``, and
+    a CRC of them all), and the bucket cap."""
+    every = [f"{DTYPE_NAMES[a.dtype]}{list(a.shape)}" for a in arrays]
+    text = ", ".join(every[:shown]) + (f", ... ({len(every)} tensors, layout "
+                                       f"{zlib.crc32(' '.join(every).encode()):#010x})"
+                                       if len(every) > shown else "")
+    return f"a group of [{text}] in buckets of {cap_bytes} bytes"
 
 
 def grouped_allreduce_(tensors: Sequence[Any], op: str = "avg", algorithm: str = "auto",
@@ -173,17 +205,35 @@ def _grouped(tensors, in_place: bool, op, algorithm, bucket_cap_mb):
         count = max_tensors(DEVICE if on_device else HOST,
                             collectives.check_algorithm(algorithm, on_device),
                             collectives.facts(g, on_device), cap, in_place)
-        buckets = _cached_plan(arrays, cap, count)
+        buckets, layout = _cached_plan(arrays, cap, count)
     except Exception as exc:
+        _LAST_LAYOUT.pop(g, None)
         collectives.refuse(g, ALLREDUCE, exc)
         raise
-    for bucket in buckets:
-        bucket.reduce_([arrays[i] for i in bucket.indices], [results[i] for i in bucket.indices],
-                       op, algorithm)
+    last = _LAST_LAYOUT.pop(g, None)
+    changed = last is not layout and last != layout  # Note [A group's layout]
+    for k, bucket in enumerate(buckets):
+        try:
+            with agreed(g, layout) if k == 0 and changed else _NOTHING:
+                bucket.reduce_([arrays[i] for i in bucket.indices],
+                               [results[i] for i in bucket.indices], op, algorithm)
+        except MismatchError as exc:
+            if k or layout in str(exc):
+                raise
+            raise _with_layout(exc, g.rank, layout) from None
+    _LAST_LAYOUT[g] = layout
     if in_place:
         for a in arrays:
             collectives.bump_version(a)
     return outs
+
+
+def _with_layout(exc: MismatchError, rank: int, layout: str) -> MismatchError:
+    """``exc`` saying this rank's layout too (a rank whose layout is unchanged sends none:
+    Note [A group's layout])."""
+    out = MismatchError(f"{exc}\n  rank {rank} (this rank) called it with {layout}")
+    out.headers, out.said = getattr(exc, "headers", None), layout
+    return out
 
 
 def writable_view(t: Any) -> Any:

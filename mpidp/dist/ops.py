@@ -84,12 +84,20 @@ def operation(g, name: str, t=None, count: int = 0, root=None, validate=None):
             if validate is not None:
                 validate()
             op = 0 if root is None else int(root) + 1
-        except Exception as exc:
-            err = header.ERR_TYPE if isinstance(exc, TypeError) else header.ERR_VALUE
-            f.refuse(exc, header.other_header(name, error=err))
+        except Exception as exc:  # shown with what it was called with, as far as known
+            shown = isinstance(t, torch.Tensor) and t.layout == torch.strided
+            f.refuse(exc, header.other_header(
+                name, _root_word(root), _dtype_word(t) if shown else 0, count,
+                header.error_code(exc)))
             raise
         f.check(header.other_header(name, op, 0 if t is None else _dtype_word(t), count))
         yield
+
+
+def _root_word(root) -> int:
+    """An OTHER header's op word for ``root`` (1 + root; 0 for none or not an integer)."""
+    return int(root) + 1 if isinstance(root, int) and not isinstance(root, bool) and \
+        root >= 0 else 0
 
 
 def _dense(what: str, *tensors) -> None:

@@ -43,7 +43,8 @@ from ..errors import MismatchError
 ALLREDUCE, BROADCAST, ALLGATHER, REDUCE_SCATTER, REDUCE, OTHER, JOIN = 1, 2, 3, 4, 5, 6, 7
 KIND_NAMES = {ALLREDUCE: "allreduce", BROADCAST: "broadcast", ALLGATHER: "allgather",
               REDUCE_SCATTER: "reduce_scatter", REDUCE: "reduce", JOIN: "join"}
-OP_WORDS = {0: "sum", 1: "min", 2: "max", 4: "avg"}  # op_word(op code, average)
+OP_WORDS = {0: "sum", 1: "min", 2: "max", 4: "avg",  # op_word(op code, average)
+            8: "adasum"}  # Horovod's, refused (mpidp.horovod): named in a refusal
 _OTHER_NAMES: dict = {}  # CRC-32 -> name of an object collective (the same table on every rank)
 _SITES: dict = {}        # 24-bit CRC -> call site this process has seen
 # frames skipped when looking for a collective's call site (Note [Debug fingerprints]): the
@@ -58,8 +59,13 @@ MODE_SHIFT = 4
 _DATA_MODES = ("handshake", "inline", "sliced")
 _PEER_MODES = ("cma", "window")
 
-# local error codes carried in header word 6
-ERR_NONE, ERR_TYPE, ERR_VALUE = 0, 1, 2
+# local error codes carried in header word 6; a refusal that shows what it was called with
+# (``refusal``) adds ERR_SHOWN
+ERR_NONE, ERR_TYPE, ERR_VALUE, ERR_UNSUPPORTED = 0, 1, 2, 3
+ERR_SHOWN = 8
+_ERR_NAMES = {ERR_TYPE: "TypeError", ERR_VALUE: "ValueError",
+              ERR_UNSUPPORTED: "NotImplementedError"}
+UNKNOWN = -1  # a word of a refusal its rank could not fill (a dtype of no tensor, ...)
 FREE_WORD = 7  # not compared: a value that may differ per rank (allgather's first dimension)
 
 
@@ -78,6 +84,43 @@ def header(kind: int, algorithm: int, op: int, dtype: int, count: int, shape: tu
 def error_header(kind: int, exc: BaseException) -> tuple:
     """The header of a rank refusing its input to collective ``kind``."""
     return (kind, 0, 0, 0, 0, 0, ERR_TYPE if isinstance(exc, TypeError) else ERR_VALUE, 0)
+
+
+def error_code(exc: BaseException) -> int:
+    """Header word 6 of a rank refusing its input with ``exc``."""
+    return ERR_TYPE if isinstance(exc, TypeError) else \
+        ERR_UNSUPPORTED if isinstance(exc, NotImplementedError) else ERR_VALUE
+
+
+def refusal(kind: int, exc: BaseException, op: int = UNKNOWN, dtype: int = UNKNOWN,
+            count: int = UNKNOWN) -> tuple:
+    """The header of a rank refusing its input to collective ``kind`` with ``exc``, showing
+    what it was called with (``op``: op_word or a broadcast's root; ``dtype``: a dtype code;
+    ``count``: elements; UNKNOWN where it has none), so that every other rank's MismatchError
+    names that rank's value (Note [Agreement before refusal] in mpidp/comm/agreement.py)."""
+    return (kind, 0, op, dtype, count, 0, error_code(exc) | ERR_SHOWN, 0)
+
+
+# Note [Described stamps]
+# A stamp (Resources.stamped) is 23 bits of a CRC where it names a call site or a bucket;
+# with bit 23 set (``described_stamp``) it stands for a text every rank holding it can say —
+# a Horovod name, the layout of a group of tensors (mpidp.comm.agreement) — and where every
+# rank's header of a disagreement carries one, without an error, every rank is in such a
+# block and can exchange the texts once more to name them all.
+DESCRIBED = 1 << 23
+
+
+def described_stamp(text: str) -> int:
+    """The stamp of ``text`` with the DESCRIBED bit (Note [Described stamps]), remembered so
+    that a report names it."""
+    crc = zlib.crc32(text.encode()) & (DESCRIBED - 1) | DESCRIBED
+    _SITES[crc] = text
+    return crc
+
+
+def stamp_of(h: Sequence[int]) -> int:
+    """The stamp (or call site's hash) header ``h`` carries; 0 for none."""
+    return int(h[1]) >> 8
 
 
 # element types of the torch.distributed backend's operations (mpidp.dist), by name: word 3
@@ -111,9 +154,16 @@ def call_site() -> str:
 def site_hash(site: str) -> int:
     """The 24-bit hash a header carries for call site (or name) ``site``, remembered so that
     a report names it."""
-    crc = zlib.crc32(site.encode()) & 0xFFFFFF
+    crc = zlib.crc32(site.encode()) & (DESCRIBED - 1)  # Note [Described stamps]
     _SITES[crc] = site
     return crc
+
+
+def site_text(crc: int) -> str:
+    """What stamp or call-site hash ``crc`` stands for, where this process made it."""
+    if crc in _SITES:
+        return _SITES[crc]
+    return f"a name or layout {crc:#08x}" if crc & DESCRIBED else f"call site {crc:#08x}"
 
 
 def with_site(hdr: tuple, site: str) -> tuple:
@@ -136,12 +186,18 @@ def describe(h: Sequence[int], modes: bool = False) -> str:
         what = "join (out of data: adds zeros to the others' all-reduces)"
     elif kind == OTHER:
         what = _OTHER_NAMES.get(shape, f"object collective {shape:#x}")
-        if error:
-            what += " with an input it rejected"
-        elif 0 < dtype <= len(OTHER_DTYPES):
+        if 0 < dtype <= len(OTHER_DTYPES):
             what += f" {OTHER_DTYPES[dtype - 1]}[{count}]"
-        if op and not error:
+        if op:
             what += f" root={op - 1}"
+        if error:
+            what += f", refused there ({_ERR_NAMES.get(error & ~ERR_SHOWN, 'error')})"
+    elif error & ERR_SHOWN:
+        what = name + (f" {DTYPE_NAMES[dtype]}" if 0 <= dtype < len(DTYPE_NAMES) else "") + \
+            (f"[{count}]" if count >= 0 else "")
+        if op != UNKNOWN:
+            what += f" root={op}" if kind == BROADCAST else f" op={OP_WORDS.get(op, op)}"
+        what += f", refused there ({_ERR_NAMES.get(error & ~ERR_SHOWN, 'error')})"
     elif error:
         what = f"{name} with an input it rejected"
     else:
@@ -156,7 +212,7 @@ def describe(h: Sequence[int], modes: bool = False) -> str:
         if mode and modes:
             what += f" (shared memory: {_DATA_MODES[min(mode & 3, 2)]}, {_PEER_MODES[mode >> 2 & 1]})"
     if site:
-        what += f" at {_SITES[site]}" if site in _SITES else f" at call site {site:#08x}"
+        what += f" at {site_text(site)}"
     return what
 
 
@@ -172,7 +228,7 @@ def mismatch_error(operation: str, headers: Sequence[Sequence[int]], mine: int) 
         text = describe(h, modes)
         if tuple(h[:FREE_WORD]) != ref:
             text += "  <- differs from rank 0"
-            if h[4] == ref[4] and h[5] != ref[5] and h[3] == ref[3]:
+            if h[4] == ref[4] and h[5] != ref[5] and h[3] == ref[3] and not h[6] | ref[6]:
                 text += " (same count, different shape)"
             elif tuple(h[2:FREE_WORD]) == ref[2:] and (h[1] ^ ref[1]) >> MODE_SHIFT & 0xF:
                 text += " (ranks started with different MPIDP_SHM_* settings?)"

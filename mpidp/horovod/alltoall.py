@@ -10,7 +10,8 @@ import torch
 from ..comm import collectives
 from ..dist import ops as dist_ops
 from ..engine.header import ALLGATHER
-from .ops import check_tensor, done_handle
+from .arguments import check_tensor, named, refuse
+from .ops import done_handle
 from .process_sets import on
 
 
@@ -67,14 +68,25 @@ class _Alltoall(torch.autograd.Function):
 
 def alltoall(tensor, splits=None, name=None, process_set=None):
     """The blocks every rank sent this one, in rank order (and, with ``splits``, a tensor of
-    the rows received from each rank); differentiable."""
-    check_tensor(tensor, "alltoall")
-    out, received = _Alltoall.apply(tensor, splits, process_set)
+    the rows received from each rank); differentiable. ``name``: checked against every
+    rank's (Note [Names] in mpidp/horovod/arguments.py)."""
+    _check(tensor, process_set)
+    with named(name, process_set):
+        out, received = _Alltoall.apply(tensor, splits, process_set)
     return out if splits is None else (out, received)
+
+
+def _check(tensor, process_set) -> None:
+    try:
+        check_tensor(tensor, "alltoall")
+    except TypeError as exc:  # refused on every rank (Note [Agreement before refusal])
+        refuse(exc, process_set, ALLGATHER)
+        raise
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
     """``alltoall``, its handle returned; ``synchronize`` gives (tensor, received splits), as
     Horovod's does."""
-    check_tensor(tensor, "alltoall")
-    return done_handle(_Alltoall.apply(tensor, splits, process_set))
+    _check(tensor, process_set)
+    with named(name, process_set):
+        return done_handle(_Alltoall.apply(tensor, splits, process_set))

@@ -1,20 +1,25 @@
 """Horovod's collectives on torch tensors (``horovod.torch``'s allreduce, allgather,
 broadcast, reducescatter, their in-place, grouped and ``_async`` forms, ``poll`` and
 ``synchronize``), on mpidp's collectives: shapes, dtypes and ops that differ between ranks
-raise on every rank (mpidp's header exchange), never hang. Note [Handles that are done]."""
+raise on every rank (mpidp's header exchange), never hang; so do an argument refused on one
+rank only (its own error there, a MismatchError naming it elsewhere) and names that differ
+(Note [Agreement before refusal] in mpidp/comm/agreement.py; Note [Names] in
+mpidp/horovod/arguments.py). Note [Handles that are done]."""
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional
 
 import torch
 
 from .. import config
 from ..comm import collectives, fusion, joined
 from ..ddp import sync_bn
-from . import backward, basics
-from .process_sets import local_root, on
-from .basics import Adasum, Average, Max, Min, Product, Sum
+from ..engine.header import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, UNKNOWN
+from . import backward
+from .arguments import (check_average, check_tensor, checked, named, op_word, refuse,
+                        resolve_op)
+from .process_sets import group_of, local_root, on
+from .basics import Average, Max, Min, Product, Sum
 from .compression import Compression
 
 # Note [Handles that are done]
@@ -32,27 +37,6 @@ _PLAIN = {None: "avg", **_MPIDP_OP}  # allreduce_'s shortcut: ops with no rule t
 _TENSOR = torch.Tensor
 
 
-def resolve_op(op: Optional[int], average: Optional[bool]) -> int:
-    """Horovod's rule: ``op`` defaults to Average; the deprecated ``average`` maps to Average
-    or Sum and may not be given with ``op``. Adasum is refused (docs/horovod.md)."""
-    if op is not None and average is not None:
-        raise ValueError("op and average cannot both be given; average is deprecated, use op")
-    if op is None:
-        op = Sum if average is False else Average
-    if op == Adasum:
-        raise NotImplementedError("mpidp.horovod: op=hvd.Adasum is not supported; use "
-                                  "hvd.Average (docs/horovod.md)")
-    if op not in basics.OP_NAMES:
-        raise ValueError(f"unknown op {op!r}; accepted: hvd.Average, hvd.Sum, hvd.Min, "
-                         "hvd.Max, hvd.Product")
-    return op
-
-
-def check_tensor(tensor: Any, what: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
-
-
 def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
     if factor != 1.0:
         x.mul_(factor)
@@ -64,9 +48,7 @@ def _reduce_into(x: torch.Tensor, op: int) -> torch.Tensor:
     if op == Product:  # no product kernel: every rank multiplies all inputs in rank order
         every = collectives.allgather(x.reshape(1, -1))
         return x.copy_(torch.prod(every, dim=0).reshape(x.shape))
-    if op == Average and (x.is_complex() or not x.is_floating_point()):
-        raise ValueError(f"op=hvd.Average needs a floating tensor, got {x.dtype}; use "
-                         "op=hvd.Sum and divide")
+    check_average(x, op)
     collectives.allreduce_(x, _MPIDP_OP[op])
     return x
 
@@ -97,26 +79,28 @@ class _Allreduce(torch.autograd.Function):
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """The reduction of ``tensor`` over every rank, a new tensor (``tensor`` unchanged);
-    differentiable. ``name`` is accepted and unused (mpidp matches calls by their order)."""
-    check_tensor(tensor, "allreduce")
-    op = resolve_op(op, average)
-    compressed, ctx = compression.compress(tensor)
-    return compression.decompress(_Allreduce.apply(compressed, op, float(prescale_factor),
-                                                   float(postscale_factor), process_set), ctx)
+    differentiable. ``name``: checked against every rank's (Note [Names] in
+    mpidp/horovod/arguments.py)."""
+    op = checked(tensor, op, average, process_set, ALLREDUCE, "allreduce")
+    with named(name, process_set):
+        compressed, ctx = compression.compress(tensor)
+        return compression.decompress(_Allreduce.apply(compressed, op, float(prescale_factor),
+                                                       float(postscale_factor), process_set),
+                                      ctx)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=None):
     """In place: ``tensor`` holds the reduction afterwards, and is returned."""
     if average is None and process_set is None and prescale_factor == 1.0 and \
-            postscale_factor == 1.0 and type(tensor) is _TENSOR and not backward.active:
+            postscale_factor == 1.0 and type(tensor) is _TENSOR and not backward.active \
+            and name is None:
         plain = _PLAIN.get(op) if op is None or type(op) is int else None
         if plain is not None and (plain != "avg" or tensor.is_floating_point()):
             collectives.allreduce_(tensor, plain)  # the common call, straight to mpidp's
             return tensor
-    check_tensor(tensor, "allreduce_")
-    op = resolve_op(op, average)
-    with torch.no_grad(), on(process_set):
+    op = checked(tensor, op, average, process_set, ALLREDUCE, "allreduce_")
+    with torch.no_grad(), on(process_set), named(name, process_set):
         if tensor.is_contiguous() and op != Product and prescale_factor == 1.0:
             return _scaled(_reduce_into(tensor, op), float(postscale_factor))
         return tensor.copy_(reduced(tensor, op, float(prescale_factor),
@@ -127,27 +111,37 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
                       prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """``allreduce`` of each tensor, fused into a few buckets; new tensors."""
     return _grouped(tensors, False, average, op, prescale_factor, postscale_factor,
-                    process_set, compression)
+                    process_set, compression, name)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=None):
     """In place, fused into a few buckets; returns the tensors."""
     return _grouped(tensors, True, average, op, prescale_factor, postscale_factor,
-                    process_set, Compression.none)
+                    process_set, Compression.none, name)
 
 
-def _grouped(tensors, in_place, average, op, prescale, postscale, process_set, compression):
-    op = resolve_op(op, average)
-    tensors = list(tensors)
-    for t in tensors:
-        check_tensor(t, "grouped_allreduce")
-    if op == Product or (any(t.requires_grad for t in tensors) and not in_place):
-        outs = [allreduce(t, op=op, prescale_factor=prescale, postscale_factor=postscale,
-                          compression=compression, process_set=process_set) for t in tensors]
-        return [t.copy_(o) for t, o in zip(tensors, outs)] if in_place else outs
-    with on(process_set):
-        return fused(tensors, in_place, op, float(prescale), float(postscale), compression)
+def _grouped(tensors, in_place, average, op, prescale, postscale, process_set, compression,
+             name=None):
+    asked = op_word(op, average)
+    try:
+        op = resolve_op(op, average)
+        tensors = list(tensors)
+        for t in tensors:
+            check_tensor(t, "grouped_allreduce")
+            check_average(t, op)
+    except Exception as exc:
+        refuse(exc, process_set, ALLREDUCE, None, asked)
+        raise
+    with named(name, process_set):
+        if op == Product or (any(t.requires_grad for t in tensors) and not in_place):
+            outs = [allreduce(t, op=op, prescale_factor=prescale, postscale_factor=postscale,
+                              compression=compression, process_set=process_set)
+                    for t in tensors]
+            return [t.copy_(o) for t, o in zip(tensors, outs)] if in_place else outs
+        with on(process_set):
+            return fused(tensors, in_place, op, float(prescale), float(postscale),
+                         compression)
 
 
 def fused(tensors: list, in_place: bool, op: int, prescale: float, postscale: float,
@@ -194,12 +188,18 @@ class _Allgather(torch.autograd.Function):
 def allgather(tensor, name=None, process_set=None):
     """Every rank's ``tensor`` concatenated along dimension 0 in rank order (first dimensions
     may differ); differentiable."""
-    check_tensor(tensor, "allgather")
-    return _Allgather.apply(tensor, process_set)
+    try:
+        check_tensor(tensor, "allgather")
+    except TypeError as exc:
+        refuse(exc, process_set, ALLGATHER)
+        raise
+    with named(name, process_set):
+        return _Allgather.apply(tensor, process_set)
 
 
 def grouped_allgather(tensors, name=None, process_set=None):
-    return [allgather(t, process_set=process_set) for t in tensors]
+    with named(name, process_set):
+        return [allgather(t, process_set=process_set) for t in tensors]
 
 
 class _Broadcast(torch.autograd.Function):
@@ -221,15 +221,28 @@ class _Broadcast(torch.autograd.Function):
 def broadcast(tensor, root_rank, name=None, process_set=None):
     """Root's ``tensor`` on every rank, a new tensor; differentiable. ``root_rank`` is a
     global rank, also with a process set (as in Horovod)."""
-    check_tensor(tensor, "broadcast")
-    return _Broadcast.apply(tensor, local_root(process_set, root_rank), process_set)
+    root = _checked_root(tensor, root_rank, process_set, "broadcast")
+    with named(name, process_set):
+        return _Broadcast.apply(tensor, root, process_set)
+
+
+def _checked_root(tensor, root_rank, process_set, what: str) -> int:
+    """``root_rank`` as a rank of ``process_set``'s group, once ``tensor`` and it are checked;
+    refused on every rank otherwise (Note [Agreement before refusal])."""
+    try:
+        check_tensor(tensor, what)
+        group_of(process_set)  # a set this rank cannot run on: its error alone
+        return local_root(process_set, root_rank)
+    except Exception as exc:
+        refuse(exc, process_set, BROADCAST, tensor,
+               root_rank if type(root_rank) is int else UNKNOWN)
+        raise
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):
     """In place: every rank's ``tensor`` holds root's values, and is returned."""
-    check_tensor(tensor, "broadcast_")
-    with torch.no_grad(), on(process_set):
-        root = local_root(process_set, root_rank)
+    root = _checked_root(tensor, root_rank, process_set, "broadcast_")
+    with torch.no_grad(), on(process_set), named(name, process_set):
         if tensor.is_contiguous():
             return collectives.broadcast_(tensor, root)
         return tensor.copy_(collectives.broadcast(tensor.contiguous(), root))
@@ -239,13 +252,10 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=None, prescale_factor=1.0, postscale_factor=1.0):
     """This rank's block (along dimension 0, the first ranks taking one row more where it
     does not divide) of the reduction of ``tensor`` over every rank."""
-    check_tensor(tensor, "reducescatter")
-    op = resolve_op(op, None)
-    if op not in (Average, Sum, Min, Max):
-        raise ValueError(f"reducescatter takes hvd.Average, hvd.Sum, hvd.Min or hvd.Max, not "
-                         f"{basics.op_name(op)}")
+    op = checked(tensor, op, None, process_set, REDUCE_SCATTER, "reducescatter",
+                 (Average, Sum, Min, Max))
     compressed, ctx = compression.compress(tensor)
-    with torch.no_grad(), on(process_set):
+    with torch.no_grad(), on(process_set), named(name, process_set):
         x = _scaled(compressed.detach().clone(memory_format=torch.contiguous_format),
                     float(prescale_factor))
         out = collectives.reduce_scatter(x, _MPIDP_OP[op])

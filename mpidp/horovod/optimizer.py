@@ -16,7 +16,8 @@ from ..engine.header import ALLREDUCE
 from .basics import Average, Product, Sum
 from . import backward
 from .compression import Compression
-from .ops import fused, resolve_op
+from .arguments import resolve_op
+from .ops import fused
 from .process_sets import group_of, local_root, on
 
 

@@ -9,6 +9,7 @@ import contextlib
 from typing import Any, Optional
 
 from .. import runtime
+from ..comm import fingerprint
 from . import backward
 from ..errors import NotInitializedError
 
@@ -60,21 +61,29 @@ def started() -> None:
 
 def add_process_set(process_set: Any) -> ProcessSet:
     """Adds a set (a ProcessSet or a list of ranks) and returns it valid. Every rank calls it,
-    in the same order; a duplicate of a set present, or ranks outside the job, raise
-    ValueError on every rank."""
+    in the same order, with the same ranks: ranks that differ between ranks, a duplicate of a
+    set present, or ranks outside the job raise on every rank — the rank whose set is bad
+    its ValueError, every other rank a MismatchError naming each rank's list — before any
+    group is made (Note [Agreement before refusal] in mpidp/comm/agreement.py)."""
     if not runtime.is_initialized():
         raise NotInitializedError("Horovod has not been initialized; use hvd.init().")
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    size = runtime.init_group().size
-    if not ps.ranks or len(set(ps.ranks)) != len(ps.ranks) or \
-            not 0 <= ps.ranks[0] <= ps.ranks[-1] < size:
-        raise ValueError(f"a process set takes distinct ranks from 0 to {size - 1}, got "
-                         f"{ps.ranks!r}")
-    if ps.ranks == global_process_set.ranks or \
-            any(s.ranks == ps.ranks for s in _sets.values()):
-        raise ValueError(f"Attempted to add a duplicate process set: {ps}")
-    if ps.included():
-        with _after_buckets():
+    g = runtime.init_group()
+    ps, failed = None, None
+    try:
+        ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+        if not ps.ranks or len(set(ps.ranks)) != len(ps.ranks) or \
+                not 0 <= ps.ranks[0] <= ps.ranks[-1] < g.size:
+            raise ValueError(f"a process set takes distinct ranks from 0 to {g.size - 1}, got "
+                             f"{ps.ranks!r}")
+        if ps.ranks == global_process_set.ranks or \
+                any(s.ranks == ps.ranks for s in _sets.values()):
+            raise ValueError(f"Attempted to add a duplicate process set: {ps}")
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        failed = exc
+    with _after_buckets():
+        fingerprint.check_same(g, [("ranks", None if failed else ps.ranks)],
+                               "hvd.add_process_set", "the process set's ranks", failed)
+        if ps.included():
             ps._group = runtime.subgroup(ps.ranks)
     ps.process_set_id = max(_sets, default=0) + 1
     _sets[ps.process_set_id] = ps

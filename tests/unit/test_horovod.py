@@ -38,6 +38,41 @@ def test_ops_follow_horovods_rules():
         ops.resolve_op(42, None)
 
 
+def test_a_refusal_names_the_values_its_rank_was_called_with():
+    """Note [Agreement before refusal]: what another rank's MismatchError says of a rank that
+    refused its input; and the stamps a disagreement can name in words."""
+    from mpidp.engine import header
+    from mpidp.horovod import arguments
+    root = header.refusal(header.BROADCAST, ValueError("bad root"), 99, 2, 3)
+    assert header.describe(root) == "broadcast float32[3] root=99, refused there (ValueError)"
+    adasum = header.refusal(header.ALLREDUCE, NotImplementedError("no"),
+                            arguments.op_word(hvd.Adasum), 5, 3)
+    assert header.describe(adasum) == \
+        "allreduce int64[3] op=adasum, refused there (NotImplementedError)"
+    assert header.describe(header.refusal(header.ALLGATHER, TypeError("a list"))) == \
+        "allgather, refused there (TypeError)"
+    assert (arguments.op_word(None), arguments.op_word(None, False), arguments.op_word(hvd.Max),
+            arguments.op_word([1])) == (4, 0, 2, header.UNKNOWN)
+    good = header.header(header.BROADCAST, 0, 0, 2, 3, (3,))
+    text = str(header.mismatch_error("broadcast", [root, good], 1))
+    assert "rank 0: broadcast float32[3] root=99, refused there (ValueError)" in text and \
+        "same count" not in text
+    stamp = header.described_stamp("name 'a'")
+    assert stamp & header.DESCRIBED and header.site_text(stamp) == "name 'a'"
+    assert not any(header.site_hash(f"train.py:{i}") & header.DESCRIBED for i in range(500))
+
+
+def test_a_groups_layout_is_said_in_words():
+    from mpidp.comm import fusion
+    from mpidp.engine.dtypes import as_host_array
+    arrays = [as_host_array(torch.ones(4)), as_host_array(torch.ones(2, 3, dtype=torch.float64))]
+    assert fusion._layout(arrays, 1024) == \
+        "a group of [float32[4], float64[2, 3]] in buckets of 1024 bytes"
+    many = fusion._layout([as_host_array(torch.ones(k + 1)) for k in range(6)], 8)
+    assert many.startswith("a group of [float32[1], float32[2], float32[3], float32[4], ... "
+                           "(6 tensors, layout 0x")
+
+
 def test_fp16_compression_round_trip():
     t = torch.tensor([1.5, -2.0, 3.25])
     sent, ctx = hvd.Compression.fp16.compress(t)

@@ -3,7 +3,9 @@ read-only array, counts that differ, a sparse tensor, a wrong dtype or type, a b
 algorithm — raises on every rank (its own error where it is bad, MismatchError elsewhere) and
 the next collective is exact; a randomized round of such calls with a seeded generator; NaN
 through min and max on every algorithm; an in-place collective on a tensor autograd saved is
-refused by backward.
+refused by backward; through Horovod's API and the torch.distributed backend, arguments,
+layouts, names and process sets that differ on some rank raise on every rank (Note [Agreement
+before refusal] in mpidp/comm/agreement.py).
 Prints 'ok <rank>' at the end."""
 import os
 import sys
@@ -162,6 +164,165 @@ t = torch.ones(3)
 before = t._version
 mpidp.grouped_allreduce_([t], "sum")
 expect(t._version > before, "grouped_allreduce_ left the version counter alone")
+
+# ---- agreement before refusal (Note [Agreement before refusal] in mpidp/comm/agreement.py):
+# through Horovod's API and the torch.distributed backend, an argument refused on rank 0 only
+# raises on every rank — rank 0 its own error (as Horovod's front raises it), every other rank
+# a MismatchError naming rank 0 and the value — as do layouts, names and process sets that
+# differ; the next all-reduce, all-gather and broadcast are exact. Waits in this section end
+# after 30 s with WaitTimeoutError (set_wait_timeout), which fails the checks, rather than
+# after the watchdog's 180 s -----------------------------------------------------------------
+import torch.distributed as dist  # noqa: E402 - the sections above need neither
+
+import mpidp.dist  # noqa: E402,F401 - registers the backend
+import mpidp.horovod as hvd  # noqa: E402
+
+hvd.init()
+g.resources.set_wait_timeout(30.0)
+last = n - 1
+
+
+def returned(call):
+    """What ``call`` returned, or the exception it raised."""
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - the test looks at what each rank raised
+        return exc
+
+
+def raised_everywhere(call, bad_here, own, what, *shown):
+    """``call`` raised ``own`` here if this rank is bad, else a MismatchError whose text holds
+    every string of ``shown``."""
+    exc = outcome(call)
+    if bad_here:
+        expect(type(exc) is own, f"{what}: the bad rank raised {exc!r}, not {own.__name__}")
+    else:
+        expect(isinstance(exc, MismatchError) and all(t in str(exc) for t in shown),
+               f"{what}: a good rank got {exc!r}, not a MismatchError naming {shown}")
+
+
+def hvd_next_is_exact(what):
+    got = [returned(lambda: hvd.allreduce(torch.tensor([rank + 1.0]), op=hvd.Sum)),
+           returned(lambda: hvd.allgather(torch.tensor([rank + 1.0]))),
+           returned(lambda: hvd.broadcast(torch.tensor([rank + 1.0]), root_rank=last))]
+    want = [torch.tensor([n * (n + 1) / 2]), torch.arange(1.0, n + 1), torch.tensor([n * 1.0])]
+    expect(all(isinstance(a, torch.Tensor) and torch.equal(a, b) for a, b in zip(got, want)),
+           f"after {what}: the next all-reduce, all-gather, broadcast gave {got}")
+
+
+t3 = torch.full((3,), rank + 1.0)
+ONE_RANK = [  # (what, call, rank 0's error, what the others' message names)
+    ("op=hvd.Adasum", lambda b: hvd.allreduce(t3, op=hvd.Adasum if b else hvd.Sum),
+     NotImplementedError, "rank 0: allreduce float32[3] op=adasum, refused there"),
+    ("root_rank=99", lambda b: hvd.broadcast(t3, root_rank=99 if b else 0), ValueError,
+     "rank 0: broadcast float32[3] root=99, refused there"),
+    ("broadcast_ root_rank=99", lambda b: hvd.broadcast_(t3.clone(), 99 if b else 0),
+     ValueError, "root=99, refused there"),
+    ("Average of integers", lambda b: hvd.allreduce(t3.long() if b else t3, op=hvd.Average),
+     ValueError, "rank 0: allreduce int64[3] op=avg, refused there"),
+    ("allreduce_ Average of integers",
+     lambda b: hvd.allreduce_(t3.long() if b else t3.clone(), op=hvd.Average), ValueError,
+     "int64[3] op=avg, refused there"),
+    ("a list to allreduce", lambda b: hvd.allreduce([1.0] * 3 if b else t3, op=hvd.Sum),
+     TypeError, "rank 0: allreduce op=sum, refused there (TypeError)"),
+    ("a list to allgather", lambda b: hvd.allgather([1.0] if b else t3), TypeError,
+     "rank 0: allgather, refused there (TypeError)"),
+    ("reducescatter Average of integers",
+     lambda b: hvd.reducescatter(t3.long() if b else t3, op=hvd.Average), ValueError,
+     "int64[3] op=avg, refused there"),
+    ("grouped with Adasum", lambda b: hvd.grouped_allreduce([t3], op=hvd.Adasum if b else
+                                                            hvd.Sum), NotImplementedError,
+     "op=adasum, refused there"),
+    ("Max against Sum", lambda b: hvd.allreduce(t3, op=hvd.Max if b else hvd.Sum),
+     MismatchError, "op=max"),
+]
+for what, call, own, shown in ONE_RANK:
+    raised_everywhere(lambda: call(rank == 0), rank == 0, own, what, shown)
+    hvd_next_is_exact(what)
+
+# a group whose layout differs on the last rank: its buckets would add one tensor into another.
+# Before each, every rank makes rank 0's call, so that rank 0's layout is unchanged and only
+# the last rank's changes (Note [A group's layout] in mpidp/comm/fusion.py): every rank's
+# MismatchError names its own layout (a named one every rank's, after exchanging the names)
+agreed_layout = [torch.full((4,), rank + 1.0), torch.full((2,), rank + 1.0)]
+layout = [t.clone() for t in agreed_layout]
+if rank == last:
+    layout.reverse()
+for what, call in (("grouped_allreduce_", lambda: hvd.grouped_allreduce_(layout, op=hvd.Sum)),
+                   ("grouped_allreduce", lambda: hvd.grouped_allreduce(layout, op=hvd.Sum)),
+                   ("named grouped_allreduce",
+                    lambda: hvd.grouped_allreduce(layout, op=hvd.Sum, name="g")),
+                   ("mpidp.grouped_allreduce_",
+                    lambda: mpidp.grouped_allreduce_([x.numpy() for x in layout], "sum"))):
+    same = returned(lambda: hvd.grouped_allreduce(agreed_layout, op=hvd.Sum))
+    expect(isinstance(same, list) and all(torch.equal(t, torch.full(t.shape, n * (n + 1) / 2))
+                                          for t in same), f"layouts that agree: {same}")
+    raised_everywhere(call, False, None, f"layouts that differ: {what}", f"rank {last}:",
+                      "float32[2], float32[4]]" if rank == last or "named" in what else
+                      "float32[4], float32[2]]")
+    expect(all(torch.equal(x, torch.full(x.shape, rank + 1.0)) for x in layout),
+           f"layouts that differ: {what} wrote into the tensors")
+    hvd_next_is_exact(f"layouts that differ: {what}")
+
+# named asynchronous all-reduces submitted in another order on the last rank (Note [Names] in
+# mpidp/horovod/ops.py: refused on every rank, naming both names), then in the same order
+
+
+def submit(order):
+    values = {"a": rank + 1.0, "b": 100.0 + rank}
+    handles = {k: hvd.allreduce_async(torch.tensor([values[k]]), name=k, op=hvd.Sum)
+               for k in order}
+    return {k: hvd.synchronize(h) for k, h in handles.items()}
+
+
+raised_everywhere(lambda: submit("ba" if rank == last else "ab"), False, None,
+                  "names in another order", "name 'a'", "name 'b'", f"rank {last}:")
+hvd_next_is_exact("names in another order")
+got = returned(lambda: submit("ab"))
+expect(isinstance(got, dict) and torch.equal(got["a"], torch.tensor([n * (n + 1) / 2])) and
+       torch.equal(got["b"], torch.tensor([100.0 * n + n * (n - 1) / 2])),
+       f"named all-reduces in the same order: {got}")
+
+# process sets: a bad list on rank 0, then lists that differ, then one that every rank agrees on
+raised_everywhere(lambda: hvd.add_process_set([0, 99] if rank == 0 else [0]), rank == 0,
+                  ValueError, "add_process_set([0, 99]) on rank 0", "rank 0: ValueError",
+                  "[0, 99]")
+hvd_next_is_exact("add_process_set([0, 99]) on rank 0")
+raised_everywhere(lambda: hvd.add_process_set([0] if rank == 0 else [last]), False, None,
+                  "process sets' ranks that differ", f"ranks = [{last}] where rank 0 has [0]")
+hvd_next_is_exact("process sets' ranks that differ")
+members = [0, last] if n > 2 else [last]
+ps = returned(lambda: hvd.add_process_set(members))
+if rank in members:
+    got = returned(lambda: hvd.allreduce(torch.tensor([rank + 1.0]), op=hvd.Sum,
+                                         process_set=ps))
+    expect(isinstance(got, torch.Tensor) and
+           torch.equal(got, torch.tensor([sum(m + 1.0 for m in members)])),
+           f"the process set every rank agreed on: {got}")
+expect(isinstance(ps, hvd.ProcessSet) and hvd.remove_process_set(ps), f"process set: {ps}")
+hvd_next_is_exact("a process set")
+g.resources.set_wait_timeout(None)
+
+# the torch.distributed backend: a root or an op refused on rank 0 only
+if not dist.is_initialized():
+    dist.init_process_group("mpidp")
+pg = dist.distributed_c10d._get_default_group()
+pg.g.resources.set_wait_timeout(30.0)
+for what, call, own, shown in (
+        ("dist.broadcast src=99", lambda b: dist.broadcast(t3.clone(), src=99 if b else 0),
+         ValueError, "rank 0: broadcast float32[3] root=99, refused there"),
+        ("dist.all_reduce BAND of floats", lambda b: dist.all_reduce(
+            t3.clone(), op=dist.ReduceOp.BAND if b else dist.ReduceOp.SUM), TypeError,
+         "rank 0: all_reduce BAND float32[3], refused there (TypeError)")):
+    raised_everywhere(lambda: call(rank == 0), rank == 0, own, what, shown)
+    y, gathered, z = torch.tensor([rank + 1.0]), [torch.zeros(1) for _ in range(n)], \
+        torch.tensor([rank + 1.0])
+    done = outcome(lambda: (dist.all_reduce(y), dist.all_gather(gathered, y.clone()),
+                            dist.broadcast(z, src=last)))
+    expect(done is None and torch.equal(y, torch.tensor([n * (n + 1) / 2])) and
+           all(torch.equal(v, y) for v in gathered) and torch.equal(z, torch.tensor([n * 1.0])),
+           f"after {what}: {done!r}, {y}, {gathered}, {z}")
+pg.g.resources.set_wait_timeout(pg.timeout_s)
 
 if failures:
     print(f"rank {rank} FAILED:\n  " + "\n  ".join(failures), file=sys.stderr)
