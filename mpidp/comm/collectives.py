@@ -113,6 +113,15 @@ def refuse(g, kind: int, exc: BaseException, hdr: Optional[tuple] = None) -> Non
         f.refuse(exc, hdr)
 
 
+def agree_on_nothing(g, kind: int) -> None:
+    """Exchanges the header of a ``kind`` collective of no elements on ``g`` (a group of no
+    tensors whose layout must still meet the others': Note [A group's layout] in
+    mpidp/comm/fusion.py); raises on every rank where the others called something else.
+    Collective."""
+    with Frame(g, kind) as f:
+        f.check(header.header(kind, 0, 0, 0, 0, ()))
+
+
 def allreduce(x: Any, op: str = "sum", algorithm: str = "auto"):
     """Reduces ``x`` over every rank and returns the result as a new array or tensor of the
     same type, shape and dtype; ``x`` is unchanged. ``op``: sum, avg, min, max (min and max

@@ -212,6 +212,9 @@ def _grouped(tensors, in_place: bool, op, algorithm, bucket_cap_mb):
         raise
     last = _LAST_LAYOUT.pop(g, None)
     changed = last is not layout and last != layout  # Note [A group's layout]
+    if not buckets and changed and g.size > 1:  # an empty group still meets the others' first
+        with agreed(g, layout):                  # bucket, as a header of no elements
+            collectives.agree_on_nothing(g, ALLREDUCE)
     for k, bucket in enumerate(buckets):
         try:
             with agreed(g, layout) if k == 0 and changed else _NOTHING:

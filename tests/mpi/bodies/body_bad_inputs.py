@@ -264,6 +264,17 @@ for what, call in (("grouped_allreduce_", lambda: hvd.grouped_allreduce_(layout,
            f"layouts that differ: {what} wrote into the tensors")
     hvd_next_is_exact(f"layouts that differ: {what}")
 
+# an empty group on the last rank meets the others' first bucket (it sends a header of no
+# elements, where its layout changed), then empty groups on every rank, twice: nothing to do
+raised_everywhere(lambda: hvd.grouped_allreduce([] if rank == last else agreed_layout,
+                                                op=hvd.Sum), False, None,
+                  "an empty group on one rank", f"rank {last}:")
+hvd_next_is_exact("an empty group on one rank")
+expect(returned(lambda: hvd.grouped_allreduce([], op=hvd.Sum)) == [] and
+       returned(lambda: mpidp.grouped_allreduce_([], "sum")) == [],
+       "empty groups on every rank")
+hvd_next_is_exact("empty groups on every rank")
+
 # named asynchronous all-reduces submitted in another order on the last rank (Note [Names] in
 # mpidp/horovod/ops.py: refused on every rank, naming both names), then in the same order
 
