@@ -36,8 +36,10 @@ def test_headers_in_words():
         "checkpoint: gather"
     sited = header.with_site(header.header(ALLREDUCE, 3, 0, f32, 4, (4,)), "train.py:12")
     assert header.describe(sited) == "allreduce float32[4] op=sum algorithm=shm at train.py:12"
-    unknown = (sited[0], (sited[1] & 0xFF) | 0xABCDEF << 8) + sited[2:]
-    assert header.describe(unknown).endswith("at call site 0xabcdef")
+    unknown = (sited[0], (sited[1] & 0xFF) | 0x2BCDEF << 8) + sited[2:]
+    assert header.describe(unknown).endswith("at call site 0x2bcdef")
+    described = (sited[0], (sited[1] & 0xFF) | 0xABCDEF << 8) + sited[2:]  # bit 23: a stamp
+    assert header.describe(described).endswith("at a name or layout 0xabcdef")
 
 
 def test_board_publishes_and_debug_names_the_call_site():
