@@ -7,6 +7,7 @@ import os
 from typing import Sequence
 
 from .. import config
+from . import header
 from ..errors import CommunicationError, WaitTimeoutError
 from .host_ops import extension
 
@@ -142,8 +143,14 @@ class ShmContext:
     def check(self, status: int, info, operation: str) -> bool:
         """True for OK, False for a header mismatch (``info`` then holds every rank's header);
         raises CommunicationError for the protocol's failures."""
-        if status <= SHM_MISMATCH:
-            return status == SHM_OK
+        if status == SHM_OK:
+            return True
+        if status == SHM_MISMATCH:
+            # every local rank sees these headers: where they carry call sites and none is a
+            # refusal (a rank refused in C raises at once), every rank names them all
+            if any(h[1] >> 8 for h in info) and not any(h[6] for h in info):
+                header.share_sites(self.comm, info)
+            return False
         if status == SHM_TIMEOUT:
             limit = self.timeout_s
             why = "2 x MPIDP_TIMEOUT_S + 10 s, and the watchdog did not end the job" \

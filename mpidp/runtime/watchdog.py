@@ -93,6 +93,23 @@ class Board:
         self.what = hdr
         return hdr
 
+    def carry_site(self, fn):
+        """``fn``, to run on another thread (the backend's: Note [One communication thread
+        per group] in mpidp/dist/thread.py), its collectives carrying the call site of this
+        thread's caller, taken now (Note [Debug fingerprints] in mpidp/engine/header.py);
+        ``fn`` itself outside debug mode."""
+        if not self.debug:
+            return fn
+        site = header.site_hash(header.call_site())
+
+        def run():
+            before, self.site = self.site, site
+            try:
+                return fn()
+            finally:
+                self.site = before
+        return run
+
     @contextlib.contextmanager
     def waiting(self, what: tuple):
         """A one-sided wait (not nested) under the watchdog; ``what`` names it: a format

@@ -172,5 +172,7 @@ def test_watchdog_names_the_missing_rank(case, env, patterns):
 
 
 def test_debug_mode_names_skipped_and_object_collectives():
+    """And look-alike calls from two lines through every entry point: mpidp, Horovod, the
+    torch.distributed backend on the caller's thread and on its own."""
     assert_ok(body(N, "body_watchdog.py", dict(BODY_CASE="debug", MPIDP_DEBUG="1",
                                                MPIDP_TIMEOUT_S="1.5"), BOUND_S), N)

@@ -57,6 +57,23 @@ def test_board_publishes_and_debug_names_the_call_site():
         "allreduce float32[4] op=sum algorithm=shm (DDP gradient bucket 2 of 5)"
 
 
+def test_debug_site_taken_on_the_callers_thread_for_another_thread():
+    """The backend's thread runs a collective its caller submitted: the caller's line is
+    carried (Note [Debug fingerprints]); outside debug mode nothing is wrapped."""
+    import threading
+    hdr = header.header(ALLREDUCE, 3, 0, 2, 4, (4,))
+    plain = Board()
+    fn = lambda: None  # noqa: E731
+    assert plain.carry_site(fn) is fn
+    debug, sent = Board(debug=True), []
+    job = lambda: sent.append(debug.publish(hdr))  # noqa: E731
+    run, line = debug.carry_site(job), inspect.currentframe().f_lineno  # the caller's line
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert describe(sent[0]).endswith(f"at test_watchdog.py:{line}") and debug.site is None
+
+
 def test_sampler_never_fires_early_and_restarts_on_change():
     b = Board()
     s = Sampler(b, timeout_s=10, now=0.0)
