@@ -34,6 +34,17 @@ lost node or network looks the same, and the report cannot tell these apart. Wit
 MPI_THREAD_MULTIPLE the thread cannot ask, and the report holds this rank's view only. A
 dead process is usually reported sooner by the launcher (Hydra ends the job at once).
 
+A rank that has shut down: its shutdown (mpidp.shutdown, at exit too) begins by telling
+every other rank's watchdog, before anything of it can wait (Resources.depart): a notice on
+the same private communicator carrying the number of the last collective it completed. A
+rank waiting in a collective with a higher number — one that rank will never reach — that
+is not itself part of a shutdown, for a whole interval after its watchdog heard, cannot
+complete: the watchdog ends the job at once with a report naming that rank and the
+collective (exit code 1, as for an exception on one rank), where it would otherwise wait
+the whole timeout. On one node the shared-memory wait sees the same thing first and raises
+on every waiting rank (Note [A rank that has shut down] in csrc/shm.c), so this is the path
+of waits inside MPI (across nodes), which nothing but an abort ends.
+
 Why 180 s by default: the watchdog must outwait every legitimate wait inside an operation,
 and those are the waits for one rank doing work the others do not — rank 0 writing a
 checkpoint (the model and optimizer state of a billion float32 parameters is 12 GB: about
@@ -58,7 +69,8 @@ from ..engine import header
 from .abort import abort_job
 
 EXIT_CODE = 124                        # the job was ended for waiting too long
-QUERY_TAG, REPLY_TAG = 0x7764, 0x7765  # "wd", on the watchdog's own communicator
+EXIT_DEPARTED = 1                      # ... for waiting on a rank that has shut down
+QUERY_TAG, REPLY_TAG, DEPART_TAG = 0x7764, 0x7765, 0x7766  # "wd", on its own communicator
 REPLY_BYTES = 1024  # a JSON state: two descriptions of at most 300 characters and a few numbers
 COLLECTIVE, ONE_SIDED = 0, 1           # the board's lanes
 
@@ -187,17 +199,42 @@ class Watchdog:
         self._query_buf = np.zeros(2, np.int64)  # (asking rank, its round of questions)
         self._round = 0
         self._query = self._post_query()
+        # ranks that have shut down -> the last collective each completed ("A rank that has
+        # shut down", Note [Watchdog]); the notice being received, and this rank's own
+        self.departed: dict = {}
+        self._notice_buf = np.zeros(2, np.int64)  # (rank that shut down, its last collective)
+        self._notice = self._post(self._notice_buf, DEPART_TAG)
+        self._notices: list = []
+        self._own_notice = None
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mpidp-watchdog", daemon=True)
         self.thread.start()
 
+    def depart(self) -> None:
+        """Tells every other rank's watchdog that this rank has shut down after its last
+        completed collective ("A rank that has shut down", Note [Watchdog]). Once; no
+        waiting (``stop`` completes the sends)."""
+        if self.comm is None or self._own_notice is not None:
+            return
+        me = self.g.rank
+        self._own_notice = np.array([me, self.board.done], np.int64)
+        self._notices = [self.comm.Isend(self._own_notice, r, DEPART_TAG)
+                         for r in range(self.g.size) if r != me]
+
     def stop(self) -> None:
-        """Ends the thread and frees its communicator (before MPI finalises)."""
+        """Ends the thread and frees its communicator (before MPI finalises), once this
+        rank's departure notices have left (at most ``grace_s``: they are small enough to
+        leave at once)."""
         self._stop.set()
         self.thread.join()
         if self.comm is not None:
-            self._query.Cancel()
-            self._query.Wait()
+            deadline = time.monotonic() + self.grace_s
+            while self._notices and not self._MPI.Request.Testall(self._notices) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.001)
+            for request in (self._query, self._notice):
+                request.Cancel()
+                request.Wait()
             self.comm.Free()
             self.comm = None
 
@@ -208,9 +245,12 @@ class Watchdog:
             while not self._stop.wait(self.interval_s) and not self._MPI.Is_finalized():
                 now = time.monotonic()
                 self._answer(now)
+                self._hear_departures()
                 lane = self.sampler.sample(now)
                 if lane is not None and now >= self._defer_until:
                     self._fire(lane, now)
+                elif self.departed:
+                    self._check_departed(now)
         except Exception as exc:  # a broken watchdog must not take the job down
             sys.stderr.write(f"mpidp: rank {self.g.rank}: the watchdog stopped: "
                              f"{type(exc).__name__}: {exc}\n")
@@ -227,9 +267,33 @@ class Watchdog:
                 "pwhat": describe(b.pwhat) if pseq != pdone else None}
 
     def _post_query(self):
+        return self._post(self._query_buf, QUERY_TAG)
+
+    def _post(self, buf: np.ndarray, tag: int):
         if self.comm is None:
             return None
-        return self.comm.Irecv(self._query_buf, self._MPI.ANY_SOURCE, QUERY_TAG)
+        return self.comm.Irecv(buf, self._MPI.ANY_SOURCE, tag)
+
+    def _hear_departures(self) -> None:
+        """Records every departure notice that has arrived."""
+        while self._notice is not None and self._notice.Test():
+            rank, last = (int(w) for w in self._notice_buf)
+            self.departed[rank] = last
+            self._notice = self._post(self._notice_buf, DEPART_TAG)
+
+    def _check_departed(self, now: float) -> None:
+        """Ends the job where this rank has waited a whole interval in a collective that a
+        rank which has shut down will never reach ("A rank that has shut down", Note
+        [Watchdog]); a collective of a shutdown waits for the others' shutdowns instead."""
+        (seq, done), since = self.sampler.seen[COLLECTIVE]
+        b = self.board
+        if seq == done or now - since < self.interval_s:
+            return
+        gone = {r: last for r, last in self.departed.items() if last < seq}
+        what = describe(b.what, b.context)
+        if gone and not what.startswith("shutdown") and (seq, b.done) == (b.seq, done):
+            abort_job(departed_report(self.g.rank, self.g.size, self.host, seq, what, gone),
+                      EXIT_DEPARTED)
 
     def _answer(self, now: float) -> list:
         """Replies to every rank that asked for this board; returns who asked."""
@@ -348,6 +412,20 @@ def _uneven_inputs(answered: dict) -> list:
             f"shutdown): {_ranks(done)}. If ranks have different numbers of batches, wrap the "
             "training loop in `with model.join():` (torch's Join, for mpidp's "
             "DistributedDataParallel and torch's on the mpidp backend)"]
+
+
+def departed_report(me: int, size: int, host: str, seq: int, what: str, gone: dict) -> str:
+    """The message of rank ``me`` (on ``host``) ending the job: its collective number ``seq``
+    (``what``, in words) waits for the ranks of ``gone`` (rank -> the last collective it
+    completed), which have shut down. Pure."""
+    ranks = ", ".join(f"rank {r} (after collective #{last})" for r, last in sorted(gone.items()))
+    text = (f"mpidp: rank {me} of {size} on {host}: collective #{seq}, {what}, cannot "
+            f"complete: {ranks} {'has' if len(gone) == 1 else 'have'} shut down (mpidp.shutdown, "
+            "or the end of its script) without reaching it, and never will; aborting the job\n")
+    if what.startswith("allreduce"):
+        text += ("  uneven inputs? If ranks run different numbers of batches, wrap the "
+                 "training loop in `with model.join():` (docs/troubleshooting.md)\n")
+    return text
 
 
 def report(me: int, lane: int, states: dict, size: int, timeout_s: float, grace_s: float,

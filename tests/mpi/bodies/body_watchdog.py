@@ -3,6 +3,10 @@
   rank 1 as not answering (exit 124);
 - late: rank 2 stalls before collective #6; the watchdog names it as not arrived (with
   MPIDP_EMULATE_NODE_SIZE=1 the others wait inside MPI, across emulated nodes);
+- departed (a long MPIDP_TIMEOUT_S): rank 2 leaves cleanly (sys.exit(0)) while the others
+  are in an all-reduce: on one node each of them raises a CommunicationError naming rank 2
+  and goes on to leave cleanly too (prints 'raised <rank>: <message>'); across emulated nodes
+  (MPIDP_EMULATE_NODE_SIZE=1), waiting inside MPI, their watchdog ends the job naming it;
 - debug (MPIDP_DEBUG=1, a short MPIDP_TIMEOUT_S): a rank that skips one of two identical
   all-reduces, and a rank in another object collective, are named on every rank; through
   every entry point (mpidp's, Horovod's, the torch.distributed backend's, on the caller's
@@ -20,7 +24,7 @@ import numpy as np
 
 import mpidp
 from mpidp import config
-from mpidp.errors import MismatchError
+from mpidp.errors import CommunicationError, MismatchError
 from mpidp.runtime.frame import collective
 
 case = os.environ["BODY_CASE"]
@@ -42,6 +46,16 @@ elif case == "late":
     if rank == 2:
         time.sleep(600)
     mpidp.allreduce(x, op="max")  # never completes: the watchdog ends the job
+elif case == "departed":
+    if rank == 2:
+        sys.exit(0)  # mpidp's shutdown at exit: the others must not wait for the watchdog
+    try:
+        mpidp.allreduce(x)
+        print(f"FAIL rank {rank}: an all-reduce completed without rank 2", flush=True)
+        sys.exit(1)
+    except CommunicationError as exc:  # on one node; across nodes the job ends before
+        print(f"raised {rank}: {exc}", flush=True)
+    sys.exit(0)
 assert case == "debug", case
 failures = []
 
