@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -202,7 +203,12 @@ class Watchdog:
         # ranks that have shut down -> the last collective each completed ("A rank that has
         # shut down", Note [Watchdog]); the notice being received, and this rank's own
         self.departed: dict = {}
-        self._notice_buf = np.zeros(2, np.int64)  # (rank that shut down, its last collective)
+        # (rank that shut down, its last collective, this watchdog's token: a notice left
+        # unreceived for a freed communicator may reach a later one that MPI gives its id)
+        self._notice_buf = np.zeros(3, np.int64)
+        self._token = np.array([secrets.randbits(62)], np.int64)
+        if self.comm is not None:
+            self.comm.Bcast(self._token, root=0)
         self._notice = self._post(self._notice_buf, DEPART_TAG)
         self._notices: list = []
         self._own_notice = None
@@ -217,7 +223,7 @@ class Watchdog:
         if self.comm is None or self._own_notice is not None:
             return
         me = self.g.rank
-        self._own_notice = np.array([me, self.board.done], np.int64)
+        self._own_notice = np.array([me, self.board.done, self._token[0]], np.int64)
         self._notices = [self.comm.Isend(self._own_notice, r, DEPART_TAG)
                          for r in range(self.g.size) if r != me]
 
@@ -277,8 +283,9 @@ class Watchdog:
     def _hear_departures(self) -> None:
         """Records every departure notice that has arrived."""
         while self._notice is not None and self._notice.Test():
-            rank, last = (int(w) for w in self._notice_buf)
-            self.departed[rank] = last
+            rank, last, token = (int(w) for w in self._notice_buf)
+            if token == self._token[0]:
+                self.departed[rank] = last
             self._notice = self._post(self._notice_buf, DEPART_TAG)
 
     def _check_departed(self, now: float) -> None:
