@@ -90,7 +90,8 @@ static int set_item(PyObject *t, Py_ssize_t i, PyObject *item) {
 }
 
 /* (status, info) of a finished call: OK -> every rank's free header word (handshake) or None;
- * MISMATCH -> every rank's header; TIMEOUT -> the ranks that had not arrived; PEER_ERROR ->
+ * MISMATCH -> every rank's header; TIMEOUT -> the ranks that had not arrived; DEPARTED -> the
+ * ranks that shut down without arriving (Note [A rank that has shut down]); PEER_ERROR ->
  * (rank, peer, errno); OUT_OF_STEP -> the call number of every rank's record. */
 static PyObject *result_tuple(const shm_result *r, int nranks, int data) {
     PyObject *info = NULL;
@@ -112,6 +113,7 @@ static PyObject *result_tuple(const shm_result *r, int nranks, int data) {
         }
         break;
     case SHM_TIMEOUT:
+    case SHM_DEPARTED:
         info = PyList_New(0);
         for (int q = 0; info && q < nranks; q++)
             if (r->missing[q]) {
@@ -315,6 +317,7 @@ static PyObject *ctx_set_board(ShmContext *self, PyObject *board) {
 
 static PyObject *ctx_close(ShmContext *self, PyObject *unused) {
     __atomic_store_n(&self->closed, 1, __ATOMIC_RELEASE);
+    if (self->ctrl) shm_depart(self->ctrl, self->rank); /* Note [A rank that has shut down] */
     Py_RETURN_NONE;
 }
 
@@ -335,7 +338,9 @@ static PyMethodDef ctx_methods[] = {
      "set_board(board): the watchdog's board allreduce_array posts on"},
     {"close", (PyCFunction)ctx_close, METH_NOARGS,
      "close(): ends every wait of this context, in any thread, and lets no later call enter\n"
-     "(they answer (SHM_INTERRUPTED, None)); this rank only, no communication"},
+     "(they answer (SHM_INTERRUPTED, None)); the other ranks' waits for a call this rank\n"
+     "will not enter end with SHM_DEPARTED (Note [A rank that has shut down] in shm.c).\n"
+     "No communication; the control block must still be mapped"},
     {"set_segments", (PyCFunction)ctx_set_segments, METH_VARARGS,
      "set_segments(addresses, capacity): every rank's staging segment (window mode)"},
     {NULL, NULL, 0, NULL},

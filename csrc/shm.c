@@ -49,7 +49,8 @@ typedef struct {
 
 typedef struct {
     uint64_t arrive1;
-    char pad1[120];
+    uint64_t departed; /* Note [A rank that has shut down] */
+    char pad1[112];
     uint64_t arrive2;
     char pad2[120];
     record_t record[2];
@@ -84,6 +85,36 @@ static inline void cpu_relax(void) {
  * its rank is out of step for good, and the context refuses every later call (the process is
  * expected to end: mpidp.train aborts the job). */
 
+/* Note [A rank that has shut down]
+ * A rank that shuts down (mpidp.shutdown, at exit too) closes its context (csrc/context.c)
+ * and so will enter no later call: it says so in its slot's `departed` word before anything
+ * of its shutdown can block. A rank waiting for it reads that word where it polls (the slow
+ * path of a wait, every SHM_POLL_S): a rank that has departed without arriving at this call
+ * never will, and the call ends at once with SHM_DEPARTED naming it, on every rank that waits
+ * for it, where it would otherwise wait until the watchdog ended the job (Horovod raises
+ * "Horovod has been shut down" there). A rank that departed after arriving is no reason to
+ * stop: its record of the call is in place until the windows are freed, which every rank
+ * does together. Waits across nodes (MPI) are ended by the watchdog instead (Note [Watchdog]
+ * in mpidp/runtime/watchdog.py, "A rank that has shut down"). */
+
+void shm_depart(char *ctrl, int rank) {
+    slot_t *mine = (slot_t *)(ctrl + (size_t)rank * SHM_SLOT_BYTES);
+    __atomic_store_n(&mine->departed, 1, __ATOMIC_RELEASE);
+}
+
+/* 1 when a rank that has shut down has not arrived at counter `second` of this call (and will
+ * not: Note [A rank that has shut down]), those ranks marked in r->missing; else 0. */
+static int departed(const shm_call *c, int second, shm_result *r) {
+    int any = 0;
+    for (int q = 0; q < c->nranks; q++) {
+        slot_t *s = slot_of(c, q);
+        r->missing[q] = __atomic_load_n(&s->departed, __ATOMIC_ACQUIRE) &&
+                        __atomic_load_n(second ? &s->arrive2 : &s->arrive1, __ATOMIC_ACQUIRE) < c->seq;
+        any |= r->missing[q];
+    }
+    return any;
+}
+
 /* Note [Waiting for a late rank]
  * A wait spins briefly (a call whose ranks arrive together costs no system call), then
  * yields the core. Linux's scheduler hands a yielding process the core again as soon as its
@@ -100,7 +131,8 @@ static inline void cpu_relax(void) {
 
 /* Waits until every rank's counter (arrive1 or arrive2) reaches seq (Note [Waiting for a
  * late rank]). Returns 0, -1 on timeout with the ranks that had not arrived marked in
- * r->missing, or -2 when interrupted (Note [Interrupting a wait]). */
+ * r->missing, -2 when interrupted (Note [Interrupting a wait]), or -3 when a rank that has
+ * shut down will never arrive, marked in r->missing (Note [A rank that has shut down]). */
 static int wait_all(const shm_call *c, int second, shm_result *r) {
     double deadline = 0.0, next_poll = 0.0, nap_at = 0.0;
     int napping = 0;
@@ -126,14 +158,20 @@ static int wait_all(const shm_call *c, int second, shm_result *r) {
                     return -1;
                 } else if (!napping && t >= nap_at) {
                     napping = 1;
-                } else if (c->interrupted && t >= next_poll) {
-                    if (c->interrupted(c->interrupt_arg)) return -2;
+                } else if (t >= next_poll) {
+                    if (departed(c, second, r)) return -3;
+                    if (c->interrupted && c->interrupted(c->interrupt_arg)) return -2;
                     next_poll = now_s() + SHM_POLL_S;
                 }
             }
         }
     }
     return 0;
+}
+
+/* The status of a call whose wait ended with `waited` (wait_all's nonzero answer). */
+static int wait_status(int waited) {
+    return waited == -1 ? SHM_TIMEOUT : waited == -2 ? SHM_INTERRUPTED : SHM_DEPARTED;
 }
 
 static int peer_read(const shm_call *c, int q, void *local, size_t offset, size_t n) {
@@ -316,7 +354,7 @@ void shm_run(const shm_call *c, shm_result *r) {
 
     r->status = SHM_OK;
     int waited = wait_all(c, 0, r);
-    if (waited) { r->status = waited == -2 ? SHM_INTERRUPTED : SHM_TIMEOUT; return; }
+    if (waited) { r->status = wait_status(waited); return; }
     int agree = 1, in_step = 1;
     for (int q = 0; q < c->nranks; q++) {
         r->seqs[q] = __atomic_load_n(&slot_of(c, q)->record[c->seq & 1].seq, __ATOMIC_ACQUIRE);
@@ -339,7 +377,7 @@ void shm_run(const shm_call *c, shm_result *r) {
     rec->status = err ? ((int64_t)r->peer_rank << 32) | (int64_t)err : 0;
     __atomic_store_n(&mine->arrive2, c->seq, __ATOMIC_RELEASE);
     waited = wait_all(c, 1, r);
-    if (waited) { r->status = waited == -2 ? SHM_INTERRUPTED : SHM_TIMEOUT; return; }
+    if (waited) { r->status = wait_status(waited); return; }
     for (int q = 0; q < c->nranks; q++) {
         int64_t s = slot_of(c, q)->record[c->seq & 1].status;
         if (s) {

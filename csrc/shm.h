@@ -17,7 +17,7 @@
 #define SHM_DIRECT_CHUNK_BYTES (64 << 10)
 
 enum { SHM_OK = 0, SHM_MISMATCH = 1, SHM_TIMEOUT = 2, SHM_PEER_ERROR = 3, SHM_OUT_OF_STEP = 4,
-       SHM_INTERRUPTED = 5 };
+       SHM_INTERRUPTED = 5, SHM_DEPARTED = 6 };
 enum { SHM_PEERS_CMA = 0, SHM_PEERS_WINDOW = 1 };
 enum { SHM_DATA_NONE = 0, SHM_DATA_INLINE = 1, SHM_DATA_SLICED = 2 };
 
@@ -52,11 +52,15 @@ typedef struct {
 typedef struct {
     int status;                 /* SHM_* */
     int64_t headers[SHM_MAX_RANKS][SHM_HEADER_WORDS]; /* on mismatch, or for a handshake: every rank's */
-    int missing[SHM_MAX_RANKS];            /* on timeout: 1 for each rank that had not arrived */
+    int missing[SHM_MAX_RANKS];            /* on timeout: 1 for each rank that had not arrived;
+                                              departed: for each that shut down before it */
     int64_t seqs[SHM_MAX_RANKS];           /* out of step: the call number of every rank's record */
     int peer_rank, peer_errno;  /* on a peer error */
 } shm_result;
 
+/* Note [A rank that has shut down] in shm.c: rank `rank` of the control block at `ctrl` will
+ * enter no more calls. Any thread, no GIL needed. */
+void shm_depart(char *ctrl, int rank);
 /* Runs one call of the protocol; releases nothing (the caller drops the GIL). */
 void shm_run(const shm_call *c, shm_result *r);
 /* Elements of rank `rank`'s slice of `count` split over `nranks` (as mpidp.engine.ring.partition). */

@@ -146,7 +146,8 @@ class CommThread:
         if threading.current_thread() is self.thread:  # from a future's callback
             return run_now(fn, result)
         f = torch.futures.Future()
-        with self.lock:
+        fn = self.g.board.carry_site(fn)  # in debug mode, the caller's line (Note [Debug
+        with self.lock:                   # fingerprints] in mpidp/engine/header.py)
             if not self.stopped:
                 self.queued += 1
                 self.tasks.put((fn, f, result))

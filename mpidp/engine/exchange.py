@@ -73,6 +73,7 @@ def disagreed(links, hdr: tuple, operation: str, local_error: Optional[BaseExcep
     """After an exchange found a disagreement (every rank did): the headers once more, in one
     MPI_Allgather, to raise on every rank what each called (``local_error`` on this rank).
     Does not return."""
+    header.share_sites(links.comm, [hdr])  # every rank's call site named on every rank
     header.exchange_mpi(links.comm, hdr, operation, local_error)
     raise CommunicationError(links.rank, operation, "the ranks' headers agreed on a second "
                              "exchange after disagreeing on the first")

@@ -16,8 +16,11 @@ look alike but are not the same call (rank 2 skipped the first of two identical
 all-reduces, so its second pairs with the others' first and the sums mix), and mpidp's own
 object collectives over MPI (the pickled allgather, gather, bcast and barriers of set-up,
 checkpoints and the parameter server), which exchange no header and hang when ranks disagree.
-With MPIDP_DEBUG=1 every header also carries where the collective was called (the first
-frame outside mpidp's collective layer, file name and line, hashed into the algorithm word),
+With MPIDP_DEBUG=1 every header also carries where the collective was called (the user's
+line, file name and line hashed into the algorithm word: the first frame outside mpidp's
+collective layers, Horovod's API, the torch.distributed backend and torch itself, whichever
+of them the call went through; for an operation the backend runs on its group's thread, the
+caller's line taken when it was submitted: ``call_site``),
 and every object collective is preceded by a header naming it (kind OTHER, the name's CRC-32
 in the shape word): a rank that calls another collective, or the same one from another line,
 is named on every rank, with its call site. The cost is a stack walk per collective and one
@@ -49,8 +52,12 @@ _OTHER_NAMES: dict = {}  # CRC-32 -> name of an object collective (the same tabl
 _SITES: dict = {}        # 24-bit CRC -> call site this process has seen
 # frames skipped when looking for a collective's call site (Note [Debug fingerprints]): the
 # packages of the collective layers, whatever module of theirs a collective passes through
-# (Horovod's API too: a script's own line is named, not the drop-in's)
-_LAYER = ("mpidp.comm.", "mpidp.runtime.", "mpidp.engine.", "mpidp.horovod.")
+# (Horovod's API and the torch.distributed backend too: a script's own line is named, not the
+# drop-in's), and torch's own modules between them and the script (autograd's Function.apply
+# of hvd.allreduce, dist.all_reduce's front)
+_LAYER = ("mpidp.comm.", "mpidp.runtime.", "mpidp.engine.", "mpidp.horovod.", "mpidp.dist.",
+          "torch.")
+_LAYER_MODULES = frozenset(("contextlib", "torch"))
 # word 1: the algorithm's code (mpidp.algorithms) in bits 0-3; for the shared-memory protocol
 # its data mode (none, inline, sliced) in bits 4-5 and peer mode (cma, window) in bit 6, set
 # by the C call (csrc/binding.h), so ranks that would move data differently disagree there;
@@ -143,10 +150,16 @@ def other_header(name: str, op: int = 0, dtype: int = 0, count: int = 0,
 
 
 def call_site() -> str:
-    """``file.py:line`` of the first caller outside mpidp's collective layer."""
+    """``file.py:line`` of the first caller outside mpidp's collective layers and torch
+    (``_LAYER``): the user's line, whichever entry point it called. A collective that runs on
+    another thread than its caller's (the backend's: Note [One communication thread per
+    group] in mpidp/dist/thread.py) takes its caller's, captured at submission
+    (Board.carry_site in mpidp/runtime/watchdog.py). Debug mode only: a stack walk."""
     f = sys._getframe(1)
-    while f.f_back is not None and (f.f_globals.get("__name__", "").startswith(_LAYER) or
-                                    f.f_globals.get("__name__") == "contextlib"):
+    while f.f_back is not None:
+        name = f.f_globals.get("__name__", "")
+        if not (name.startswith(_LAYER) or name in _LAYER_MODULES):
+            break
         f = f.f_back
     return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
 
@@ -164,6 +177,16 @@ def site_text(crc: int) -> str:
     if crc in _SITES:
         return _SITES[crc]
     return f"a name or layout {crc:#08x}" if crc & DESCRIBED else f"call site {crc:#08x}"
+
+
+def share_sites(comm, headers: Sequence[Sequence[int]]) -> None:
+    """After a disagreement that every rank of ``comm`` saw in ``headers`` (or each its own),
+    the call sites they carry named on every rank (a rank knows only the lines it called
+    from: Note [Debug fingerprints]), so that each rank's error names them all. Collective
+    over ``comm``: one allgather, on the error path only."""
+    mine = {crc: _SITES[crc] for crc in {int(h[1]) >> 8 for h in headers} if crc in _SITES}
+    for known in comm.allgather(mine):
+        _SITES.update(known)
 
 
 def with_site(hdr: tuple, site: str) -> tuple:

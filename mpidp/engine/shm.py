@@ -7,12 +7,17 @@ import os
 from typing import Sequence
 
 from .. import config
+from . import header
 from ..errors import CommunicationError, WaitTimeoutError
 from .host_ops import extension
 
-SHM_OK, SHM_MISMATCH, SHM_TIMEOUT, SHM_PEER_ERROR, SHM_OUT_OF_STEP, SHM_INTERRUPTED = range(6)
+SHM_OK, SHM_MISMATCH, SHM_TIMEOUT, SHM_PEER_ERROR, SHM_OUT_OF_STEP, SHM_INTERRUPTED, \
+    SHM_DEPARTED = range(7)
 PEERS_CMA, PEERS_WINDOW = range(2)
 YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+# where an all-reduce waits for a rank that has shut down, the likely cause
+UNEVEN = (". If ranks run different numbers of batches, wrap the training loop in "
+          "`with model.join():` (docs/troubleshooting.md)")
 
 # Note [Cross-memory attach]
 # The single-copy mode reads and writes the other local ranks' buffers with process_vm_readv
@@ -59,13 +64,15 @@ class ShmContext:
 
     Made collectively by every rank of ``node_comm``; every call below is collective too.
     ``inline_bytes``: the largest buffer carried in the control block (mpidp.runtime.resources reads
-    it once, into the algorithm facts)."""
+    it once, into the algorithm facts); ``ranks``: the group's rank of each local rank, as
+    errors name them (default: the local ranks)."""
 
-    def __init__(self, node_comm, inline_bytes: int):
+    def __init__(self, node_comm, inline_bytes: int, ranks: Sequence[int] = ()):
         from mpi4py import MPI  # deferred for cost: import mpidp starts no MPI
         ext = extension()
         self.comm = node_comm
         self.rank, self.size = node_comm.Get_rank(), node_comm.Get_size()
+        self.ranks = tuple(ranks) or tuple(range(self.size))
         if self.size > ext.SHM_MAX_RANKS:
             raise ValueError(f"{self.size} ranks on one node; shm supports at most "
                              f"{ext.SHM_MAX_RANKS}")
@@ -142,8 +149,14 @@ class ShmContext:
     def check(self, status: int, info, operation: str) -> bool:
         """True for OK, False for a header mismatch (``info`` then holds every rank's header);
         raises CommunicationError for the protocol's failures."""
-        if status <= SHM_MISMATCH:
-            return status == SHM_OK
+        if status == SHM_OK:
+            return True
+        if status == SHM_MISMATCH:
+            # every local rank sees these headers: where they carry call sites and none is a
+            # refusal (a rank refused in C raises at once), every rank names them all
+            if any(h[1] >> 8 for h in info) and not any(h[6] for h in info):
+                header.share_sites(self.comm, info)
+            return False
         if status == SHM_TIMEOUT:
             limit = self.timeout_s
             why = "2 x MPIDP_TIMEOUT_S + 10 s, and the watchdog did not end the job" \
@@ -151,6 +164,14 @@ class ShmContext:
             raise WaitTimeoutError(
                 self.rank, operation, limit, info, f"timed out after {limit:g} s waiting for "
                 f"local ranks {info} ({why}); they had not reached this collective")
+        if status == SHM_DEPARTED:  # Note [A rank that has shut down] in csrc/shm.c
+            gone = [self.ranks[q] for q in info]
+            raise CommunicationError(
+                self.ranks[self.rank], operation,
+                f"{'rank' if len(gone) == 1 else 'ranks'} {', '.join(map(str, gone))} "
+                f"{'has' if len(gone) == 1 else 'have'} shut down (mpidp.shutdown, or the end "
+                "of its script) without reaching this collective, and never will; every rank "
+                "waiting for it raises this error" + (UNEVEN if operation == "allreduce" else ""))
         if status == SHM_INTERRUPTED:  # Note [Interrupting a wait] in csrc/shm.c
             raise CommunicationError(
                 self.rank, operation, "the node's shared-memory context was closed (mpidp is "
@@ -187,8 +208,11 @@ class ShmContext:
 
     def close(self) -> None:
         """Ends every wait in this context, whatever thread waits, and lets no later call
-        enter (they raise CommunicationError). This rank only; no communication."""
-        self.c.close()
+        enter (they raise CommunicationError); the other ranks' waits for a call this rank
+        will not enter raise CommunicationError naming it (Note [A rank that has shut down]
+        in csrc/shm.c). This rank only; no communication. Before ``free``."""
+        if self._ctrl_win is not None:
+            self.c.close()
 
     def free(self) -> None:
         """Collective: frees the windows. Nothing may wait in the context then (close it

@@ -162,6 +162,11 @@ def shutdown() -> None:
         if _group is not None:
             from mpi4py import MPI
             if not MPI.Is_finalized():
+                # every group first: a rank another waits for on one group must not first
+                # wait on another group's shutdown (Note [A rank that has shut down] in
+                # csrc/shm.c)
+                for g in (*_subgroups, _group):
+                    g.resources.depart()
                 for sub in _subgroups:
                     sub.resources.stop_users()
                     sub.free()

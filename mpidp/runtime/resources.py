@@ -99,9 +99,11 @@ class Resources:
         if self._shm is None and self.facts.shm:
             if self.board.seq == self.board.done:
                 with collective(self.topo, "shared-memory set-up", check=False):
-                    self._shm = ShmContext(self.topo.node_comm, self.facts.inline_bytes)
+                    self._shm = ShmContext(self.topo.node_comm, self.facts.inline_bytes,
+                                           self.topo.node_ranks)
             else:
-                self._shm = ShmContext(self.topo.node_comm, self.facts.inline_bytes)
+                self._shm = ShmContext(self.topo.node_comm, self.facts.inline_bytes,
+                                       self.topo.node_ranks)
             self.links.shm = self._shm
             if self.wait_timeout_s is not None:
                 self._shm.set_timeout(self.wait_timeout_s)
@@ -173,14 +175,24 @@ class Resources:
         users first]."""
         self._users.append(stop)
 
-    def stop_users(self, timeout_s: float = 10.0) -> bool:
-        """Note [Stopping the users first]: ends every wait in the shared-memory context,
-        then stops and joins every registered thread. True when all of them ended (also on a
-        later call). This rank only; no communication."""
+    def depart(self) -> None:
+        """This rank will call no more collectives on the group (its shutdown has begun):
+        ends every wait in the shared-memory context, and tells the other ranks, whose waits
+        for this rank then end on every one of them (Note [A rank that has shut down] in
+        csrc/shm.c: on the node at once; across nodes by their watchdogs, Note [Watchdog]).
+        This rank only; no waiting."""
         self._closed = True
         if self._shm is not None:
             self.fast_allreduce = None
             self._shm.close()
+        if self.watchdog is not None:
+            self.watchdog.depart()
+
+    def stop_users(self, timeout_s: float = 10.0) -> bool:
+        """Note [Stopping the users first]: ends every wait in the shared-memory context
+        (``depart``), then stops and joins every registered thread. True when all of them
+        ended (also on a later call). This rank only; no communication."""
+        self.depart()
         users, self._users = self._users, []
         self._stuck = not all([stop(timeout_s) for stop in users]) or self._stuck
         return not self._stuck

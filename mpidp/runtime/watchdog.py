@@ -34,6 +34,17 @@ lost node or network looks the same, and the report cannot tell these apart. Wit
 MPI_THREAD_MULTIPLE the thread cannot ask, and the report holds this rank's view only. A
 dead process is usually reported sooner by the launcher (Hydra ends the job at once).
 
+A rank that has shut down: its shutdown (mpidp.shutdown, at exit too) begins by telling
+every other rank's watchdog, before anything of it can wait (Resources.depart): a notice on
+the same private communicator carrying the number of the last collective it completed. A
+rank waiting in a collective with a higher number — one that rank will never reach — that
+is not itself part of a shutdown, for a whole interval after its watchdog heard, cannot
+complete: the watchdog ends the job at once with a report naming that rank and the
+collective (exit code 1, as for an exception on one rank), where it would otherwise wait
+the whole timeout. On one node the shared-memory wait sees the same thing first and raises
+on every waiting rank (Note [A rank that has shut down] in csrc/shm.c), so this is the path
+of waits inside MPI (across nodes), which nothing but an abort ends.
+
 Why 180 s by default: the watchdog must outwait every legitimate wait inside an operation,
 and those are the waits for one rank doing work the others do not — rank 0 writing a
 checkpoint (the model and optimizer state of a billion float32 parameters is 12 GB: about
@@ -46,21 +57,23 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import socket
 import sys
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
 from ..engine import header
 from .abort import abort_job
+from .stall_report import COLLECTIVE, ONE_SIDED, departed_report, report  # noqa: F401
 
 EXIT_CODE = 124                        # the job was ended for waiting too long
-QUERY_TAG, REPLY_TAG = 0x7764, 0x7765  # "wd", on the watchdog's own communicator
+EXIT_DEPARTED = 1                      # ... for waiting on a rank that has shut down
+QUERY_TAG, REPLY_TAG, DEPART_TAG = 0x7764, 0x7765, 0x7766  # "wd", on its own communicator
 REPLY_BYTES = 1024  # a JSON state: two descriptions of at most 300 characters and a few numbers
-COLLECTIVE, ONE_SIDED = 0, 1           # the board's lanes
 
 
 class Board:
@@ -92,6 +105,23 @@ class Board:
             hdr = header.with_site(hdr, header.call_site())
         self.what = hdr
         return hdr
+
+    def carry_site(self, fn):
+        """``fn``, to run on another thread (the backend's: Note [One communication thread
+        per group] in mpidp/dist/thread.py), its collectives carrying the call site of this
+        thread's caller, taken now (Note [Debug fingerprints] in mpidp/engine/header.py);
+        ``fn`` itself outside debug mode."""
+        if not self.debug:
+            return fn
+        site = header.site_hash(header.call_site())
+
+        def run():
+            before, self.site = self.site, site
+            try:
+                return fn()
+            finally:
+                self.site = before
+        return run
 
     @contextlib.contextmanager
     def waiting(self, what: tuple):
@@ -170,17 +200,47 @@ class Watchdog:
         self._query_buf = np.zeros(2, np.int64)  # (asking rank, its round of questions)
         self._round = 0
         self._query = self._post_query()
+        # ranks that have shut down -> the last collective each completed ("A rank that has
+        # shut down", Note [Watchdog]); the notice being received, and this rank's own
+        self.departed: dict = {}
+        # (rank that shut down, its last collective, this watchdog's token: a notice left
+        # unreceived for a freed communicator may reach a later one that MPI gives its id)
+        self._notice_buf = np.zeros(3, np.int64)
+        self._token = np.array([secrets.randbits(62)], np.int64)
+        if self.comm is not None:
+            self.comm.Bcast(self._token, root=0)
+        self._notice = self._post(self._notice_buf, DEPART_TAG)
+        self._notices: list = []
+        self._own_notice = None
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mpidp-watchdog", daemon=True)
         self.thread.start()
 
+    def depart(self) -> None:
+        """Tells every other rank's watchdog that this rank has shut down after its last
+        completed collective ("A rank that has shut down", Note [Watchdog]). Once; no
+        waiting (``stop`` completes the sends)."""
+        if self.comm is None or self._own_notice is not None:
+            return
+        me = self.g.rank
+        self._own_notice = np.array([me, self.board.done, self._token[0]], np.int64)
+        self._notices = [self.comm.Isend(self._own_notice, r, DEPART_TAG)
+                         for r in range(self.g.size) if r != me]
+
     def stop(self) -> None:
-        """Ends the thread and frees its communicator (before MPI finalises)."""
+        """Ends the thread and frees its communicator (before MPI finalises), once this
+        rank's departure notices have left (at most ``grace_s``: they are small enough to
+        leave at once)."""
         self._stop.set()
         self.thread.join()
         if self.comm is not None:
-            self._query.Cancel()
-            self._query.Wait()
+            deadline = time.monotonic() + self.grace_s
+            while self._notices and not self._MPI.Request.Testall(self._notices) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.001)
+            for request in (self._query, self._notice):
+                request.Cancel()
+                request.Wait()
             self.comm.Free()
             self.comm = None
 
@@ -191,9 +251,12 @@ class Watchdog:
             while not self._stop.wait(self.interval_s) and not self._MPI.Is_finalized():
                 now = time.monotonic()
                 self._answer(now)
+                self._hear_departures()
                 lane = self.sampler.sample(now)
                 if lane is not None and now >= self._defer_until:
                     self._fire(lane, now)
+                elif self.departed:
+                    self._check_departed(now)
         except Exception as exc:  # a broken watchdog must not take the job down
             sys.stderr.write(f"mpidp: rank {self.g.rank}: the watchdog stopped: "
                              f"{type(exc).__name__}: {exc}\n")
@@ -210,9 +273,34 @@ class Watchdog:
                 "pwhat": describe(b.pwhat) if pseq != pdone else None}
 
     def _post_query(self):
+        return self._post(self._query_buf, QUERY_TAG)
+
+    def _post(self, buf: np.ndarray, tag: int):
         if self.comm is None:
             return None
-        return self.comm.Irecv(self._query_buf, self._MPI.ANY_SOURCE, QUERY_TAG)
+        return self.comm.Irecv(buf, self._MPI.ANY_SOURCE, tag)
+
+    def _hear_departures(self) -> None:
+        """Records every departure notice that has arrived."""
+        while self._notice is not None and self._notice.Test():
+            rank, last, token = (int(w) for w in self._notice_buf)
+            if token == self._token[0]:
+                self.departed[rank] = last
+            self._notice = self._post(self._notice_buf, DEPART_TAG)
+
+    def _check_departed(self, now: float) -> None:
+        """Ends the job where this rank has waited a whole interval in a collective that a
+        rank which has shut down will never reach ("A rank that has shut down", Note
+        [Watchdog]); a collective of a shutdown waits for the others' shutdowns instead."""
+        (seq, done), since = self.sampler.seen[COLLECTIVE]
+        b = self.board
+        if seq == done or now - since < self.interval_s:
+            return
+        gone = {r: last for r, last in self.departed.items() if last < seq}
+        what = describe(b.what, b.context)
+        if gone and not what.startswith("shutdown") and (seq, b.done) == (b.seq, done):
+            abort_job(departed_report(self.g.rank, self.g.size, self.host, seq, what, gone),
+                      EXIT_DEPARTED)
 
     def _answer(self, now: float) -> list:
         """Replies to every rank that asked for this board; returns who asked."""
@@ -281,99 +369,3 @@ class Watchdog:
         if lower_reports:  # its abort normally ends this process before the sleep does
             time.sleep(self.grace_s + 2.0)
         abort_job(text, EXIT_CODE)
-
-
-# ---- the report ----------------------------------------------------------------------------
-
-def _ranks(rs: list, silent: tuple = ()) -> str:
-    """"ranks 0, 2", a rank in ``silent`` marked as not answering."""
-    if not rs:
-        return "none"
-    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(
-        f"{r} (no answer)" if r in silent else str(r) for r in rs)
-
-
-def _state_text(s: Optional[dict], grace_s: float) -> str:
-    if s is None:
-        return (f"no answer within {grace_s:.0f} s: the process has exited, is stopped, or "
-                "holds Python's GIL in a long C call (or its node is unreachable)")
-    if s["in"]:
-        text = f"in collective #{s['seq']}, {s['what']}, for {s['for_s']:.1f} s"
-        return text + (f"; in {s['pwhat']} for {s['pfor_s']:.1f} s" if s["pin"] else "")
-    if s["pin"]:
-        return f"in {s['pwhat']}, for {s['pfor_s']:.1f} s (its last collective: #{s['seq']})"
-    return (f"in no mpidp operation for {min(s['for_s'], s['pfor_s']):.1f} s (its last "
-            f"collective: #{s['seq']}): in its own code (computing, loading data, or stalled "
-            "there)")
-
-
-def _lost_nodes(silent: tuple, node_of: Sequence[int], hosts: Sequence[str]) -> list:
-    """A line for each node none of whose ranks answered (of several nodes)."""
-    lines = []
-    for k, host in enumerate(hosts if len(hosts) > 1 else ()):
-        ranks = [r for r, node in enumerate(node_of) if node == k]
-        if ranks and all(r in silent for r in ranks):
-            lines.append(f"  node {host}: no answer from any of its {_ranks(ranks)}: the node "
-                         "is lost or unreachable (its processes died, or its network)")
-    return lines
-
-
-def _uneven_inputs(answered: dict) -> list:
-    """A hint where some ranks wait in an all-reduce (a gradient's) while others have
-    finished (in mpidp's shutdown): uneven inputs."""
-    reducing = sorted(r for r, s in answered.items()
-                      if s["in"] and str(s["what"]).startswith("allreduce"))
-    done = sorted(r for r, s in answered.items()
-                  if s["in"] and str(s["what"]).startswith("shutdown"))
-    if not reducing or not done:
-        return []
-    return [f"  uneven inputs? in an all-reduce: {_ranks(reducing)}; finished (in mpidp's "
-            f"shutdown): {_ranks(done)}. If ranks have different numbers of batches, wrap the "
-            "training loop in `with model.join():` (torch's Join, for mpidp's "
-            "DistributedDataParallel and torch's on the mpidp backend)"]
-
-
-def report(me: int, lane: int, states: dict, size: int, timeout_s: float, grace_s: float,
-           asked: bool, node_of: Sequence[int] = (), hosts: Sequence[str] = ()) -> str:
-    """The report of rank ``me``, whose lane ``lane`` stalled, from the states of the ranks
-    (rank -> ``Watchdog.state`` dict, None where a rank did not answer); ``node_of`` and
-    ``hosts``: the node map (Topology), to name a node whose ranks are all silent. Pure."""
-    m = states[me]
-    where = f"rank {me} of {size} on {m['host']}"
-    limit = f"(MPIDP_TIMEOUT_S={timeout_s:g})"
-    lines = []
-    answered = {r: s for r, s in states.items() if s is not None}
-    silent = tuple(sorted(r for r, s in states.items() if s is None))
-    if lane == COLLECTIVE:
-        seq = m["seq"]
-        lines.append(f"mpidp: watchdog: {where}: collective #{seq}, {m['what']}, has not "
-                     f"completed after {m['for_s']:.0f} s {limit}; aborting the job")
-        arrived = sorted(r for r, s in answered.items()
-                         if s["in"] and s["seq"] == seq and s["what"] == m["what"])
-        if asked:
-            lines.append(f"  arrived at collective #{seq}: {_ranks(arrived)}")
-            lines.append(f"  not arrived: "
-                         f"{_ranks(sorted(r for r in states if r not in arrived), silent)}")
-    else:
-        lines.append(f"mpidp: watchdog: {where}: {m['pwhat']} has waited "
-                     f"{m['pfor_s']:.0f} s without progress {limit}; aborting the job")
-        busy = sorted(r for r, s in answered.items() if s["in"] or s["pin"])
-        if asked:
-            lines.append(f"  waiting in an mpidp operation: {_ranks(busy)}")
-            lines.append(f"  in their own code (computing, or stalled there): "
-                         f"{_ranks(sorted(r for r in answered if r not in busy))}")
-        if silent:
-            lines.append(f"  no answer: {_ranks(list(silent))}")
-    lines += _lost_nodes(silent, node_of, hosts)
-    lines += _uneven_inputs(answered)
-    if not asked:
-        lines.append("  other ranks were not asked: MPI runs below MPI_THREAD_MULTIPLE, so the "
-                     "watchdog thread cannot query them")
-    for r in sorted(states):
-        s = states[r]
-        who = f"rank {r} (pid {s['pid']} on {s['host']})" if s is not None else \
-            f"rank {r} (on {hosts[node_of[r]]})" if node_of else f"rank {r}"
-        lines.append(f"  {who}: {_state_text(s, grace_s)}")
-    lines.append("  a rank's Python stack: py-spy dump --pid PID; a longer legitimate wait: "
-                 "raise MPIDP_TIMEOUT_S (docs/troubleshooting.md)")
-    return "\n".join(lines) + "\n"

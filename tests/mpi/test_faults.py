@@ -171,6 +171,38 @@ def test_watchdog_names_the_missing_rank(case, env, patterns):
     assert proc.returncode == 124
 
 
+# a rank that leaves cleanly while the others wait in an all-reduce: they end within seconds,
+# where the watchdog's timeout (MPIDP_TIMEOUT_S) is far longer than BOUND_S
+DEPARTED = r"rank 2 has shut down \(mpidp.shutdown, or the end of its script\) without reaching"
+
+
+def test_rank_that_shut_down_is_an_error_on_every_waiting_rank():
+    """On one node, in the shared-memory wait: a CommunicationError on every waiting rank,
+    which then leave cleanly too."""
+    proc = body(N, "body_watchdog.py", dict(BODY_CASE="departed", MPIDP_TIMEOUT_S="120"),
+                BOUND_S)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    for r in (0, 1):
+        assert re.search(rf"raised {r}: rank {r}: allreduce failed: {DEPARTED} this "
+                         r"collective, and never will; every rank waiting for it raises", out), \
+            out[-5000:]
+
+
+def test_rank_that_shut_down_ends_the_job_across_nodes():
+    """Across emulated nodes, waiting inside MPI (which only an abort ends): the watchdog of a
+    waiting rank ends the job naming the rank and the collective, not after its timeout."""
+    proc = body(N, "body_watchdog.py", dict(BODY_CASE="departed", MPIDP_TIMEOUT_S="120",
+                                            MPIDP_EMULATE_NODE_SIZE="1"), BOUND_S)
+    out = failed(proc, r"mpidp: rank [01] of 3 on \S+: collective #6, allreduce float32\[4\] "
+                       r"op=sum algorithm=doubling, cannot complete: rank 2 \(after collective "
+                       r"#5\) has shut down \(mpidp.shutdown, or the end of its script\) without "
+                       r"reaching it, and never will; aborting the job\n  uneven inputs\?")
+    assert proc.returncode == 1 and "has not completed after" not in out
+
+
 def test_debug_mode_names_skipped_and_object_collectives():
+    """And look-alike calls from two lines through every entry point: mpidp, Horovod, the
+    torch.distributed backend on the caller's thread and on its own."""
     assert_ok(body(N, "body_watchdog.py", dict(BODY_CASE="debug", MPIDP_DEBUG="1",
                                                MPIDP_TIMEOUT_S="1.5"), BOUND_S), N)

@@ -1,10 +1,12 @@
 """Tier 1: the watchdog's board, its sampling clock and its report; the debug fingerprints of
 headers; the settings that drive them (MPI runs in tests/mpi/test_faults.py)."""
 import inspect
+import time
 
 import pytest
 
 from mpidp import config
+from mpidp.errors import CommunicationError
 from mpidp.engine import header
 from mpidp.engine.header import ALLGATHER, ALLREDUCE, BROADCAST
 from mpidp.runtime.watchdog import COLLECTIVE, ONE_SIDED, Board, Sampler, describe, report
@@ -57,6 +59,23 @@ def test_board_publishes_and_debug_names_the_call_site():
     b.context = ("DDP gradient bucket {} of {}", 2, 5)
     assert describe(hdr, b.context) == \
         "allreduce float32[4] op=sum algorithm=shm (DDP gradient bucket 2 of 5)"
+
+
+def test_debug_site_taken_on_the_callers_thread_for_another_thread():
+    """The backend's thread runs a collective its caller submitted: the caller's line is
+    carried (Note [Debug fingerprints]); outside debug mode nothing is wrapped."""
+    import threading
+    hdr = header.header(ALLREDUCE, 3, 0, 2, 4, (4,))
+    plain = Board()
+    fn = lambda: None  # noqa: E731
+    assert plain.carry_site(fn) is fn
+    debug, sent = Board(debug=True), []
+    job = lambda: sent.append(debug.publish(hdr))  # noqa: E731
+    run, line = debug.carry_site(job), inspect.currentframe().f_lineno  # the caller's line
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert describe(sent[0]).endswith(f"at test_watchdog.py:{line}") and debug.site is None
 
 
 def test_sampler_never_fires_early_and_restarts_on_change():
@@ -152,3 +171,94 @@ def test_replica_audit_message_and_settings():
     assert config.from_env({"MPIDP_AUDIT_EVERY": "50"}).audit_every == 50
     with pytest.raises(ValueError, match="MPIDP_AUDIT_ACTION='stop'"):
         config.from_env({"MPIDP_AUDIT_ACTION": "stop"})
+
+
+# ---- a rank that has shut down (Note [A rank that has shut down] in csrc/shm.c) -------------
+
+def test_a_wait_for_a_rank_that_shut_down_ends_naming_it():
+    """Two local ranks' contexts in one process: rank 1 arrives at call 2 and shuts down
+    there; rank 0's call 2 completes (rank 1's record is in place), its call 3 ends at once
+    with SHM_DEPARTED naming rank 1 (the backstop is 60 s), and raises naming the group's
+    rank."""
+    import threading
+
+    import numpy as np
+
+    from mpidp.engine import host_ops, shm
+    ext = host_ops.EXTENSION
+    if ext is None:
+        pytest.skip("no C extension")
+    ctrl = np.zeros(2 * ext.SHM_SLOT_BYTES, np.uint8)
+    ranks = [ext.ShmContext(ctrl.ctypes.data, 2, r, shm.PEERS_WINDOW, 4096, 1 << 16, 60.0)
+             for r in (0, 1)]
+    hdr = header.header(ALLREDUCE, 3, 0, 2, 4, (4,))
+    answers = {}
+
+    def call(r):
+        answers[r] = ranks[r].exchange(hdr)
+
+    first = threading.Thread(target=call, args=(1,))
+    first.start()
+    call(0)
+    first.join()
+    assert answers[0][0] == answers[1][0] == shm.SHM_OK
+    second = threading.Thread(target=call, args=(1,))
+    second.start()
+    arrive1 = ctrl[ext.SHM_SLOT_BYTES:].view(np.uint64)
+    while arrive1[0] < 2:  # rank 1 has arrived at call 2 ...
+        time.sleep(0.001)
+    ranks[1].close()  # ... and shuts down there: its own wait ends
+    second.join()
+    assert answers[1] == (shm.SHM_INTERRUPTED, None) and arrive1[1] == 1  # departed word
+    assert ranks[0].exchange(hdr)[0] == shm.SHM_OK  # it arrived: call 2 completes
+    assert ranks[0].exchange(hdr) == (shm.SHM_DEPARTED, [1])
+    shm_context = object.__new__(shm.ShmContext)
+    shm_context.rank, shm_context.ranks = 0, (4, 6)
+    with pytest.raises(CommunicationError, match=r"^rank 4: allreduce failed: rank 6 has shut "
+                       r"down \(mpidp.shutdown, or the end of its script\) without reaching "
+                       r"this collective, and never will; .*with model.join\(\)"):
+        shm_context.check(shm.SHM_DEPARTED, [1], "allreduce")
+
+
+def test_the_watchdog_ends_a_wait_for_a_rank_that_shut_down(monkeypatch):
+    """After a whole interval in a collective beyond the last one a rank that shut down
+    completed, not before, and never for a collective of a shutdown."""
+    from types import SimpleNamespace
+
+    from mpidp.runtime import watchdog
+    ended = []
+    monkeypatch.setattr(watchdog, "abort_job", lambda text, code: ended.append((text, code)))
+    b = Board()
+    dog = SimpleNamespace(board=b, sampler=Sampler(b, 120, 0.0), interval_s=1.0,
+                          departed={2: 5}, g=SimpleNamespace(rank=0, size=3), host="node7")
+    check = watchdog.Watchdog._check_departed
+
+    def sample_and_check(now):
+        dog.sampler.sample(now)
+        check(dog, now)
+
+    for _ in range(5):
+        b.publish(header.header(ALLREDUCE, 3, 0, 2, 4, (4,)))
+        b.done = b.seq
+    b.publish(header.header(ALLREDUCE, 3, 0, 2, 4, (4,)))  # #6: rank 2 completed #5 only
+    sample_and_check(10.0)
+    sample_and_check(10.9)
+    assert not ended  # under way for less than an interval
+    dog.departed = {2: 6}
+    sample_and_check(12.0)
+    assert not ended  # rank 2 reached #6: the others' wait is not for it
+    dog.departed = {2: 5}
+    sample_and_check(12.0)
+    assert ended == [(watchdog.departed_report(0, 3, "node7", 6, describe(b.what), {2: 5}), 1)]
+    assert ended[0][0] == (
+        "mpidp: rank 0 of 3 on node7: collective #6, allreduce float32[4] op=sum "
+        "algorithm=shm, cannot complete: rank 2 (after collective #5) has shut down "
+        "(mpidp.shutdown, or the end of its script) without reaching it, and never will; "
+        "aborting the job\n  uneven inputs? If ranks run different numbers of batches, wrap "
+        "the training loop in `with model.join():` (docs/troubleshooting.md)\n")
+    ended.clear()
+    b.done = b.seq
+    b.publish(header.other_header("shutdown: freeing the shared-memory windows"))
+    sample_and_check(20.0)
+    sample_and_check(30.0)
+    assert not ended  # its own shutdown waits for the others' shutdowns

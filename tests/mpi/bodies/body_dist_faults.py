@@ -74,6 +74,10 @@ if fault == "torch_timeout":
             matched = re.search(" (Timed out|closed|timeout) ", str(exc)) is not None
             print(f"caught {rank} matched={matched} early={time.time() < expected - 0.1}: "
                   f"{exc}", flush=True)
+    # the others leave the group once rank 0's barrier has timed out, as in torch's harness (a
+    # rank that destroys it while rank 0 waits has shut down: rank 0 would raise at once,
+    # Note [A rank that has shut down] in csrc/shm.c)
+    dist.barrier()
     dist.destroy_process_group(pg)
     long = dist.new_group(timeout=timedelta(seconds=300))  # barrier(timeout=) overrides it
     if rank == 0:
@@ -82,6 +86,7 @@ if fault == "torch_timeout":
             dist.barrier(group=long, timeout=timedelta(seconds=0.5))
         except RuntimeError as exc:
             print(f"barrier timeout {rank} {time.monotonic() - start:.1f}: {exc}", flush=True)
+    dist.barrier()  # as above
     dist.destroy_process_group(long)
     dist.all_reduce(t)
     print(f"ok {rank}", flush=True)

@@ -1,5 +1,6 @@
 """Run under mpiexec -n 2: rank r runs r + 1 steps of mpidp's DistributedDataParallel without
-Join; the watchdog's report must name uneven inputs and Join."""
+Join; rank 0 leaves while rank 1 all-reduces: the job must end at once naming uneven inputs
+and Join."""
 import torch
 from torch import nn
 

@@ -3,8 +3,15 @@
   rank 1 as not answering (exit 124);
 - late: rank 2 stalls before collective #6; the watchdog names it as not arrived (with
   MPIDP_EMULATE_NODE_SIZE=1 the others wait inside MPI, across emulated nodes);
+- departed (a long MPIDP_TIMEOUT_S): rank 2 leaves cleanly (sys.exit(0)) while the others
+  are in an all-reduce: on one node each of them raises a CommunicationError naming rank 2
+  and goes on to leave cleanly too (prints 'raised <rank>: <message>'); across emulated nodes
+  (MPIDP_EMULATE_NODE_SIZE=1), waiting inside MPI, their watchdog ends the job naming it;
 - debug (MPIDP_DEBUG=1, a short MPIDP_TIMEOUT_S): a rank that skips one of two identical
-  all-reduces, and a rank in another object collective, are named on every rank; a quiet
+  all-reduces, and a rank in another object collective, are named on every rank; through
+  every entry point (mpidp's, Horovod's, the torch.distributed backend's, on the caller's
+  thread and on the group's), a rank calling a look-alike collective from another line
+  raises a MismatchError naming both lines on every rank, and the same line passes; a quiet
   spell of two timeouts outside collectives and a late arrival well below the timeout end
   no job. Prints 'ok <rank>'."""
 import os
@@ -17,11 +24,16 @@ import numpy as np
 
 import mpidp
 from mpidp import config
-from mpidp.errors import MismatchError
+from mpidp.errors import CommunicationError, MismatchError
 from mpidp.runtime.frame import collective
 
+case = os.environ["BODY_CASE"]
+if case == "debug":  # imported before init: no rank waits in a collective for another's import
+    import torch
+    import torch.distributed as dist
+    import mpidp.horovod as hvd
 g = mpidp.init()
-rank, case = g.rank, os.environ["BODY_CASE"]
+rank = g.rank
 x = np.ones(4, np.float32)
 for _ in range(5):
     mpidp.allreduce(x)
@@ -34,6 +46,16 @@ elif case == "late":
     if rank == 2:
         time.sleep(600)
     mpidp.allreduce(x, op="max")  # never completes: the watchdog ends the job
+elif case == "departed":
+    if rank == 2:
+        sys.exit(0)  # mpidp's shutdown at exit: the others must not wait for the watchdog
+    try:
+        mpidp.allreduce(x)
+        print(f"FAIL rank {rank}: an all-reduce completed without rank 2", flush=True)
+        sys.exit(1)
+    except CommunicationError as exc:  # on one node; across nodes the job ends before
+        print(f"raised {rank}: {exc}", flush=True)
+    sys.exit(0)
 assert case == "debug", case
 failures = []
 
@@ -67,6 +89,90 @@ except MismatchError as exc:
     expect(re.search(r"rank 1: .*<- differs", str(exc)) is not None, f"object message: {exc}")
     if rank == 1:
         expect("rank 1: phase one at body_watchdog.py:" in str(exc), f"object name: {exc}")
+
+# Every entry point, with torch's autograd or torch.distributed's front (and the backend's
+# thread) between the script and mpidp: rank 1 calls from the line marked "b", the others from
+# the line marked "a" (each call alone on its line)
+dist.init_process_group("mpidp")
+hvd.init()
+N = g.size
+LINES = {}
+with open(__file__) as source:
+    for number, text in enumerate(source, 1):
+        mark = re.search(r"# site (a|b) of (\S+)$", text)
+        if mark:
+            LINES[mark.group(2), mark.group(1)] = number
+
+
+def via_mpidp(t, b):
+    x = t.numpy()
+    if b:
+        return mpidp.allreduce_(x)  # site b of mpidp.allreduce_
+    return mpidp.allreduce_(x)  # site a of mpidp.allreduce_
+
+
+def via_hvd_allreduce(t, b):
+    if b:
+        return hvd.allreduce(t, op=hvd.Sum)  # site b of hvd.allreduce
+    return hvd.allreduce(t, op=hvd.Sum)  # site a of hvd.allreduce
+
+
+def via_hvd_allreduce_(t, b):
+    if b:
+        return hvd.allreduce_(t, op=hvd.Sum)  # site b of hvd.allreduce_
+    return hvd.allreduce_(t, op=hvd.Sum)  # site a of hvd.allreduce_
+
+
+def via_hvd_broadcast(t, b):
+    if b:
+        return hvd.broadcast(t, root_rank=0)  # site b of hvd.broadcast
+    return hvd.broadcast(t, root_rank=0)  # site a of hvd.broadcast
+
+
+def via_hvd_allgather(t, b):
+    if b:
+        return hvd.allgather(t)  # site b of hvd.allgather
+    return hvd.allgather(t)  # site a of hvd.allgather
+
+
+def via_dist(t, b):
+    if b:
+        dist.all_reduce(t)  # site b of dist.all_reduce
+    else:
+        dist.all_reduce(t)  # site a of dist.all_reduce
+    return t
+
+
+def via_dist_async(t, b):  # on the group's thread: the site is taken when the call is made
+    if b:
+        work = dist.all_reduce(t, async_op=True)  # site b of dist.all_reduce(async_op)
+    else:
+        work = dist.all_reduce(t, async_op=True)  # site a of dist.all_reduce(async_op)
+    work.wait()
+    return t
+
+
+SUM = torch.full((4,), float(N * (N + 1) // 2))
+GATHERED = torch.arange(1, N + 1, dtype=torch.float32).repeat_interleave(4)
+ENTRY_POINTS = (("mpidp.allreduce_", via_mpidp, SUM), ("hvd.allreduce", via_hvd_allreduce, SUM),
+                ("hvd.allreduce_", via_hvd_allreduce_, SUM),
+                ("hvd.broadcast", via_hvd_broadcast, torch.ones(4)),
+                ("hvd.allgather", via_hvd_allgather, GATHERED),
+                ("dist.all_reduce", via_dist, SUM),
+                ("dist.all_reduce(async_op)", via_dist_async, SUM))
+for name, call, want in ENTRY_POINTS:
+    a, b = LINES[name, "a"], LINES[name, "b"]
+    try:
+        call(torch.full((4,), float(rank + 1)), rank == 1)
+        failures.append(f"{name}: a look-alike call from another line went unnoticed")
+    except MismatchError as exc:
+        text = str(exc)
+        expect(re.search(rf"rank 0: [^\n]* at body_watchdog\.py:{a}\n", text) is not None and
+               re.search(rf"rank 1: [^\n]* at body_watchdog\.py:{b}  <- differs from rank 0",
+                         text) is not None, f"{name}: lines {a} and {b} not named: {text}")
+    got = call(torch.full((4,), float(rank + 1)), False)  # the same line on every rank
+    got = torch.as_tensor(got)
+    expect(torch.equal(got, want), f"{name} from one line: {got.tolist()}, want {want.tolist()}")
 
 # no false alarm: a long spell outside collectives, and an arrival late by less than the limit
 timeout_s = config.get().timeout_s
