@@ -15,7 +15,7 @@ import time
 import pytest
 from file_faults import small_tmpfs
 
-from mpidp import files
+from mpidp import run_lock
 from mpidp.run import allocation, cli, policy, probe
 from mpidp.run.supervisor import Supervisor, option_value
 from mpidp.runtime import hostlist
@@ -47,10 +47,10 @@ FAKE = textwrap.dedent("""\
     directory = Path(argv[argv.index("--checkpoint-dir") + 1])
     directory.mkdir(parents=True, exist_ok=True)
     if step.get("lock"):  # the training tool's locks, as its rank 0 takes them
-        from mpidp import files
-        took = [files.lock_run(directory, "d", directory=True)]
+        from mpidp import files, run_lock
+        took = [run_lock.lock_run(directory, "d", directory=True)]
         if "--log-json" in argv:
-            took.append(files.lock_run(argv[argv.index("--log-json") + 1], "l",
+            took.append(run_lock.lock_run(argv[argv.index("--log-json") + 1], "l",
                                        directory=False))
         with open(str(calls) + ".lock", "a") as f:
             f.write(json.dumps([lock.held for lock in took]) + "\\n")
@@ -312,7 +312,7 @@ def test_option_values_and_host_lists():
     assert policy.verdict(130, True, None, ["b"]).retry  # the supervisor's own SIGINT
 
 
-# Note [One run per directory] (mpidp/files.py), Note [The job's processes] (processes.py)
+# Note [One run per directory] (mpidp/run_lock.py), Note [The job's processes] (processes.py)
 
 def test_the_job_shares_the_supervisors_locks_which_are_free_again_after(tmp_path, fake):
     """The stand-in takes the training tool's locks as its rank 0 would: the directory and
@@ -325,7 +325,7 @@ def test_the_job_shares_the_supervisors_locks_which_are_free_again_after(tmp_pat
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["ckpt-000000010.pt"]
     assert not (tmp_path / ".log.json.lock").exists()
     for target, directory in ((tmp_path / "ck", True), (tmp_path / "log.json", False)):
-        again = files.lock_run(target, "x", directory=directory)
+        again = run_lock.lock_run(target, "x", directory=directory)
         assert again.held
         again.release()
 
@@ -337,7 +337,7 @@ def test_a_second_run_on_the_directory_or_the_log_is_refused_in_one_line(tmp_pat
     who, in one line, exit 2; the other run's hold is untouched."""
     (tmp_path / "ck").mkdir()
     target = tmp_path / "ck" if which == "--checkpoint-dir" else tmp_path / "log.json"
-    other = files.lock_run(target, "other", directory=which == "--checkpoint-dir",
+    other = run_lock.lock_run(target, "other", directory=which == "--checkpoint-dir",
                            command="python -m mpidp.train --seed 7")
     try:
         code, calls, _ = supervise(tmp_path, fake, [{"code": 0}])
@@ -355,19 +355,19 @@ def test_a_second_run_on_the_directory_or_the_log_is_refused_in_one_line(tmp_pat
 def test_a_lock_is_free_once_its_holder_is_killed(tmp_path):
     """The kernel lets go of a killed holder's lock: nothing is left "held"."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from mpidp import files; "
-         f"held = files.lock_run({str(tmp_path)!r}, 'd', directory=True); print('held', "
+        [sys.executable, "-c", "import sys, time; from mpidp import run_lock; "
+         f"held = run_lock.lock_run({str(tmp_path)!r}, 'd', directory=True); print('held', "
          "flush=True); "
          "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
-        with pytest.raises(files.InUseError, match=f"pid {holder.pid} on "):
-            files.lock_run(tmp_path, "d", directory=True)
+        with pytest.raises(run_lock.InUseError, match=f"pid {holder.pid} on "):
+            run_lock.lock_run(tmp_path, "d", directory=True)
     finally:
         holder.kill()
         holder.wait()
-    lock = files.lock_run(tmp_path, "d", directory=True)
-    assert lock.held and json.loads(files.lock_path(tmp_path, True).read_text())["pid"] == \
+    lock = run_lock.lock_run(tmp_path, "d", directory=True)
+    assert lock.held and json.loads(run_lock.lock_path(tmp_path, True).read_text())["pid"] == \
         os.getpid()
     lock.release()
 
