@@ -37,7 +37,9 @@ from .files import _pid_alive, _remove  # (Note [Writing a file]'s)
 # that has ended, a run waits up to HOLDER_GONE_WAIT_S for the lock before it is refused.
 # A lock file another user's crashed run left, which we cannot open for writing: it is
 # opened read-only (flock needs no more), and when free it is replaced by one of ours; where
-# the directory does not let us remove it (sticky), we hold it without writing our name.
+# the directory does not let us remove it (sticky), we hold it without writing our name. One
+# we cannot even read (0600, from an mpidp before 0644) cannot be flocked, and so is refused
+# in one line ("cannot lock"): removing a file whose holder may be alive would let two runs in.
 # The supervisor's job is its own run: the supervisor names its locks in MPIDP_RUN_LOCK for
 # the job ("TOKEN:DEV:INO" per lock file, comma-separated), and a training tool that finds
 # the lock held goes on without a lock of its own where the lock file is one of those (by
@@ -194,8 +196,12 @@ def _open_lock_file(path: Path, what: str) -> tuple:
     except PermissionError as exc:
         try:
             return os.open(path, os.O_RDONLY | flags), False
-        except OSError:
+        except FileNotFoundError:  # none there, and we may not create one
             raise LockError(f"{what}: cannot lock: {exc.strerror}") from None
+        except OSError:  # another user's, 0600 (an mpidp before 0644): who holds it is hidden
+            raise LockError(f"{what}: cannot lock: its lock file {path} is not readable "
+                            f"({exc.strerror}): its owner may remove it once no run of "
+                            "theirs uses it") from None
     except OSError as exc:
         raise LockError(f"{what}: cannot lock: {exc.strerror}") from None
     try:
