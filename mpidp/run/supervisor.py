@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple, Optional, Sequence
 
-from .. import files
+from .. import files, run_lock
 from ..errors import OutputError
 from ..runtime.exit import REFUSED, output_failure
 from ..runtime.hostlist import format_hosts
@@ -42,8 +42,9 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # past the checkpoint each restart resumed from, so at least that many). If the supervisor
 # stops while its job runs (an error of its own), it ends the job first. For the whole
 # supervised run it holds the lock of the checkpoint directory and of the log, which its job
-# shares (Note [One run per directory] in mpidp/files.py), and no attempt starts before every
-# process of the previous one on this machine is gone (Note [The job's processes] in
+# shares (Note [One run per directory] in mpidp/run_lock.py), and no attempt starts before every
+# process of the previous one on this machine is gone: one that SIGKILL does not end within
+# END_S ends the supervision instead, in one line naming it (Note [The job's processes] in
 # processes.py). Nothing lives outside the checkpoint directory and the log, and no port is
 # opened. A log it cannot write ends the supervision in one line (exit 3 where the cause
 # stays, a full disk: Note [Exit codes] in mpidp/runtime/exit.py).
@@ -131,7 +132,8 @@ class Supervisor:
         self.child = None  # the launcher of the attempt that runs
         self.launch: Optional[Launch] = None  # that attempt's processes
         self.locks: list = []  # Note [One run per directory]
-        self.leftovers: list = []  # pids of an attempt that SIGKILL did not end
+        self.lingering: list = []  # the Launches of attempts whose processes SIGKILL did not end
+        self.leftovers: list = []  # their pids: Note [The job's processes]
         self.restarts = 0
         self.steps_lost = 0
 
@@ -178,8 +180,11 @@ class Supervisor:
                 return REFUSED
             return self._supervise()
         finally:
+            self._end_leftovers()
             for lock in reversed(self.locks):  # its file stays while a leftover holds it
                 lock.release(remove=not self.leftovers)
+            for launch in self.lingering:
+                launch.close()
 
     def _supervise(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
@@ -200,23 +205,12 @@ class Supervisor:
         d, log = self.directory, self.log_path
         if log is not None and not log.parent.is_dir():  # before anything is created
             raise ValueError(f"--log-json {log}: cannot lock: its directory does not exist")
-        if not d.is_dir():
-            if "--resume" in self.command:  # as the training tool says it
-                raise ValueError(f"--resume: --checkpoint-dir {d} does not exist, so there is "
-                                 "nothing to continue")
-            try:
-                d.mkdir(mode=0o700, parents=True, exist_ok=True)
-            except OSError as exc:
-                raise ValueError(f"--checkpoint-dir {d}: cannot create: {exc.strerror}") \
-                    from None
+        run_lock.checkpoint_directory(d, "--resume" in self.command)
         targets = [(d, f"--checkpoint-dir {d}", True)]
         if log is not None:
             targets.append((log, f"--log-json {log}", False))
         for target, what, directory in targets:
-            try:
-                lock = files.lock_run(target, what, directory=directory)
-            except OutputError as exc:  # its directory is missing, say
-                raise ValueError(f"{what}: cannot lock: {exc.strerror}") from None
+            lock = run_lock.lock_run(target, what, directory=directory)
             self.locks.append(lock)
             if lock.warning:
                 self.say(lock.warning)
@@ -225,21 +219,29 @@ class Supervisor:
         """Launches ``line``: the job shares the supervisor's locks (their token in its
         environment, their descriptors inherited) and dies with the supervisor (Note [The
         job's processes])."""
-        env = dict(env, **{files.LOCK_VARIABLE: files.run_token()})
+        env = dict(env, **{run_lock.LOCK_VARIABLE: run_lock.job_variable(self.locks)})
         self.launch = Launch(line, env, [lock.fd for lock in self.locks if lock.held])
         self.child = self.launch.popen
 
-    def _end_leftovers(self) -> None:
+    def _end_leftovers(self) -> bool:
         """Once the launcher has exited: the attempt's processes still on this machine
-        SIGKILLed and waited for (Note [The job's processes])."""
-        if self.launch is None:
-            return
-        self.leftovers = self.launch.end_leftovers(END_S)
-        self.launch.close()
-        self.launch = None
-        if self.leftovers:
-            self.say(f"process(es) {', '.join(map(str, self.leftovers))} of the ended job "
-                     f"still run {END_S:g} s after SIGKILL")
+        SIGKILLed and waited for; ``self.leftovers``: those of every attempt still there
+        (Note [The job's processes]). Returns whether this attempt left any."""
+        left = False
+        if self.launch is not None:
+            left = bool(self.launch.end_leftovers(END_S))
+            if left:
+                self.lingering.append(self.launch)
+            else:
+                self.launch.close()
+            self.launch = None
+        self.lingering = [launch for launch in self.lingering if not launch.gone(0.0)]
+        self.leftovers = sorted(pid for launch in self.lingering for pid in launch.holders())
+        return left
+
+    def _stuck(self) -> str:
+        return f"process(es) {', '.join(map(str, self.leftovers))} of the job still run " \
+            f"{END_S:g} s after SIGKILL, holding its lock"
 
     def _stop_child(self) -> None:
         """Whatever made the supervisor stop while its job runs (an error of its own, say),
@@ -247,7 +249,8 @@ class Supervisor:
         END_S, and its leftovers SIGKILLed."""
         if self.child is not None and self.child.poll() is None:
             self._end_job()
-        self._end_leftovers()
+        if self._end_leftovers():
+            self.say(f"{self._stuck()}: its lock files are left in place")
 
     def _newest(self) -> Optional[Path]:
         found = checkpoint_names.existing(self.directory)
@@ -274,7 +277,7 @@ class Supervisor:
             took = time.monotonic() - t0
             newest = self._newest()
             v = policy.verdict(code, newest is not None, self.signalled, silent)
-            if not v.retry:
+            if not v.retry or self.leftovers:  # never a relaunch beside them
                 return self._end(code, v.why, took)
             logged = _logged_steps(self.log_path, log_start)
             lost = max(0, logged - checkpoint_names.step_of(newest)) if logged is not None else 0
@@ -360,10 +363,12 @@ class Supervisor:
         the signal the supervisor got where the job did not finish (after a second Ctrl-C
         Hydra's mpiexec exits with 255: the supervisor still says 130)."""
         restarts = f" after {self.restarts} restart(s)" if self.restarts else ""
+        stuck = f"; {self._stuck()}" if self.leftovers else ""
         if code == 0:
-            self.say(f"the run finished{restarts}; {self.steps_lost} step(s) lost")
+            self.say(f"the run finished{restarts}; {self.steps_lost} step(s) lost{stuck}")
         else:
-            self.say(f"the job ended after {took:.1f} s ({why}){restarts}; not relaunched")
+            self.say(f"the job ended after {took:.1f} s ({why}{stuck}){restarts}; not "
+                     "relaunched")
         self.record({"event": "supervised", "exit_code": code, "restarts": self.restarts,
                      "steps_lost": self.steps_lost, "ended": why})
         return 128 + self.signalled if self.signalled is not None and code != 0 else code

@@ -56,7 +56,7 @@ class Trainer:
         gpus = objects.allgather(g, mine, "set-up: every rank's GPU")
         kind, why = setup.agree(g, lambda: devices.decide(s.device, s.strategy, gpus))
         # last of the checks, as it creates the checkpoint directory; rank 0 holds its lock
-        # and the log's till the end (Note [One run per directory] in mpidp/files.py)
+        # and the log's till the end (Note [One run per directory] in mpidp/run_lock.py)
         locks = setup.agree(g, lambda: setup.check_outputs(s) if g.rank == 0 else None,
                             name_rank=False)
         try:

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import files
+from .. import files, run_lock
 from ..errors import OutputError
 from ..comm import objects
 from . import checkpoint, compress
@@ -115,7 +115,7 @@ def fingerprint(settings: TrainSettings, train_data, test_data) -> dict:
 def check_outputs(settings: TrainSettings) -> list:
     """On rank 0: the log file can be written, the checkpoint directory can be written and
     only by us (Note [Checkpoint directory] in checkpoint.py), no other run uses either (Note
-    [One run per directory] in mpidp/files.py: their locks, taken here, are returned, to be
+    [One run per directory] in mpidp/run_lock.py: their locks, taken here, are returned, to be
     held for the run's life and released by ``release``), and a fresh run does not mix its
     checkpoints with an earlier run's. ValueError otherwise, with no lock held."""
     locks: list = []
@@ -129,18 +129,12 @@ def check_outputs(settings: TrainSettings) -> list:
         if settings.checkpoint_dir:
             d = Path(settings.checkpoint_dir)
             _check_directory(d, settings)
-            try:
-                locks.append(files.lock_run(d, f"--checkpoint-dir {d}", directory=True))
-            except OutputError as exc:
-                raise ValueError(f"--checkpoint-dir {d}: cannot lock: {exc.strerror}") from None
+            locks.append(run_lock.lock_run(d, f"--checkpoint-dir {d}", directory=True))
             if not settings.resume and checkpoint.existing(d):  # checked under the lock
                 raise ValueError(f"--checkpoint-dir {d} holds checkpoints of an earlier run: "
                                  "pass --resume to continue it, or choose an empty directory")
         if log:
-            try:
-                locks.append(files.lock_run(log, f"--log-json {log}", directory=False))
-            except OutputError as exc:
-                raise ValueError(f"--log-json {log}: cannot lock: {exc.strerror}") from None
+            locks.append(run_lock.lock_run(log, f"--log-json {log}", directory=False))
     except BaseException:
         release(locks)
         raise
@@ -155,13 +149,7 @@ def release(locks) -> None:
 
 def _check_directory(d: Path, settings: TrainSettings) -> None:
     """The checkpoint directory exists (created 0700) and only we can write to it."""
-    if settings.resume and not d.is_dir():  # a typo must not leave an empty directory
-        raise ValueError(f"--resume: --checkpoint-dir {d} does not exist, so there is "
-                         "nothing to continue")
-    try:
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"--checkpoint-dir {d}: cannot create: {exc.strerror}") from None
+    run_lock.checkpoint_directory(d, settings.resume)
     if not os.access(d, os.W_OK | os.X_OK):
         raise ValueError(f"--checkpoint-dir {d}: not writable")
     shared = checkpoint.shared_directory_problem(d)

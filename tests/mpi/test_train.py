@@ -468,7 +468,7 @@ def test_a_full_disk_ends_the_job_with_one_line(tmp_path):
 
 
 def test_a_second_run_on_a_supervised_runs_directory_is_refused(tmp_path):
-    """The issue's two runs on one directory (Note [One run per directory] in mpidp/files.py):
+    """The issue's two runs on one directory (Note [One run per directory] in mpidp/run_lock.py):
     run A under the supervisor, its job writing checkpoints into the directory the
     supervisor holds; a second supervisor, and a plain run on 2 ranks with --seed 7, on the
     same directory and log are each refused in one line naming A's supervisor, exit 2 (every
@@ -486,6 +486,7 @@ def test_a_second_run_on_a_supervised_runs_directory_is_refused(tmp_path):
         assert a.wait(60) == 130, a.text[-4000:]
     holder = rf"is in use by another run \(pid {a.proc.pid} on [^,]+, since [-0-9 :]+: " \
         rf"\S+ -m mpidp\.run -n 1 -- .*\): wait for it to end, or choose another"
+    assert again.returncode == 2, again.stdout + again.stderr
     assert re.fullmatch(rf"mpidp\.run: error: --checkpoint-dir {d} {holder}\n", again.stderr), \
         again.stderr
     ours = [l for l in plain.stderr.splitlines() if l.strip()]

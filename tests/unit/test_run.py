@@ -11,11 +11,12 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from file_faults import small_tmpfs
 
-from mpidp import files
+from mpidp import run_lock
 from mpidp.run import allocation, cli, policy, probe
 from mpidp.run.supervisor import Supervisor, option_value
 from mpidp.runtime import hostlist
@@ -47,10 +48,10 @@ FAKE = textwrap.dedent("""\
     directory = Path(argv[argv.index("--checkpoint-dir") + 1])
     directory.mkdir(parents=True, exist_ok=True)
     if step.get("lock"):  # the training tool's locks, as its rank 0 takes them
-        from mpidp import files
-        took = [files.lock_run(directory, "d", directory=True)]
+        from mpidp import files, run_lock
+        took = [run_lock.lock_run(directory, "d", directory=True)]
         if "--log-json" in argv:
-            took.append(files.lock_run(argv[argv.index("--log-json") + 1], "l",
+            took.append(run_lock.lock_run(argv[argv.index("--log-json") + 1], "l",
                                        directory=False))
         with open(str(calls) + ".lock", "a") as f:
             f.write(json.dumps([lock.held for lock in took]) + "\\n")
@@ -312,7 +313,7 @@ def test_option_values_and_host_lists():
     assert policy.verdict(130, True, None, ["b"]).retry  # the supervisor's own SIGINT
 
 
-# Note [One run per directory] (mpidp/files.py), Note [The job's processes] (processes.py)
+# Note [One run per directory] (mpidp/run_lock.py), Note [The job's processes] (processes.py)
 
 def test_the_job_shares_the_supervisors_locks_which_are_free_again_after(tmp_path, fake):
     """The stand-in takes the training tool's locks as its rank 0 would: the directory and
@@ -325,7 +326,7 @@ def test_the_job_shares_the_supervisors_locks_which_are_free_again_after(tmp_pat
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["ckpt-000000010.pt"]
     assert not (tmp_path / ".log.json.lock").exists()
     for target, directory in ((tmp_path / "ck", True), (tmp_path / "log.json", False)):
-        again = files.lock_run(target, "x", directory=directory)
+        again = run_lock.lock_run(target, "x", directory=directory)
         assert again.held
         again.release()
 
@@ -337,7 +338,7 @@ def test_a_second_run_on_the_directory_or_the_log_is_refused_in_one_line(tmp_pat
     who, in one line, exit 2; the other run's hold is untouched."""
     (tmp_path / "ck").mkdir()
     target = tmp_path / "ck" if which == "--checkpoint-dir" else tmp_path / "log.json"
-    other = files.lock_run(target, "other", directory=which == "--checkpoint-dir",
+    other = run_lock.lock_run(target, "other", directory=which == "--checkpoint-dir",
                            command="python -m mpidp.train --seed 7")
     try:
         code, calls, _ = supervise(tmp_path, fake, [{"code": 0}])
@@ -355,21 +356,212 @@ def test_a_second_run_on_the_directory_or_the_log_is_refused_in_one_line(tmp_pat
 def test_a_lock_is_free_once_its_holder_is_killed(tmp_path):
     """The kernel lets go of a killed holder's lock: nothing is left "held"."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from mpidp import files; "
-         f"held = files.lock_run({str(tmp_path)!r}, 'd', directory=True); print('held', "
+        [sys.executable, "-c", "import sys, time; from mpidp import run_lock; "
+         f"held = run_lock.lock_run({str(tmp_path)!r}, 'd', directory=True); print('held', "
          "flush=True); "
          "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
-        with pytest.raises(files.InUseError, match=f"pid {holder.pid} on "):
-            files.lock_run(tmp_path, "d", directory=True)
+        with pytest.raises(run_lock.InUseError, match=f"pid {holder.pid} on "):
+            run_lock.lock_run(tmp_path, "d", directory=True)
     finally:
         holder.kill()
         holder.wait()
-    lock = files.lock_run(tmp_path, "d", directory=True)
-    assert lock.held and json.loads(files.lock_path(tmp_path, True).read_text())["pid"] == \
+    lock = run_lock.lock_run(tmp_path, "d", directory=True)
+    assert lock.held and json.loads(run_lock.lock_path(tmp_path, True).read_text())["pid"] == \
         os.getpid()
     lock.release()
+
+
+def test_the_job_knows_its_supervisors_lock_without_its_record(tmp_path, monkeypatch):
+    """The supervisor could not write its name into the lock file (a full disk): its job
+    knows the lock by its device and inode (MPIDP_RUN_LOCK) and shares it; a lock file that
+    is not its supervisor's is refused all the same."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ours, other = (run_lock.lock_run(tmp_path / d, d, directory=True) for d in ("a", "b"))
+    for lock in (ours, other):
+        os.truncate(lock.path, 0)  # as a full disk leaves it: no record
+    monkeypatch.setenv(run_lock.LOCK_VARIABLE, run_lock.job_variable([ours]))
+    assert not run_lock.lock_run(tmp_path / "a", "a", directory=True).held
+    with pytest.raises(run_lock.InUseError, match="^b is in use by another run \\(one that "
+                       "has not written its name\\)"):
+        run_lock.lock_run(tmp_path / "b", "b", directory=True)
+    ours.release()
+    other.release()
+
+
+def test_the_job_shares_its_supervisors_lock_on_a_full_disk(tmp_path, fake):
+    """The checkpoint directory's disk is full: the supervisor's lock file holds no record,
+    and its job (the stand-in taking the training tool's locks) shares it all the same,
+    where it was refused as "in use" (exit 2) instead of ending with its own exit code."""
+    with small_tmpfs(tmp_path / "ck") as ck:
+        _fill(ck)
+        code, calls, _ = supervise(tmp_path, fake, [{"code": 0, "lock": True}])
+        assert code == 0 and len(calls) == 1
+        assert (tmp_path / "calls.lock").read_text() == "[false, false]\n"
+        assert not (ck / ".mpidp-lock").exists()
+
+
+def test_a_stale_lock_file_of_another_user_is_replaced_and_a_held_one_named(tmp_path):
+    """Another user's run left its lock file (0644) in a shared directory: a run of this
+    user locks it read-only, finds it free and replaces it with its own; one held by another
+    user's live run is refused naming that run (not "cannot lock")."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to act as two users")
+    import shutil
+    import tempfile
+    shared = Path(tempfile.mkdtemp(prefix="shared-"))  # (tmp_path's parents are root's)
+    shared.chmod(0o777)
+    try:
+        _stale_and_held(shared)
+    finally:
+        shutil.rmtree(shared)
+
+
+def _stale_and_held(shared) -> None:
+    lock = run_lock.lock_path(shared, True)
+    lock.write_text(json.dumps({"pid": 2 ** 22 + 1, "host": "elsewhere", "token": "x"}) + "\n")
+    os.chown(lock, 12345, 12345)
+    lock.chmod(0o644)
+    def as_nobody() -> str:  # lock_run in a child of another user: what it found
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                try:
+                    held = run_lock.lock_run(shared, "d", directory=True)
+                except ValueError as e:
+                    out = str(e)
+                else:
+                    st = os.stat(held.path)
+                    out = f"{held.held} {st.st_uid} {oct(st.st_mode)} " \
+                        f"{json.loads(held.path.read_text())['pid'] == os.getpid()}"
+                os.write(write, out.encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as f:
+            out = f.read()
+        os.waitpid(pid, 0)
+        return out
+    assert as_nobody() == "True 65534 0o100644 True"
+    held = run_lock.lock_run(shared, "d", directory=True)  # root's, 0644: readable by all
+    try:
+        out = as_nobody()
+        assert out.startswith(f"d is in use by another run (pid {os.getpid()} on "), out
+    finally:
+        held.release()
+
+
+def test_a_child_forked_inside_the_run_leaves_its_parents_lock_alone(tmp_path):
+    """User code forks inside fit and the child ends (its objects released): the parent's
+    lock and its file stay."""
+    lock = run_lock.lock_run(tmp_path, "d", directory=True)
+    pid = os.fork()
+    if pid == 0:
+        lock.release()
+        del lock
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert lock.held and lock.path.exists()
+    with pytest.raises(run_lock.InUseError, match=f"pid {os.getpid()} on "):
+        run_lock.lock_run(tmp_path, "d", directory=True)
+    lock.release()
+    assert not lock.path.exists()
+
+
+def test_a_lock_held_by_an_ended_holders_processes_is_waited_for(tmp_path, monkeypatch):
+    """The recorded holder has ended (a supervisor killed outright) and a process it started
+    still holds the lock, ending: a run waits for it (up to HOLDER_GONE_WAIT_S) instead of
+    being refused. The process is told to end at the first wait, so nothing here is timed."""
+    go = tmp_path / "go"
+    (tmp_path / "ck").mkdir()
+    script = tmp_path / "holder.py"  # takes the lock, starts a process that inherits it, ends
+    script.write_text(textwrap.dedent(f"""\
+        import os, subprocess, sys
+        from mpidp import run_lock
+        held = run_lock.lock_run({str(tmp_path / 'ck')!r}, "d", directory=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import os, time\\n"
+             "while not os.path.exists({str(go)!r}): time.sleep(0.01)"],
+            pass_fds=[held.fd], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print(child.pid, flush=True)
+        os._exit(0)  # as killed: nothing released
+        """))
+    holder = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=60)
+    child = int(holder.stdout or holder.stderr)
+    waited = []
+    sleep = time.sleep
+
+    def first_wait_ends_it(s):
+        waited.append(s)
+        go.touch()
+        sleep(s)
+
+    monkeypatch.setattr(run_lock.time, "sleep", first_wait_ends_it)
+    try:
+        lock = run_lock.lock_run(tmp_path / "ck", "d", directory=True)
+    finally:
+        go.touch()
+    assert lock.held and waited and not _running(child)
+    lock.release()
+
+
+def test_the_launcher_ends_at_once_if_the_supervisor_died_before_its_prctl(tmp_path):
+    """PR_SET_PDEATHSIG set after the supervisor died would never fire: the child compares
+    its parent with the supervisor's pid taken before the fork."""
+    body = ("from mpidp.run import processes; processes._load_prctl(); "
+            "processes._die_with_parent({}); print('went on')")
+    died = subprocess.run([sys.executable, "-c", body.format(1)], capture_output=True,
+                          text=True, timeout=60)
+    assert (died.returncode, died.stdout) == (1, "")
+    lived = subprocess.run([sys.executable, "-c", body.format(os.getpid())],
+                           capture_output=True, text=True, timeout=60)
+    assert (lived.returncode, lived.stdout) == (0, "went on\n")
+
+
+def test_a_leftover_is_signalled_only_while_it_holds_the_attempts_pipe():
+    """A pid found by the scan and reused since (it holds no pipe of ours) is not killed."""
+    from mpidp.run import processes
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        processes._kill_holder(other.pid, "pipe:[0]")
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_leftovers_that_outlive_sigkill_end_the_supervision(tmp_path, fake, capfd,
+                                                           monkeypatch):
+    """A process of the failed attempt outlives SIGKILL (stuck in the kernel: here the
+    supervisor's SIGKILL is left out): no relaunch beside it, one line naming it, the job's
+    exit code, the lock file left in place and still held by it."""
+    from mpidp.run import processes, supervisor
+    monkeypatch.setattr(supervisor, "END_S", 0.2)
+    monkeypatch.setattr(processes, "_kill_holder", lambda pid, pipe: None)
+    try:
+        code, calls, events = supervise(tmp_path, fake, [
+            {"code": 137, "checkpoints": [10], "orphan": True}, {"code": 0}])
+        orphan = int((tmp_path / "calls.orphan").read_text())
+        err = capfd.readouterr().err
+        assert code == 137 and len(calls) == 1, err
+        assert err.splitlines()[-1].endswith(
+            f"; process(es) {orphan} of the job still run 0.2 s after SIGKILL, holding its "
+            "lock); not relaunched"), err
+        assert events[-1]["event"] == "supervised"
+        with pytest.raises(run_lock.InUseError):  # held by the orphan's inherited descriptor
+            run_lock.lock_run(tmp_path / "ck", "d", directory=True)
+    finally:
+        orphan = int((tmp_path / "calls.orphan").read_text())
+        os.kill(orphan, signal.SIGKILL)
+    while _running(orphan):
+        time.sleep(0.02)
+    assert run_lock.lock_run(tmp_path / "ck", "d", directory=True).held
 
 
 def test_an_attempts_leftover_processes_are_gone_before_the_next_starts(tmp_path, fake):
@@ -440,16 +632,20 @@ def test_a_supervisor_stopped_by_a_signal_exits_128_plus_it(tmp_path, fake, capf
     assert events[-1]["exit_code"] == 255
 
 
+def _fill(directory) -> None:
+    with open(directory / "filler", "wb", buffering=0) as f:  # till the disk is full
+        try:
+            while True:
+                f.write(b"x" * 4096)
+        except OSError:
+            pass
+
+
 def test_a_log_the_supervisor_cannot_write_ends_it_in_one_line(tmp_path, fake, capfd):
     """A full disk under the supervisor's JSON log: one line naming it, exit 3, no
     traceback."""
     with small_tmpfs(tmp_path / "full") as full:
-        with open(full / "filler", "wb", buffering=0) as f:  # till the disk is full
-            try:
-                while True:
-                    f.write(b"x" * 4096)
-            except OSError:
-                pass
+        _fill(full)
         os.environ.update(PLAN=json.dumps([{"code": 0}]), CALLS=str(tmp_path / "calls"))
         try:
             code = Supervisor([*TRAIN, "--checkpoint-dir", str(tmp_path / "ck"), "--log-json",

@@ -707,7 +707,7 @@ def test_outputs_in_use_by_another_run_are_refused_and_a_supervisors_are_shared(
     """Note [One run per directory]: rank 0's check takes the directory's and the log's
     locks; a second run is refused naming the first; a run whose supervisor holds them (its
     token in MPIDP_RUN_LOCK) goes on without its own; a refused run holds nothing."""
-    from mpidp import files
+    from mpidp import run_lock
     from mpidp.train.setup import check_outputs, release
     s = TrainSettings(checkpoint_dir=str(tmp_path / "ck"), log_json=str(tmp_path / "log"))
     first = check_outputs(s)
@@ -719,12 +719,12 @@ def test_outputs_in_use_by_another_run_are_refused_and_a_supervisors_are_shared(
     with pytest.raises(ValueError, match=rf"^--log-json {tmp_path}/log is in use by another "
                        "run"):  # another directory, the same log: the directory's lock let go
         check_outputs(dataclasses.replace(s, checkpoint_dir=str(tmp_path / "other")))
-    assert files.lock_run(tmp_path / "other", "x", directory=True).held
-    monkeypatch.setenv(files.LOCK_VARIABLE, files.run_token())  # as under the supervisor
+    assert run_lock.lock_run(tmp_path / "other", "x", directory=True).held
+    monkeypatch.setenv(run_lock.LOCK_VARIABLE, run_lock.run_token())  # as under the supervisor
     shared = check_outputs(s)
     assert [lock.held for lock in shared] == [False, False]
     release(shared)
-    monkeypatch.delenv(files.LOCK_VARIABLE)
+    monkeypatch.delenv(run_lock.LOCK_VARIABLE)
     release(first)
     assert sorted(os.listdir(tmp_path / "ck")) == [] and not (tmp_path / ".log.lock").exists()
     again = check_outputs(s)
