@@ -62,7 +62,7 @@ class LaunchError(MpidpError):
 class OutputError(OSError):
     """A file mpidp writes (a checkpoint, the JSON log, the timeline, benchmark results) could
     not be written. ``str()`` is one line naming what, the path and the cause; ``errno``,
-    ``strerror`` and ``filename`` are the cause's (Note [Writing a file] in mpidp/files.py)."""
+    ``strerror`` and ``filename`` are the cause's (Note [Writing a file] in mpidp/files/__init__.py)."""
 
     def __init__(self, what: str, path, cause: OSError):
         super().__init__(cause.errno, cause.strerror or str(cause), str(path))

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple, Optional, Sequence
 
-from .. import files, run_lock
+from .. import files
+from ..files import run_lock
 from ..errors import OutputError
 from ..runtime.exit import REFUSED, output_failure
 from ..runtime.hostlist import format_hosts

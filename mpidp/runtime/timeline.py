@@ -224,7 +224,7 @@ def chrome_trace(ranks: Sequence[dict]) -> dict:
 
 def write_atomically(path: str, trace: dict) -> None:
     """Writes ``trace`` as JSON at ``path``, whole or not at all and never through a link
-    (Note [Writing a file] in mpidp/files.py); OutputError naming the path and the cause."""
+    (Note [Writing a file] in mpidp/files/__init__.py); OutputError naming the path and the cause."""
     files.write_atomically(path, lambda f: f.write(json.dumps(trace, separators=(",", ":"))
                                                    .encode()), what="timeline")
 

@@ -1,5 +1,5 @@
 """Checkpoints that lose nothing and prove themselves: written atomically and readable by
-the owner only (Note [Writing a file] in mpidp/files.py), each carrying a SHA-256 digest of
+the owner only (Note [Writing a file] in mpidp/files/__init__.py), each carrying a SHA-256 digest of
 its contents (Note [Checkpoint digest]), the run's newest K kept (Note [Checkpoint
 retention]), loaded with ``torch.load(weights_only=True)`` without following a symlink; a
 corrupt, truncated, foreign or incomplete one reported by name and passed over for the

@@ -2,7 +2,7 @@
 lines on one stream (Note [One stream]) — progress within a long epoch, one line per epoch, a
 last line a person reads — and JSON lines (per epoch, with every rank's compute and wait
 time, and a final summary) to ``--log-json`` (appended to a file of ours, never through a
-link: Note [Writing a file] in mpidp/files.py) and the summary on stdout."""
+link: Note [Writing a file] in mpidp/files/__init__.py) and the summary on stdout."""
 from __future__ import annotations
 
 import json

@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import files, run_lock
+from .. import files
+from ..files import run_lock
 from ..errors import OutputError
 from ..comm import objects
 from . import checkpoint, compress

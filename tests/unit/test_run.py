@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from file_faults import small_tmpfs
 
-from mpidp import run_lock
+from mpidp.files import run_lock
 from mpidp.run import allocation, cli, policy, probe
 from mpidp.run.supervisor import Supervisor, option_value
 from mpidp.runtime import hostlist
@@ -48,7 +48,8 @@ FAKE = textwrap.dedent("""\
     directory = Path(argv[argv.index("--checkpoint-dir") + 1])
     directory.mkdir(parents=True, exist_ok=True)
     if step.get("lock"):  # the training tool's locks, as its rank 0 takes them
-        from mpidp import files, run_lock
+        from mpidp import files
+        from mpidp.files import run_lock
         took = [run_lock.lock_run(directory, "d", directory=True)]
         if "--log-json" in argv:
             took.append(run_lock.lock_run(argv[argv.index("--log-json") + 1], "l",
@@ -356,7 +357,7 @@ def test_a_second_run_on_the_directory_or_the_log_is_refused_in_one_line(tmp_pat
 def test_a_lock_is_free_once_its_holder_is_killed(tmp_path):
     """The kernel lets go of a killed holder's lock: nothing is left "held"."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from mpidp import run_lock; "
+        [sys.executable, "-c", "import sys, time; from mpidp.files import run_lock; "
          f"held = run_lock.lock_run({str(tmp_path)!r}, 'd', directory=True); print('held', "
          "flush=True); "
          "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
@@ -482,7 +483,7 @@ def test_a_lock_held_by_an_ended_holders_processes_is_waited_for(tmp_path, monke
     script = tmp_path / "holder.py"  # takes the lock, starts a process that inherits it, ends
     script.write_text(textwrap.dedent(f"""\
         import os, subprocess, sys
-        from mpidp import run_lock
+        from mpidp.files import run_lock
         held = run_lock.lock_run({str(tmp_path / 'ck')!r}, "d", directory=True)
         child = subprocess.Popen(
             [sys.executable, "-c", "import os, time\\n"

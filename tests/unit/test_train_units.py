@@ -707,7 +707,7 @@ def test_outputs_in_use_by_another_run_are_refused_and_a_supervisors_are_shared(
     """Note [One run per directory]: rank 0's check takes the directory's and the log's
     locks; a second run is refused naming the first; a run whose supervisor holds them (its
     token in MPIDP_RUN_LOCK) goes on without its own; a refused run holds nothing."""
-    from mpidp import run_lock
+    from mpidp.files import run_lock
     from mpidp.train.setup import check_outputs, release
     s = TrainSettings(checkpoint_dir=str(tmp_path / "ck"), log_json=str(tmp_path / "log"))
     first = check_outputs(s)

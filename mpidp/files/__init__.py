@@ -1,7 +1,7 @@
 """The files mpidp writes (checkpoints, the JSON log, the timeline, benchmark results): each
 created beside its final name under a name no one can guess, and renamed over it
 (Note [Writing a file]). The lock that makes one run the only writer of a checkpoint
-directory or a log is mpidp/run_lock.py's."""
+directory or a log is run_lock.py's, beside this file."""
 from __future__ import annotations
 
 import errno
@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Optional
 
-from .errors import OutputError
+from ..errors import OutputError
 
 # Note [Writing a file]
 # mpidp never opens a file by its final name for writing. It creates the file in the final

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .files import _pid_alive, _remove  # (Note [Writing a file]'s)
+from . import _pid_alive, _remove  # (Note [Writing a file]'s)
 
 # Note [One run per directory]
 # Two runs writing one checkpoint directory or one JSON log mix their files with no error:
