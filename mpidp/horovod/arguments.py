@@ -53,12 +53,6 @@ def check_tensor(tensor: Any, what: str) -> None:
         raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
 
 
-def check_average(tensor: torch.Tensor, op: int) -> None:
-    if op == Average and (tensor.is_complex() or not tensor.is_floating_point()):
-        raise ValueError(f"op=hvd.Average needs a floating tensor, got {tensor.dtype}; use "
-                         "op=hvd.Sum and divide")
-
-
 _DTYPE_CODES = {torch.float16: F16, torch.bfloat16: BF16, torch.float32: F32,
                 torch.float64: F64, torch.int32: I32, torch.int64: I64}
 _OP_WORDS = {Average: header.op_word(0, True), Sum: 0, Min: 1, Max: 2, Adasum: 8}
@@ -120,7 +114,6 @@ def checked(tensor: Any, op: Any, average: Any, process_set, kind: int, what: st
             raise ValueError(f"{what} takes " + ", ".join(f"hvd.{basics.op_name(o)}"
                                                           for o in ops) +
                              f", not hvd.{basics.op_name(op)}")
-        check_average(tensor, op)
         return op
     except Exception as exc:
         refuse(exc, process_set, kind, tensor, asked)

@@ -16,11 +16,12 @@ from ..comm import collectives, fusion, joined
 from ..ddp import sync_bn
 from ..engine.header import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, UNKNOWN
 from . import backward
-from .arguments import (check_average, check_tensor, checked, named, op_word, refuse,
+from .arguments import (check_tensor, checked, named, op_word, refuse,
                         resolve_op)
 from .process_sets import group_of, local_root, on
 from .basics import Average, Max, Min, Product, Sum
 from .compression import Compression
+from .integers import NARROW, as_reduced, narrowed, scaled as _scaled, widened
 
 # Note [Handles that are done]
 # mpidp's collectives return once done, so an ``*_async`` call runs when it is made and its
@@ -35,30 +36,31 @@ _next_handle = itertools.count(1)
 _MPIDP_OP = {Average: "avg", Sum: "sum", Min: "min", Max: "max"}
 _PLAIN = {None: "avg", **_MPIDP_OP}  # allreduce_'s shortcut: ops with no rule to apply
 _TENSOR = torch.Tensor
-
-
-def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
-    if factor != 1.0:
-        x.mul_(factor)
-    return x
+# allreduce_'s shortcut: the dtypes mpidp's collectives carry (Note [Horovod's integer
+# scaling] in mpidp/horovod/integers.py: the others, and an integer Average, go round)
+_FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+_CARRIED = _FLOATS | {torch.int32, torch.int64}
 
 
 def _reduce_into(x: torch.Tensor, op: int) -> torch.Tensor:
-    """Reduces ``x`` (a tensor this module owns) in place over every rank."""
+    """Reduces ``x`` (a tensor this module owns, of a dtype mpidp carries; an integer
+    Average already made a Sum) in place over every rank."""
     if op == Product:  # no product kernel: every rank multiplies all inputs in rank order
         every = collectives.allgather(x.reshape(1, -1))
         return x.copy_(torch.prod(every, dim=0).reshape(x.shape))
-    check_average(x, op)
     collectives.allreduce_(x, _MPIDP_OP[op])
     return x
 
 
 def reduced(tensor: torch.Tensor, op: int, prescale: float = 1.0,
             postscale: float = 1.0) -> torch.Tensor:
-    """A new tensor: ``tensor`` times ``prescale``, reduced with ``op``, times ``postscale``."""
+    """A new tensor: ``tensor`` times ``prescale``, reduced with ``op``, times ``postscale``,
+    on the current group (Note [Horovod's integer scaling] in mpidp/horovod/integers.py)."""
     with torch.no_grad():
-        x = tensor.detach().clone(memory_format=torch.contiguous_format)
-        return _scaled(_reduce_into(_scaled(x, prescale), op), postscale)
+        op, postscale = as_reduced(tensor, op, postscale)
+        x = widened(tensor.detach()).clone(memory_format=torch.contiguous_format)
+        x = _scaled(_reduce_into(_scaled(x, prescale), op), postscale)
+        return narrowed(x, tensor.dtype)
 
 
 class _Allreduce(torch.autograd.Function):
@@ -96,12 +98,13 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
             postscale_factor == 1.0 and type(tensor) is _TENSOR and not backward.active \
             and name is None:
         plain = _PLAIN.get(op) if op is None or type(op) is int else None
-        if plain is not None and (plain != "avg" or tensor.is_floating_point()):
+        if plain is not None and tensor.dtype in (_FLOATS if plain == "avg" else _CARRIED):
             collectives.allreduce_(tensor, plain)  # the common call, straight to mpidp's
             return tensor
     op = checked(tensor, op, average, process_set, ALLREDUCE, "allreduce_")
     with torch.no_grad(), on(process_set), named(name, process_set):
-        if tensor.is_contiguous() and op != Product and prescale_factor == 1.0:
+        if tensor.is_contiguous() and op != Product and prescale_factor == 1.0 and \
+                tensor.is_floating_point():
             return _scaled(_reduce_into(tensor, op), float(postscale_factor))
         return tensor.copy_(reduced(tensor, op, float(prescale_factor),
                                     float(postscale_factor)))
@@ -129,12 +132,12 @@ def _grouped(tensors, in_place, average, op, prescale, postscale, process_set, c
         tensors = list(tensors)
         for t in tensors:
             check_tensor(t, "grouped_allreduce")
-            check_average(t, op)
     except Exception as exc:
         refuse(exc, process_set, ALLREDUCE, None, asked)
         raise
     with named(name, process_set):
-        if op == Product or (any(t.requires_grad for t in tensors) and not in_place):
+        if op == Product or any(t.dtype not in (_FLOATS if op == Average else _CARRIED)
+                                or (t.requires_grad and not in_place) for t in tensors):
             outs = [allreduce(t, op=op, prescale_factor=prescale, postscale_factor=postscale,
                               compression=compression, process_set=process_set)
                     for t in tensors]
@@ -169,18 +172,19 @@ def _rows_of_every_rank(rows: int) -> list:
 
 
 class _Allgather(torch.autograd.Function):
-    """Horovod's: the gradient is this rank's rows of the summed gradient."""
+    """Horovod's: the gradient is this rank's rows of the averaged gradient."""
 
     @staticmethod
     def forward(ctx, tensor, process_set):
         ctx.rows, ctx.process_set = tensor.shape[0], process_set
         with on(process_set):
-            return collectives.allgather(tensor.detach().contiguous())
+            return narrowed(collectives.allgather(widened(tensor.detach().contiguous())),
+                            tensor.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         with on(ctx.process_set) as g:
-            total = reduced(grad, Sum)
+            total = reduced(grad, Average)
             start = sum(_rows_of_every_rank(ctx.rows)[:g.rank])
         return total.narrow(0, start, ctx.rows), None
 
@@ -209,7 +213,8 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx, tensor, root, process_set):
         ctx.root, ctx.process_set = root, process_set  # root: a rank of the set's group
         with on(process_set):
-            return collectives.broadcast(tensor.detach().contiguous(), root)
+            return narrowed(collectives.broadcast(widened(tensor.detach().contiguous()), root),
+                            tensor.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -243,9 +248,9 @@ def broadcast_(tensor, root_rank, name=None, process_set=None):
     """In place: every rank's ``tensor`` holds root's values, and is returned."""
     root = _checked_root(tensor, root_rank, process_set, "broadcast_")
     with torch.no_grad(), on(process_set), named(name, process_set):
-        if tensor.is_contiguous():
+        if tensor.is_contiguous() and tensor.dtype not in NARROW:
             return collectives.broadcast_(tensor, root)
-        return tensor.copy_(collectives.broadcast(tensor.contiguous(), root))
+        return tensor.copy_(collectives.broadcast(widened(tensor.contiguous()), root))
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
@@ -256,10 +261,12 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                  (Average, Sum, Min, Max))
     compressed, ctx = compression.compress(tensor)
     with torch.no_grad(), on(process_set), named(name, process_set):
-        x = _scaled(compressed.detach().clone(memory_format=torch.contiguous_format),
+        op, postscale = as_reduced(compressed, op, float(postscale_factor))
+        x = _scaled(widened(compressed.detach()).clone(memory_format=torch.contiguous_format),
                     float(prescale_factor))
-        out = collectives.reduce_scatter(x, _MPIDP_OP[op])
-        return compression.decompress(_scaled(out, float(postscale_factor)), ctx)
+        out = narrowed(_scaled(collectives.reduce_scatter(x, _MPIDP_OP[op]), postscale),
+                       compressed.dtype)
+        return compression.decompress(out, ctx)
 
 
 def barrier(process_set=None) -> None:

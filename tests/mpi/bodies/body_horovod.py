@@ -40,6 +40,30 @@ expect(torch.equal(got, torch.full((5,), n * (n + 1) / 2)), f"pre/postscale: {go
 ints = torch.arange(4, dtype=torch.int64) + r
 expect(torch.equal(hvd.allreduce(ints, op=hvd.Sum), n * torch.arange(4) + n * (n - 1) // 2),
        "int64 Sum")
+# integers as Horovod scales them: in double, truncated toward zero (an Average is a Sum
+# whose postscale is divided by n); the narrow dtypes come back in their own dtype
+base = torch.tensor([7, -7, 5])
+odd = (base * (r + 1)).to(torch.int32)
+for op, pre, post in ((hvd.Average, 1.0, 1.0), (hvd.Sum, 0.5, 1.0), (hvd.Sum, 1.0, 0.3),
+                      (hvd.Average, 1.0, 3.0)):
+    summed = sum((base * (q + 1)).double().mul(pre).to(torch.int32) for q in range(n))
+    want = (summed.double() * (post / n if op == hvd.Average else post)).to(torch.int32)
+    for form in (hvd.allreduce, hvd.allreduce_):
+        got = form(odd.clone(), op=op, prescale_factor=pre, postscale_factor=post)
+        expect(got.dtype == torch.int32 and torch.equal(got, want),
+               f"int32 {form.__name__} op {op} x{pre} x{post}: {got} != {want}")
+for dtype in (torch.uint8, torch.int8, torch.int16, torch.bool):
+    small = (torch.arange(6) % 2 == 1) if dtype is torch.bool else torch.arange(6) + r
+    small = small.to(dtype)
+    summed = hvd.allreduce(small, op=hvd.Sum)
+    want = (sum(((torch.arange(6) % 2 == 1).to(torch.int32) if dtype is torch.bool
+                 else torch.arange(6) + q) for q in range(n))).to(dtype)
+    expect(summed.dtype == dtype and torch.equal(summed, want), f"{dtype} Sum: {summed}")
+    every = hvd.allgather(small.reshape(2, 3))
+    expect(every.dtype == dtype and every.shape == (2 * n, 3), f"{dtype} allgather")
+    top = hvd.broadcast(small, n - 1)
+    expect(top.dtype == dtype and torch.equal(hvd.broadcast_(small.clone(), n - 1), top),
+           f"{dtype} broadcast")
 y = x.clone()
 expect(hvd.allreduce_(y, op=hvd.Sum) is y and torch.equal(y, torch.full((5,), n * (n + 1) / 2)),
        "allreduce_ in place")
@@ -79,7 +103,7 @@ g_in = torch.full((r + 1, 2), 1.0, requires_grad=True)
 weights = torch.arange(n * (n + 1) // 2 * 2, dtype=torch.float32).reshape(-1, 2)
 (hvd.allgather(g_in) * weights).sum().backward()
 start = r * (r + 1) // 2
-expect(torch.equal(g_in.grad, n * weights[start:start + r + 1]), "allgather's gradient")
+expect(torch.equal(g_in.grad, weights[start:start + r + 1]), "allgather's gradient: averaged")
 c = torch.ones(3, requires_grad=True)
 hvd.broadcast(c, 0).sum().backward()
 expect(torch.equal(c.grad, torch.full((3,), float(n) if r == 0 else 0.0)), "broadcast's gradient")
@@ -361,8 +385,7 @@ else:
 # ---- refused on every rank, at the same call -------------------------------------------------
 for call, words in ((lambda: hvd.allreduce(x, op=hvd.Adasum), "Adasum"),
                     (lambda: hvd.alltoall(torch.ones(3), splits=[5] * n), "do not split"),
-                    (lambda: hvd.broadcast_object(object(), root_rank=0), "broadcast_object"),
-                    (lambda: hvd.allreduce(ints), "Average needs a floating tensor")):
+                    (lambda: hvd.broadcast_object(object(), root_rank=0), "broadcast_object")):
     try:
         call()
         expect(False, f"{words}: should have been refused")
