@@ -207,7 +207,7 @@ def grouped_allgather(tensors, name=None, process_set=None):
 
 
 class _Broadcast(torch.autograd.Function):
-    """Horovod's: root's gradient is the sum of every rank's, the others' zero."""
+    """Horovod's: root's gradient is the average of every rank's, the others' zero."""
 
     @staticmethod
     def forward(ctx, tensor, root, process_set):
@@ -219,7 +219,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         with on(ctx.process_set) as g:
-            total = reduced(grad, Sum)
+            total = reduced(grad, Average)
         return (total if g.rank == ctx.root else total.zero_()), None, None
 
 
@@ -251,22 +251,6 @@ def broadcast_(tensor, root_rank, name=None, process_set=None):
         if tensor.is_contiguous() and tensor.dtype not in NARROW:
             return collectives.broadcast_(tensor, root)
         return tensor.copy_(collectives.broadcast(widened(tensor.contiguous()), root))
-
-
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
-                  process_set=None, prescale_factor=1.0, postscale_factor=1.0):
-    """This rank's block (along dimension 0, the first ranks taking one row more where it
-    does not divide) of the reduction of ``tensor`` over every rank."""
-    op = checked(tensor, op, None, process_set, REDUCE_SCATTER, "reducescatter",
-                 (Average, Sum, Min, Max))
-    compressed, ctx = compression.compress(tensor)
-    with torch.no_grad(), on(process_set), named(name, process_set):
-        op, postscale = as_reduced(compressed, op, float(postscale_factor))
-        x = _scaled(widened(compressed.detach()).clone(memory_format=torch.contiguous_format),
-                    float(prescale_factor))
-        out = narrowed(_scaled(collectives.reduce_scatter(x, _MPIDP_OP[op]), postscale),
-                       compressed.dtype)
-        return compression.decompress(out, ctx)
 
 
 def barrier(process_set=None) -> None:
@@ -320,7 +304,24 @@ allgather_async = _async(allgather, "allgather_async")
 grouped_allgather_async = _async(grouped_allgather, "grouped_allgather_async")
 broadcast_async = _async(broadcast, "broadcast_async")
 broadcast_async_ = _async(broadcast_, "broadcast_async_")
-reducescatter_async = _async(reducescatter, "reducescatter_async")
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=None):
+    """Horovod's reduction of a sparse ``tensor``: its indices and values gathered from
+    every rank (named ``<name>.indices``, ``<name>.values``), the values divided by the
+    set's size for Average; returns a function that returns the sparse result."""
+    indices = allgather(tensor._indices().transpose(0, 1).contiguous(),
+                        name=f"{name}.indices", process_set=process_set)
+    values = allgather(tensor._values(), name=f"{name}.values", process_set=process_set)
+    if op == Average:
+        with on(process_set) as g:
+            values = values / g.size
+
+    def result():
+        if indices.dim() == 0 or values.dim() == 0:
+            return tensor.new().resize_as_(tensor)
+        return tensor.new(indices.transpose(0, 1), values, tensor.size())
+    return result
 
 
 def poll(handle: int) -> bool:

@@ -106,7 +106,32 @@ start = r * (r + 1) // 2
 expect(torch.equal(g_in.grad, weights[start:start + r + 1]), "allgather's gradient: averaged")
 c = torch.ones(3, requires_grad=True)
 hvd.broadcast(c, 0).sum().backward()
-expect(torch.equal(c.grad, torch.full((3,), float(n) if r == 0 else 0.0)), "broadcast's gradient")
+expect(torch.equal(c.grad, torch.full((3,), 1.0 if r == 0 else 0.0)),
+       "broadcast's gradient: averaged on the root")
+
+# reducescatter's gradient, Horovod's: every rank's gathered, times n for Sum, times the
+# factors, an Average's not divided
+rs_in = torch.ones(2 * n, 2, requires_grad=True)
+(hvd.reducescatter(rs_in, op=hvd.Sum, postscale_factor=0.5) * (r + 1)).sum().backward()
+want = torch.cat([torch.full((2, 2), (q + 1) * n * 0.5) for q in range(n)])
+expect(torch.equal(rs_in.grad, want), f"reducescatter's gradient (Sum): {rs_in.grad}")
+rs_in.grad = None
+(hvd.reducescatter(rs_in) * (r + 1)).sum().backward()
+want = torch.cat([torch.full((2, 2), q + 1.0) for q in range(n)])
+expect(torch.equal(rs_in.grad, want), f"reducescatter's gradient (Average): {rs_in.grad}")
+pieces = hvd.grouped_reducescatter([torch.ones(n, 1) * (r + 1), torch.arange(2.0 * n) * (r + 1)],
+                                   op=hvd.Sum)
+expect(torch.equal(pieces[0], torch.full((1, 1), n * (n + 1) / 2)) and
+       torch.equal(pieces[1], torch.arange(2.0 * r, 2.0 * r + 2) * n * (n + 1) / 2),
+       f"grouped_reducescatter: {pieces}")
+h = hvd.grouped_reducescatter_async([torch.ones(n, 3)], op=hvd.Sum)
+expect(torch.equal(hvd.synchronize(h)[0], torch.full((1, 3), float(n))), "its _async form")
+sparse = torch.zeros(4, 2)
+sparse[r % 4] = r + 1.0
+gathered = hvd.sparse_allreduce_async(sparse.to_sparse(), name="sparse", op=hvd.Average)()
+expect(torch.equal(gathered.to_dense(), sum(torch.zeros(4, 2).index_fill(0, torch.tensor(
+    [q % 4]), q + 1.0) for q in range(n)) / n), f"sparse_allreduce_async: {gathered}")
+expect(issubclass(hvd.HorovodInternalError, RuntimeError), "HorovodInternalError")
 
 # ---- the broadcasts a script starts with -----------------------------------------------------
 torch.manual_seed(100 + r)  # every rank starts elsewhere
@@ -127,6 +152,20 @@ labels = torch.randint(0, 3, (4 * n * 6,), generator=g)
 
 def loss_of(m, xs, ys):
     return torch.nn.functional.cross_entropy(m(xs), ys)
+
+
+# broadcast_optimizer_state on an optimizer without state, Horovod's: each parameter that
+# requires a gradient gets a zero one (kept), the optimizer's own step runs once, and an
+# optimizer built without names names its parameters allreduce.noname.<group>.<index>
+fresh = torch.nn.Linear(3, 2)
+fresh.bias.requires_grad_(False)
+fresh_opt = hvd.DistributedOptimizer(torch.optim.SGD(
+    [{"params": [fresh.weight]}, {"params": [fresh.bias]}], lr=0.1, momentum=0.9))
+expect(sorted(fresh_opt._parameter_names.values()) ==
+       ["allreduce.noname.0.0", "allreduce.noname.1.0"], f"{fresh_opt._parameter_names}")
+hvd.broadcast_optimizer_state(fresh_opt, root_rank=0)
+expect(torch.equal(fresh.weight.grad, torch.zeros(2, 3)) and fresh.bias.grad is None and
+       len(fresh_opt.state_dict()["state"]) == 1, "broadcast_optimizer_state of a new optimizer")
 
 
 def train(distributed: bool, passes: int = 1, **options):
@@ -374,6 +413,15 @@ else:
             expect(False, "a rank outside the set should be refused")
         except ValueError as exc:
             expect(f"rank {r} is not in" in str(exc), str(exc))
+        # Horovod's: a DistributedOptimizer on a set without this rank reduces nothing here
+        alone = torch.nn.Linear(2, 1, bias=False)
+        torch.nn.init.constant_(alone.weight, 1.0)
+        alone_opt = hvd.DistributedOptimizer(torch.optim.SGD(alone.parameters(), lr=1.0),
+                                             process_set=ps)
+        alone(torch.full((1, 2), float(r))).sum().backward()
+        alone_opt.step()
+        expect(torch.equal(alone.weight.detach(), torch.full((1, 2), 1.0 - r)),
+               f"DistributedOptimizer outside its set: a plain step: {alone.weight}")
     expect(hvd.remove_process_set(ps) and ps.process_set_id is None, "remove_process_set")
     if r % 2 == 0:  # Note [Process sets in autograd]: the removed set is named, on every member
         try:
