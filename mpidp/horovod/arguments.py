@@ -21,8 +21,8 @@ from .process_sets import group_of, on
 # Note [Names]
 # Horovod matches the operations of the ranks by name: a named operation submitted on one
 # rank waits for the one of that name on the others, in whatever order they submit them.
-# mpidp's operations run when they are called (Note [Handles that are done] in
-# mpidp/horovod/ops.py), in the order
+# mpidp's operations run when they are called (Note [Pending operations] in
+# mpidp/horovod/handles.py: an ``*_async`` one at the latest before the next), in the order
 # called, so a named operation instead carries its name in its header (a described stamp:
 # Note [Agreement before refusal] in mpidp/comm/agreement.py), and ranks that submit named
 # operations in another order — ``a`` then ``b`` on one rank, ``b`` then ``a`` on another

@@ -4,10 +4,10 @@ broadcast, reducescatter, their in-place, grouped and ``_async`` forms, ``poll``
 raise on every rank (mpidp's header exchange), never hang; so do an argument refused on one
 rank only (its own error there, a MismatchError naming it elsewhere) and names that differ
 (Note [Agreement before refusal] in mpidp/comm/agreement.py; Note [Names] in
-mpidp/horovod/arguments.py). Note [Handles that are done]."""
+mpidp/horovod/arguments.py). Note [Pending operations] in mpidp/horovod/handles.py."""
 from __future__ import annotations
 
-import itertools
+import inspect
 
 import torch
 
@@ -15,23 +15,13 @@ from .. import config
 from ..comm import collectives, fusion, joined
 from ..ddp import sync_bn
 from ..engine.header import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, UNKNOWN
-from . import backward
+from . import backward, handles
 from .arguments import (check_tensor, checked, named, op_word, refuse,
                         resolve_op)
 from .process_sets import group_of, local_root, on
 from .basics import Average, Max, Min, Product, Sum
 from .compression import Compression
 from .integers import NARROW, as_reduced, narrowed, scaled as _scaled, widened
-
-# Note [Handles that are done]
-# mpidp's collectives return once done, so an ``*_async`` call runs when it is made and its
-# handle is already complete: ``poll`` says True and ``synchronize`` returns the result.
-# Scripts written for Horovod's background thread run unchanged (they only hand the handle
-# back); the overlap of gradients with the backward pass, which is what Horovod's thread is
-# for, comes from DistributedOptimizer's buckets (Note [Gradients during backward] in
-# mpidp/horovod/backward.py).
-_handles: dict = {}
-_next_handle = itertools.count(1)
 
 _MPIDP_OP = {Average: "avg", Sum: "sum", Min: "min", Max: "max"}
 _PLAIN = {None: "avg", **_MPIDP_OP}  # allreduce_'s shortcut: ops with no rule to apply
@@ -254,8 +244,10 @@ def broadcast_(tensor, root_rank, name=None, process_set=None):
 
 
 def barrier(process_set=None) -> None:
-    """Returns once every rank (of ``process_set``) has called it."""
-    with on(process_set):
+    """Returns once every rank (of ``process_set``) has called it; operations pending stay
+    pending, as Horovod's barrier does not wait for those in flight (Note [Pending
+    operations] in mpidp/horovod/handles.py)."""
+    with on(process_set, pending=False):
         collectives.allreduce_(torch.zeros(1, dtype=torch.int32), "sum")
 
 
@@ -282,17 +274,16 @@ def join(device: int = -1) -> int:
         return joined.join(g, None if device < 0 else device)
 
 
-def done_handle(result) -> int:
-    handle = next(_next_handle)
-    _handles[handle] = result
-    return handle
-
-
 def _async(fn, name: str):
+    """``fn``'s ``*_async`` form: the operation held pending, its handle returned (Note
+    [Pending operations] in mpidp/horovod/handles.py)."""
+    signature = inspect.signature(fn)
+
     def run(*args, **kwargs):
-        return done_handle(fn(*args, **kwargs))
+        called = signature.bind(*args, **kwargs).arguments.get("name")
+        return handles.submit(lambda: fn(*args, **kwargs), called)
     run.__name__ = run.__qualname__ = name
-    run.__doc__ = f"``{fn.__name__}``, its handle returned (Note [Handles that are done])."
+    run.__doc__ = f"``{fn.__name__}``, held pending; its handle returned (Note [Pending operations])."
     return run
 
 
@@ -324,16 +315,4 @@ def sparse_allreduce_async(tensor, name, op, process_set=None):
     return result
 
 
-def poll(handle: int) -> bool:
-    """Whether the operation of ``handle`` is done (always, Note [Handles that are done])."""
-    if handle not in _handles:
-        raise ValueError(f"handle {handle!r} is not an operation in flight")
-    return True
-
-
-def synchronize(handle: int):
-    """The result of the operation of ``handle``; the handle is spent."""
-    try:
-        return _handles.pop(handle)
-    except KeyError:
-        raise ValueError(f"handle {handle!r} is not an operation in flight") from None
+poll, synchronize = handles.poll, handles.synchronize

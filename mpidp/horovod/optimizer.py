@@ -143,9 +143,10 @@ class _DistributedOptimizer:
     def step(self, closure=None):
         if not self._hvd_skip:
             if self._hvd_synchronized:
-                warnings.warn("mpidp.horovod: step() after synchronize() all-reduces the "
-                              "gradients a second time; call step() inside "
-                              "`with optimizer.skip_synchronize():`", stacklevel=2)
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize() (Horovod's words): "
+                              "mpidp.horovod all-reduces the gradients a second time; call "
+                              "step() inside `with optimizer.skip_synchronize():`", stacklevel=2)
             self.synchronize()
         self._hvd_synchronized = False
         return super().step(closure)

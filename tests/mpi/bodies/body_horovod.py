@@ -67,8 +67,28 @@ for dtype in (torch.uint8, torch.int8, torch.int16, torch.bool):
 y = x.clone()
 expect(hvd.allreduce_(y, op=hvd.Sum) is y and torch.equal(y, torch.full((5,), n * (n + 1) / 2)),
        "allreduce_ in place")
+# Note [Pending operations]: an async operation is pending until its poll or synchronize,
+# or the next operation but barrier; a name pending twice is refused on its rank alone
 h = hvd.allreduce_async(x, op=hvd.Max)
-expect(hvd.poll(h) and torch.equal(hvd.synchronize(h), torch.full((5,), float(n))), "async")
+expect(not hvd.poll(h) and hvd.poll(h) and
+       torch.equal(hvd.synchronize(h), torch.full((5,), float(n))), "async: poll")
+if r == 0:
+    first = hvd.allgather_async(x, name="twice")
+    try:
+        hvd.allgather_async(x, name="twice")
+        expect(False, "a name pending twice should be refused")
+    except ValueError as exc:
+        expect("already in flight" in str(exc), str(exc))
+hvd.barrier()  # rank 0's allgather stays pending across it, as in Horovod
+if r != 0:
+    first = hvd.allgather_async(x, name="twice")
+hvd.barrier()
+ahead = hvd.broadcast_async(x, root_rank=0)
+expect(torch.equal(hvd.allreduce(x, op=hvd.Sum), torch.full((5,), n * (n + 1) / 2)) and
+       torch.equal(hvd.synchronize(first), torch.cat([torch.full((5,), q + 1.0) for q in
+                                                      range(n)])) and
+       torch.equal(hvd.synchronize(ahead), torch.ones(5)) and hvd.synchronize(ahead) is None,
+       "pending operations run before the next one, in order")
 pair = [x.clone(), torch.arange(3, dtype=torch.float64) * (r + 1)]
 out = hvd.grouped_allreduce(pair, op=hvd.Sum)
 expect(torch.equal(out[0], torch.full((5,), n * (n + 1) / 2)) and
