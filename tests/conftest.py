@@ -15,6 +15,10 @@ def pytest_addoption(parser):
     parser.addoption("--horovod-examples", metavar="DIR", default=None,
                      help="examples/pytorch of a Horovod checkout: run its scripts on mpidp "
                           "(tests/mpi/test_horovod_examples.py; the project carries no copy)")
+    parser.addoption("--horovod-checkout", metavar="DIR", default=None,
+                     help="a Horovod checkout at v0.28.1: run its test/parallel/test_torch.py "
+                          "on mpidp.horovod (tests/mpi/test_horovod_suite.py; needs "
+                          "cloudpickle and mock, which its test/utils/common.py imports)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,7 @@ from ..comm import collectives
 from ..dist import ops as dist_ops
 from ..engine.header import ALLGATHER
 from .arguments import check_tensor, named, refuse
-from .ops import done_handle
+from . import handles
 from .process_sets import on
 
 
@@ -85,8 +85,11 @@ def _check(tensor, process_set) -> None:
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
-    """``alltoall``, its handle returned; ``synchronize`` gives (tensor, received splits), as
-    Horovod's does."""
-    _check(tensor, process_set)
-    with named(name, process_set):
-        return done_handle(_Alltoall.apply(tensor, splits, process_set))
+    """``alltoall``, held pending, its handle returned (Note [Pending operations] in
+    mpidp/horovod/handles.py); ``synchronize`` gives (tensor, received splits), as Horovod's
+    does."""
+    def run():
+        _check(tensor, process_set)
+        with named(name, process_set):
+            return _Alltoall.apply(tensor, splits, process_set)
+    return handles.submit(run, name)

@@ -21,8 +21,8 @@ from .process_sets import group_of, on
 # Note [Names]
 # Horovod matches the operations of the ranks by name: a named operation submitted on one
 # rank waits for the one of that name on the others, in whatever order they submit them.
-# mpidp's operations run when they are called (Note [Handles that are done] in
-# mpidp/horovod/ops.py), in the order
+# mpidp's operations run when they are called (Note [Pending operations] in
+# mpidp/horovod/handles.py: an ``*_async`` one at the latest before the next), in the order
 # called, so a named operation instead carries its name in its header (a described stamp:
 # Note [Agreement before refusal] in mpidp/comm/agreement.py), and ranks that submit named
 # operations in another order — ``a`` then ``b`` on one rank, ``b`` then ``a`` on another
@@ -51,12 +51,6 @@ def resolve_op(op: Optional[int], average: Optional[bool]) -> int:
 def check_tensor(tensor: Any, what: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
-
-
-def check_average(tensor: torch.Tensor, op: int) -> None:
-    if op == Average and (tensor.is_complex() or not tensor.is_floating_point()):
-        raise ValueError(f"op=hvd.Average needs a floating tensor, got {tensor.dtype}; use "
-                         "op=hvd.Sum and divide")
 
 
 _DTYPE_CODES = {torch.float16: F16, torch.bfloat16: BF16, torch.float32: F32,
@@ -120,7 +114,6 @@ def checked(tensor: Any, op: Any, average: Any, process_set, kind: int, what: st
             raise ValueError(f"{what} takes " + ", ".join(f"hvd.{basics.op_name(o)}"
                                                           for o in ops) +
                              f", not hvd.{basics.op_name(op)}")
-        check_average(tensor, op)
         return op
     except Exception as exc:
         refuse(exc, process_set, kind, tensor, asked)

@@ -13,6 +13,11 @@ from . import settings
 # Horovod's ReduceOp values, so that a script that stores or compares them sees the numbers
 # it knows
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
+
+
+class HorovodInternalError(RuntimeError):
+    """Horovod's error for a collective that failed inside Horovod (horovod.common.exceptions);
+    mpidp's collectives raise mpidp's errors, so scripts catch it and find nothing new."""
 OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
             Product: "Product"}
 

@@ -4,10 +4,10 @@ broadcast, reducescatter, their in-place, grouped and ``_async`` forms, ``poll``
 raise on every rank (mpidp's header exchange), never hang; so do an argument refused on one
 rank only (its own error there, a MismatchError naming it elsewhere) and names that differ
 (Note [Agreement before refusal] in mpidp/comm/agreement.py; Note [Names] in
-mpidp/horovod/arguments.py). Note [Handles that are done]."""
+mpidp/horovod/arguments.py). Note [Pending operations] in mpidp/horovod/handles.py."""
 from __future__ import annotations
 
-import itertools
+import inspect
 
 import torch
 
@@ -15,50 +15,42 @@ from .. import config
 from ..comm import collectives, fusion, joined
 from ..ddp import sync_bn
 from ..engine.header import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, UNKNOWN
-from . import backward
-from .arguments import (check_average, check_tensor, checked, named, op_word, refuse,
+from . import backward, handles
+from .arguments import (check_tensor, checked, named, op_word, refuse,
                         resolve_op)
 from .process_sets import group_of, local_root, on
 from .basics import Average, Max, Min, Product, Sum
 from .compression import Compression
-
-# Note [Handles that are done]
-# mpidp's collectives return once done, so an ``*_async`` call runs when it is made and its
-# handle is already complete: ``poll`` says True and ``synchronize`` returns the result.
-# Scripts written for Horovod's background thread run unchanged (they only hand the handle
-# back); the overlap of gradients with the backward pass, which is what Horovod's thread is
-# for, comes from DistributedOptimizer's buckets (Note [Gradients during backward] in
-# mpidp/horovod/backward.py).
-_handles: dict = {}
-_next_handle = itertools.count(1)
+from .integers import NARROW, as_reduced, narrowed, scaled as _scaled, widened
 
 _MPIDP_OP = {Average: "avg", Sum: "sum", Min: "min", Max: "max"}
 _PLAIN = {None: "avg", **_MPIDP_OP}  # allreduce_'s shortcut: ops with no rule to apply
 _TENSOR = torch.Tensor
-
-
-def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
-    if factor != 1.0:
-        x.mul_(factor)
-    return x
+# allreduce_'s shortcut: the dtypes mpidp's collectives carry (Note [Horovod's integer
+# scaling] in mpidp/horovod/integers.py: the others, and an integer Average, go round)
+_FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+_CARRIED = _FLOATS | {torch.int32, torch.int64}
 
 
 def _reduce_into(x: torch.Tensor, op: int) -> torch.Tensor:
-    """Reduces ``x`` (a tensor this module owns) in place over every rank."""
+    """Reduces ``x`` (a tensor this module owns, of a dtype mpidp carries; an integer
+    Average already made a Sum) in place over every rank."""
     if op == Product:  # no product kernel: every rank multiplies all inputs in rank order
         every = collectives.allgather(x.reshape(1, -1))
         return x.copy_(torch.prod(every, dim=0).reshape(x.shape))
-    check_average(x, op)
     collectives.allreduce_(x, _MPIDP_OP[op])
     return x
 
 
 def reduced(tensor: torch.Tensor, op: int, prescale: float = 1.0,
             postscale: float = 1.0) -> torch.Tensor:
-    """A new tensor: ``tensor`` times ``prescale``, reduced with ``op``, times ``postscale``."""
+    """A new tensor: ``tensor`` times ``prescale``, reduced with ``op``, times ``postscale``,
+    on the current group (Note [Horovod's integer scaling] in mpidp/horovod/integers.py)."""
     with torch.no_grad():
-        x = tensor.detach().clone(memory_format=torch.contiguous_format)
-        return _scaled(_reduce_into(_scaled(x, prescale), op), postscale)
+        op, postscale = as_reduced(tensor, op, postscale)
+        x = widened(tensor.detach()).clone(memory_format=torch.contiguous_format)
+        x = _scaled(_reduce_into(_scaled(x, prescale), op), postscale)
+        return narrowed(x, tensor.dtype)
 
 
 class _Allreduce(torch.autograd.Function):
@@ -96,12 +88,13 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
             postscale_factor == 1.0 and type(tensor) is _TENSOR and not backward.active \
             and name is None:
         plain = _PLAIN.get(op) if op is None or type(op) is int else None
-        if plain is not None and (plain != "avg" or tensor.is_floating_point()):
+        if plain is not None and tensor.dtype in (_FLOATS if plain == "avg" else _CARRIED):
             collectives.allreduce_(tensor, plain)  # the common call, straight to mpidp's
             return tensor
     op = checked(tensor, op, average, process_set, ALLREDUCE, "allreduce_")
     with torch.no_grad(), on(process_set), named(name, process_set):
-        if tensor.is_contiguous() and op != Product and prescale_factor == 1.0:
+        if tensor.is_contiguous() and op != Product and prescale_factor == 1.0 and \
+                tensor.is_floating_point():
             return _scaled(_reduce_into(tensor, op), float(postscale_factor))
         return tensor.copy_(reduced(tensor, op, float(prescale_factor),
                                     float(postscale_factor)))
@@ -129,12 +122,12 @@ def _grouped(tensors, in_place, average, op, prescale, postscale, process_set, c
         tensors = list(tensors)
         for t in tensors:
             check_tensor(t, "grouped_allreduce")
-            check_average(t, op)
     except Exception as exc:
         refuse(exc, process_set, ALLREDUCE, None, asked)
         raise
     with named(name, process_set):
-        if op == Product or (any(t.requires_grad for t in tensors) and not in_place):
+        if op == Product or any(t.dtype not in (_FLOATS if op == Average else _CARRIED)
+                                or (t.requires_grad and not in_place) for t in tensors):
             outs = [allreduce(t, op=op, prescale_factor=prescale, postscale_factor=postscale,
                               compression=compression, process_set=process_set)
                     for t in tensors]
@@ -169,18 +162,19 @@ def _rows_of_every_rank(rows: int) -> list:
 
 
 class _Allgather(torch.autograd.Function):
-    """Horovod's: the gradient is this rank's rows of the summed gradient."""
+    """Horovod's: the gradient is this rank's rows of the averaged gradient."""
 
     @staticmethod
     def forward(ctx, tensor, process_set):
         ctx.rows, ctx.process_set = tensor.shape[0], process_set
         with on(process_set):
-            return collectives.allgather(tensor.detach().contiguous())
+            return narrowed(collectives.allgather(widened(tensor.detach().contiguous())),
+                            tensor.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         with on(ctx.process_set) as g:
-            total = reduced(grad, Sum)
+            total = reduced(grad, Average)
             start = sum(_rows_of_every_rank(ctx.rows)[:g.rank])
         return total.narrow(0, start, ctx.rows), None
 
@@ -203,18 +197,19 @@ def grouped_allgather(tensors, name=None, process_set=None):
 
 
 class _Broadcast(torch.autograd.Function):
-    """Horovod's: root's gradient is the sum of every rank's, the others' zero."""
+    """Horovod's: root's gradient is the average of every rank's, the others' zero."""
 
     @staticmethod
     def forward(ctx, tensor, root, process_set):
         ctx.root, ctx.process_set = root, process_set  # root: a rank of the set's group
         with on(process_set):
-            return collectives.broadcast(tensor.detach().contiguous(), root)
+            return narrowed(collectives.broadcast(widened(tensor.detach().contiguous()), root),
+                            tensor.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         with on(ctx.process_set) as g:
-            total = reduced(grad, Sum)
+            total = reduced(grad, Average)
         return (total if g.rank == ctx.root else total.zero_()), None, None
 
 
@@ -243,28 +238,16 @@ def broadcast_(tensor, root_rank, name=None, process_set=None):
     """In place: every rank's ``tensor`` holds root's values, and is returned."""
     root = _checked_root(tensor, root_rank, process_set, "broadcast_")
     with torch.no_grad(), on(process_set), named(name, process_set):
-        if tensor.is_contiguous():
+        if tensor.is_contiguous() and tensor.dtype not in NARROW:
             return collectives.broadcast_(tensor, root)
-        return tensor.copy_(collectives.broadcast(tensor.contiguous(), root))
-
-
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
-                  process_set=None, prescale_factor=1.0, postscale_factor=1.0):
-    """This rank's block (along dimension 0, the first ranks taking one row more where it
-    does not divide) of the reduction of ``tensor`` over every rank."""
-    op = checked(tensor, op, None, process_set, REDUCE_SCATTER, "reducescatter",
-                 (Average, Sum, Min, Max))
-    compressed, ctx = compression.compress(tensor)
-    with torch.no_grad(), on(process_set), named(name, process_set):
-        x = _scaled(compressed.detach().clone(memory_format=torch.contiguous_format),
-                    float(prescale_factor))
-        out = collectives.reduce_scatter(x, _MPIDP_OP[op])
-        return compression.decompress(_scaled(out, float(postscale_factor)), ctx)
+        return tensor.copy_(collectives.broadcast(widened(tensor.contiguous()), root))
 
 
 def barrier(process_set=None) -> None:
-    """Returns once every rank (of ``process_set``) has called it."""
-    with on(process_set):
+    """Returns once every rank (of ``process_set``) has called it; operations pending stay
+    pending, as Horovod's barrier does not wait for those in flight (Note [Pending
+    operations] in mpidp/horovod/handles.py)."""
+    with on(process_set, pending=False):
         collectives.allreduce_(torch.zeros(1, dtype=torch.int32), "sum")
 
 
@@ -291,17 +274,16 @@ def join(device: int = -1) -> int:
         return joined.join(g, None if device < 0 else device)
 
 
-def done_handle(result) -> int:
-    handle = next(_next_handle)
-    _handles[handle] = result
-    return handle
-
-
 def _async(fn, name: str):
+    """``fn``'s ``*_async`` form: the operation held pending, its handle returned (Note
+    [Pending operations] in mpidp/horovod/handles.py)."""
+    signature = inspect.signature(fn)
+
     def run(*args, **kwargs):
-        return done_handle(fn(*args, **kwargs))
+        called = signature.bind(*args, **kwargs).arguments.get("name")
+        return handles.submit(lambda: fn(*args, **kwargs), called)
     run.__name__ = run.__qualname__ = name
-    run.__doc__ = f"``{fn.__name__}``, its handle returned (Note [Handles that are done])."
+    run.__doc__ = f"``{fn.__name__}``, held pending; its handle returned (Note [Pending operations])."
     return run
 
 
@@ -313,19 +295,24 @@ allgather_async = _async(allgather, "allgather_async")
 grouped_allgather_async = _async(grouped_allgather, "grouped_allgather_async")
 broadcast_async = _async(broadcast, "broadcast_async")
 broadcast_async_ = _async(broadcast_, "broadcast_async_")
-reducescatter_async = _async(reducescatter, "reducescatter_async")
 
 
-def poll(handle: int) -> bool:
-    """Whether the operation of ``handle`` is done (always, Note [Handles that are done])."""
-    if handle not in _handles:
-        raise ValueError(f"handle {handle!r} is not an operation in flight")
-    return True
+def sparse_allreduce_async(tensor, name, op, process_set=None):
+    """Horovod's reduction of a sparse ``tensor``: its indices and values gathered from
+    every rank (named ``<name>.indices``, ``<name>.values``), the values divided by the
+    set's size for Average; returns a function that returns the sparse result."""
+    indices = allgather(tensor._indices().transpose(0, 1).contiguous(),
+                        name=f"{name}.indices", process_set=process_set)
+    values = allgather(tensor._values(), name=f"{name}.values", process_set=process_set)
+    if op == Average:
+        with on(process_set) as g:
+            values = values / g.size
+
+    def result():
+        if indices.dim() == 0 or values.dim() == 0:
+            return tensor.new().resize_as_(tensor)
+        return tensor.new(indices.transpose(0, 1), values, tensor.size())
+    return result
 
 
-def synchronize(handle: int):
-    """The result of the operation of ``handle``; the handle is spent."""
-    try:
-        return _handles.pop(handle)
-    except KeyError:
-        raise ValueError(f"handle {handle!r} is not an operation in flight") from None
+poll, synchronize = handles.poll, handles.synchronize

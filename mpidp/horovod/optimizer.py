@@ -18,7 +18,7 @@ from . import backward
 from .compression import Compression
 from .arguments import resolve_op
 from .ops import fused
-from .process_sets import group_of, local_root, on
+from .process_sets import ProcessSet, group_of, local_root, on
 
 
 _made: dict = {}  # process set id -> a count of the DistributedOptimizers made on it
@@ -57,7 +57,7 @@ class _DistributedOptimizer:
         if op == Product:
             raise ValueError("DistributedOptimizer takes op=hvd.Average, hvd.Sum, hvd.Min or "
                              "hvd.Max, not hvd.Product")
-        self._hvd_params = [p for p in params if p.requires_grad]
+        self._hvd_params = [p for p in params if p.requires_grad and self._hvd_member]
         self._hvd_compression = compression
         self._hvd_passes = backward_passes_per_step
         self._hvd_op = op
@@ -72,6 +72,10 @@ class _DistributedOptimizer:
         # Horovod's names them), so that a call in another's place raises on every rank
         self._hvd_buckets = backward.Buckets(self._hvd_params, buckets, self._hvd_task)
         names = {id(p): n for n, p in named} if named_parameters is not None else {}
+        # Horovod's names: the given ones, else allreduce.noname.<group>.<index>
+        self._parameter_names = {p: n for n, p in named} if named_parameters is not None \
+            else {p: f"allreduce.noname.{i}.{j}" for i, group in enumerate(self.param_groups)
+                  for j, p in enumerate(group["params"])}
         where = 0 if self._hvd_process_set is None else self._hvd_process_set.process_set_id
         serial = next(_made.setdefault(where, itertools.count()))  # unnamed: the order the
         self._hvd_tags = [backward.tag(k, len(buckets), [  # set's ranks all make them in
@@ -139,9 +143,10 @@ class _DistributedOptimizer:
     def step(self, closure=None):
         if not self._hvd_skip:
             if self._hvd_synchronized:
-                warnings.warn("mpidp.horovod: step() after synchronize() all-reduces the "
-                              "gradients a second time; call step() inside "
-                              "`with optimizer.skip_synchronize():`", stacklevel=2)
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize() (Horovod's words): "
+                              "mpidp.horovod all-reduces the gradients a second time; call "
+                              "step() inside `with optimizer.skip_synchronize():`", stacklevel=2)
             self.synchronize()
         self._hvd_synchronized = False
         return super().step(closure)
@@ -173,8 +178,12 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    if process_set is not None:
-        group_of(process_set)  # a set this rank is in, or the error
+    # Horovod's: on a rank outside the set the optimizer reduces nothing (its step is the
+    # plain step); a set not added, or not a set, is the error
+    member = not isinstance(process_set, ProcessSet) or process_set.process_set_id is None \
+        or process_set.included()
+    if process_set is not None and member:
+        group_of(process_set)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     if num_groups and groups is None:
         groups = num_groups
@@ -182,6 +191,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     optimizer.__class__.__init__(distributed, optimizer.param_groups)
     distributed.defaults = dict(optimizer.defaults)
     distributed._hvd_process_set = process_set
+    distributed._hvd_member = member
     distributed._distribute(named_parameters, compression, backward_passes_per_step, op,
                             gradient_predivide_factor, sparse_as_dense, groups)
     return distributed
@@ -194,7 +204,19 @@ def broadcast_parameters(params, root_rank, process_set=None) -> None:
 
 
 def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=None) -> None:
-    """Every rank's optimizer state (moments, steps, hyper-parameters) set to root's."""
+    """Every rank's optimizer state (moments, steps, hyper-parameters) set to root's. An
+    optimizer without state is first given one as Horovod gives it: each parameter that
+    requires a gradient gets a zero gradient (kept afterwards), and the optimizer's own step
+    (not DistributedOptimizer's all-reduce) runs once."""
+    if isinstance(optimizer, torch.optim.Optimizer) and not optimizer.state_dict()["state"]:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        if isinstance(optimizer, _DistributedOptimizer):
+            super(_DistributedOptimizer, optimizer).step()
+        else:
+            optimizer.step()
     with on(process_set):
         state_broadcast.broadcast_optimizer_state(optimizer, local_root(process_set, root_rank))
 

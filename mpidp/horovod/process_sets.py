@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from .. import runtime
 from ..comm import fingerprint
-from . import backward
+from . import backward, handles
 from ..errors import NotInitializedError
 
 
@@ -68,6 +68,7 @@ def add_process_set(process_set: Any) -> ProcessSet:
     if not runtime.is_initialized():
         raise NotInitializedError("Horovod has not been initialized; use hvd.init().")
     g = runtime.init_group()
+    handles.run_pending()  # Note [Pending operations] in mpidp/horovod/handles.py
     ps, failed = None, None
     try:
         ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
@@ -95,6 +96,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     valid."""
     if process_set.process_set_id in (None, 0):
         return False
+    handles.run_pending()  # Note [Pending operations] in mpidp/horovod/handles.py
     with _after_buckets():  # an optimizer on the set flushes its buckets while it is valid
         _sets.pop(process_set.process_set_id, None)
         process_set.process_set_id = None
@@ -112,6 +114,7 @@ def _after_buckets():
 
 def forget() -> None:
     """At shutdown: every added set becomes invalid (its sub-group goes with mpidp's)."""
+    handles.forget()
     for ps in _sets.values():
         ps.process_set_id, ps._group = None, None
     _sets.clear()
@@ -138,9 +141,13 @@ def group_of(process_set: Optional[ProcessSet]):
 # then raises Horovod's "not added or was removed" ValueError on every member, where a freed
 # group would fail somewhere inside MPI.
 @contextlib.contextmanager
-def on(process_set: Optional[ProcessSet]):
+def on(process_set: Optional[ProcessSet], pending: bool = True):
     """Runs the block's collectives on ``process_set``'s group, after the gradient buckets in
-    flight (Note [Gradients during backward] in mpidp/horovod/backward.py); yields it."""
+    flight (Note [Gradients during backward] in mpidp/horovod/backward.py) and, unless
+    ``pending`` is False, after the operations pending (Note [Pending operations] in
+    mpidp/horovod/handles.py); yields it."""
+    if pending:
+        handles.run_pending()
     g = group_of(process_set)
     with _after_buckets(), runtime.using(g):
         yield g

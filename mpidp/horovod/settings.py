@@ -57,9 +57,8 @@ def _fusion(value: str) -> dict:
 
 
 def _timeline(value: str) -> dict:
-    if value.strip().upper() == "DYNAMIC":
-        raise ConfigError("HOROVOD_TIMELINE", value, "hvd.start_timeline is not supported; "
-                          "name the file here, or set MPIDP_TIMELINE=file.json")
+    if value.strip().upper() == "DYNAMIC":  # Horovod's "none until hvd.start_timeline"
+        return {}
     return {"MPIDP_TIMELINE": value}
 
 

@@ -40,11 +40,55 @@ expect(torch.equal(got, torch.full((5,), n * (n + 1) / 2)), f"pre/postscale: {go
 ints = torch.arange(4, dtype=torch.int64) + r
 expect(torch.equal(hvd.allreduce(ints, op=hvd.Sum), n * torch.arange(4) + n * (n - 1) // 2),
        "int64 Sum")
+# integers as Horovod scales them: in double, truncated toward zero (an Average is a Sum
+# whose postscale is divided by n); the narrow dtypes come back in their own dtype
+base = torch.tensor([7, -7, 5])
+odd = (base * (r + 1)).to(torch.int32)
+for op, pre, post in ((hvd.Average, 1.0, 1.0), (hvd.Sum, 0.5, 1.0), (hvd.Sum, 1.0, 0.3),
+                      (hvd.Average, 1.0, 3.0)):
+    summed = sum((base * (q + 1)).double().mul(pre).to(torch.int32) for q in range(n))
+    want = (summed.double() * (post / n if op == hvd.Average else post)).to(torch.int32)
+    for form in (hvd.allreduce, hvd.allreduce_):
+        got = form(odd.clone(), op=op, prescale_factor=pre, postscale_factor=post)
+        expect(got.dtype == torch.int32 and torch.equal(got, want),
+               f"int32 {form.__name__} op {op} x{pre} x{post}: {got} != {want}")
+for dtype in (torch.uint8, torch.int8, torch.int16, torch.bool):
+    small = (torch.arange(6) % 2 == 1) if dtype is torch.bool else torch.arange(6) + r
+    small = small.to(dtype)
+    summed = hvd.allreduce(small, op=hvd.Sum)
+    want = (sum(((torch.arange(6) % 2 == 1).to(torch.int32) if dtype is torch.bool
+                 else torch.arange(6) + q) for q in range(n))).to(dtype)
+    expect(summed.dtype == dtype and torch.equal(summed, want), f"{dtype} Sum: {summed}")
+    every = hvd.allgather(small.reshape(2, 3))
+    expect(every.dtype == dtype and every.shape == (2 * n, 3), f"{dtype} allgather")
+    top = hvd.broadcast(small, n - 1)
+    expect(top.dtype == dtype and torch.equal(hvd.broadcast_(small.clone(), n - 1), top),
+           f"{dtype} broadcast")
 y = x.clone()
 expect(hvd.allreduce_(y, op=hvd.Sum) is y and torch.equal(y, torch.full((5,), n * (n + 1) / 2)),
        "allreduce_ in place")
+# Note [Pending operations]: an async operation is pending until its poll or synchronize,
+# or the next operation but barrier; a name pending twice is refused on its rank alone
 h = hvd.allreduce_async(x, op=hvd.Max)
-expect(hvd.poll(h) and torch.equal(hvd.synchronize(h), torch.full((5,), float(n))), "async")
+expect(not hvd.poll(h) and hvd.poll(h) and
+       torch.equal(hvd.synchronize(h), torch.full((5,), float(n))), "async: poll")
+if r == 0:
+    first = hvd.allgather_async(x, name="twice")
+    try:
+        hvd.allgather_async(x, name="twice")
+        expect(False, "a name pending twice should be refused")
+    except ValueError as exc:
+        expect("already in flight" in str(exc), str(exc))
+hvd.barrier()  # rank 0's allgather stays pending across it, as in Horovod
+if r != 0:
+    first = hvd.allgather_async(x, name="twice")
+hvd.barrier()
+ahead = hvd.broadcast_async(x, root_rank=0)
+expect(torch.equal(hvd.allreduce(x, op=hvd.Sum), torch.full((5,), n * (n + 1) / 2)) and
+       torch.equal(hvd.synchronize(first), torch.cat([torch.full((5,), q + 1.0) for q in
+                                                      range(n)])) and
+       torch.equal(hvd.synchronize(ahead), torch.ones(5)) and hvd.synchronize(ahead) is None,
+       "pending operations run before the next one, in order")
 pair = [x.clone(), torch.arange(3, dtype=torch.float64) * (r + 1)]
 out = hvd.grouped_allreduce(pair, op=hvd.Sum)
 expect(torch.equal(out[0], torch.full((5,), n * (n + 1) / 2)) and
@@ -79,10 +123,35 @@ g_in = torch.full((r + 1, 2), 1.0, requires_grad=True)
 weights = torch.arange(n * (n + 1) // 2 * 2, dtype=torch.float32).reshape(-1, 2)
 (hvd.allgather(g_in) * weights).sum().backward()
 start = r * (r + 1) // 2
-expect(torch.equal(g_in.grad, n * weights[start:start + r + 1]), "allgather's gradient")
+expect(torch.equal(g_in.grad, weights[start:start + r + 1]), "allgather's gradient: averaged")
 c = torch.ones(3, requires_grad=True)
 hvd.broadcast(c, 0).sum().backward()
-expect(torch.equal(c.grad, torch.full((3,), float(n) if r == 0 else 0.0)), "broadcast's gradient")
+expect(torch.equal(c.grad, torch.full((3,), 1.0 if r == 0 else 0.0)),
+       "broadcast's gradient: averaged on the root")
+
+# reducescatter's gradient, Horovod's: every rank's gathered, times n for Sum, times the
+# factors, an Average's not divided
+rs_in = torch.ones(2 * n, 2, requires_grad=True)
+(hvd.reducescatter(rs_in, op=hvd.Sum, postscale_factor=0.5) * (r + 1)).sum().backward()
+want = torch.cat([torch.full((2, 2), (q + 1) * n * 0.5) for q in range(n)])
+expect(torch.equal(rs_in.grad, want), f"reducescatter's gradient (Sum): {rs_in.grad}")
+rs_in.grad = None
+(hvd.reducescatter(rs_in) * (r + 1)).sum().backward()
+want = torch.cat([torch.full((2, 2), q + 1.0) for q in range(n)])
+expect(torch.equal(rs_in.grad, want), f"reducescatter's gradient (Average): {rs_in.grad}")
+pieces = hvd.grouped_reducescatter([torch.ones(n, 1) * (r + 1), torch.arange(2.0 * n) * (r + 1)],
+                                   op=hvd.Sum)
+expect(torch.equal(pieces[0], torch.full((1, 1), n * (n + 1) / 2)) and
+       torch.equal(pieces[1], torch.arange(2.0 * r, 2.0 * r + 2) * n * (n + 1) / 2),
+       f"grouped_reducescatter: {pieces}")
+h = hvd.grouped_reducescatter_async([torch.ones(n, 3)], op=hvd.Sum)
+expect(torch.equal(hvd.synchronize(h)[0], torch.full((1, 3), float(n))), "its _async form")
+sparse = torch.zeros(4, 2)
+sparse[r % 4] = r + 1.0
+gathered = hvd.sparse_allreduce_async(sparse.to_sparse(), name="sparse", op=hvd.Average)()
+expect(torch.equal(gathered.to_dense(), sum(torch.zeros(4, 2).index_fill(0, torch.tensor(
+    [q % 4]), q + 1.0) for q in range(n)) / n), f"sparse_allreduce_async: {gathered}")
+expect(issubclass(hvd.HorovodInternalError, RuntimeError), "HorovodInternalError")
 
 # ---- the broadcasts a script starts with -----------------------------------------------------
 torch.manual_seed(100 + r)  # every rank starts elsewhere
@@ -103,6 +172,20 @@ labels = torch.randint(0, 3, (4 * n * 6,), generator=g)
 
 def loss_of(m, xs, ys):
     return torch.nn.functional.cross_entropy(m(xs), ys)
+
+
+# broadcast_optimizer_state on an optimizer without state, Horovod's: each parameter that
+# requires a gradient gets a zero one (kept), the optimizer's own step runs once, and an
+# optimizer built without names names its parameters allreduce.noname.<group>.<index>
+fresh = torch.nn.Linear(3, 2)
+fresh.bias.requires_grad_(False)
+fresh_opt = hvd.DistributedOptimizer(torch.optim.SGD(
+    [{"params": [fresh.weight]}, {"params": [fresh.bias]}], lr=0.1, momentum=0.9))
+expect(sorted(fresh_opt._parameter_names.values()) ==
+       ["allreduce.noname.0.0", "allreduce.noname.1.0"], f"{fresh_opt._parameter_names}")
+hvd.broadcast_optimizer_state(fresh_opt, root_rank=0)
+expect(torch.equal(fresh.weight.grad, torch.zeros(2, 3)) and fresh.bias.grad is None and
+       len(fresh_opt.state_dict()["state"]) == 1, "broadcast_optimizer_state of a new optimizer")
 
 
 def train(distributed: bool, passes: int = 1, **options):
@@ -350,6 +433,15 @@ else:
             expect(False, "a rank outside the set should be refused")
         except ValueError as exc:
             expect(f"rank {r} is not in" in str(exc), str(exc))
+        # Horovod's: a DistributedOptimizer on a set without this rank reduces nothing here
+        alone = torch.nn.Linear(2, 1, bias=False)
+        torch.nn.init.constant_(alone.weight, 1.0)
+        alone_opt = hvd.DistributedOptimizer(torch.optim.SGD(alone.parameters(), lr=1.0),
+                                             process_set=ps)
+        alone(torch.full((1, 2), float(r))).sum().backward()
+        alone_opt.step()
+        expect(torch.equal(alone.weight.detach(), torch.full((1, 2), 1.0 - r)),
+               f"DistributedOptimizer outside its set: a plain step: {alone.weight}")
     expect(hvd.remove_process_set(ps) and ps.process_set_id is None, "remove_process_set")
     if r % 2 == 0:  # Note [Process sets in autograd]: the removed set is named, on every member
         try:
@@ -361,8 +453,7 @@ else:
 # ---- refused on every rank, at the same call -------------------------------------------------
 for call, words in ((lambda: hvd.allreduce(x, op=hvd.Adasum), "Adasum"),
                     (lambda: hvd.alltoall(torch.ones(3), splits=[5] * n), "do not split"),
-                    (lambda: hvd.broadcast_object(object(), root_rank=0), "broadcast_object"),
-                    (lambda: hvd.allreduce(ints), "Average needs a floating tensor")):
+                    (lambda: hvd.broadcast_object(object(), root_rank=0), "broadcast_object")):
     try:
         call()
         expect(False, f"{words}: should have been refused")
