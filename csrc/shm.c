@@ -237,14 +237,22 @@ static int store_to_peer(const shm_call *c, const direct_t *dx, int q, size_t of
  * chunk by chunk through a cache-sized scratch buffer (peers mapped here are loaded from
  * directly). Returns 0 or an errno. */
 /* Note [Chunk size]
- * A slice is reduced a chunk at a time (MPIDP_SHM_CHUNK_BYTES, 1 MiB by default): each peer's
+ * A slice is reduced a chunk at a time (MPIDP_SHM_CHUNK_BYTES, 256 KiB by default): each peer's
  * chunk is read into a scratch that stays in cache, reduced, and written back out. Each chunk
  * costs a process_vm_readv and a process_vm_writev per peer, and the kernel pins the pages of
  * every call: on the 2-core test machine (AMD EPYC, 1 MiB L2 a core, 32 MiB L3) reading a
  * peer's 32 MiB through 64 KiB chunks ran at 7.2 GB/s, 256 KiB at 9.6 and 1 MiB at 13.9 (a
  * user-space copy of the same pattern: 12-16; bench/copy_kinds.py --chunk). The 64 MiB
  * in-place all-reduce on 2 ranks took 0.82x the time with 1 MiB chunks as with 256 KiB, and
- * 0.85-0.93x from 1 to 32 MiB (bench/RESULTS.md, issue 32). The scratch is never larger than
+ * 0.85-0.93x from 1 to 32 MiB (bench/RESULTS.md, issue 32), so the default was 1 MiB. On
+ * today's 2-core machine (Intel Xeon, 2 MiB L2 a core, 300 MiB L3) the same comparison went the
+ * other way in every pair: 256 KiB took 0.67-0.77x the time of 1 MiB from 4 to 64 MiB with
+ * rotated buffers and 0.58-0.83x from 1 to 64 MiB with buffers in cache, level at 256 KiB and
+ * at 1 MiB rotated (4 alternating pairs each, bench/RESULTS.md, issue 45): the 1 MiB default
+ * was the 64 MiB all-reduce's 21-35% loss since 7b7fab6. Which is faster is the machine's (the
+ * kernel's page pinning per process_vm_readv against the chunk's stay in L2), not the size's:
+ * no size regime chose 1 MiB here, so the default is 256 KiB again, and a machine like the
+ * first one may set 1 MiB (docs/configuration.md). The scratch is never larger than
  * the slice. Where every peer's buffer is mapped here (Note [Node heap] in heap.c) there is no
  * system call to amortise, and the chunk is what must stay in cache between loading the
  * peer's bytes and storing the result over them: at most SHM_DIRECT_CHUNK_BYTES (64 KiB). The

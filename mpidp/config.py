@@ -32,7 +32,7 @@ class Config:
 
     algorithm: str = "auto"            # MPIDP_ALGORITHM: default for algorithm="auto"
     ring_piece_bytes: int = 1 << 20    # MPIDP_RING_PIECE_BYTES: pipelining unit of the ring
-    shm_chunk_bytes: int = 1 << 20     # MPIDP_SHM_CHUNK_BYTES: Note [Chunk size], csrc/shm.c
+    shm_chunk_bytes: int = 256 << 10   # MPIDP_SHM_CHUNK_BYTES: Note [Chunk size], csrc/shm.c
     shm_inline_bytes: int = 4096       # MPIDP_SHM_INLINE_BYTES: carried in the control block
     shm_peers: str = "auto"            # MPIDP_SHM_PEERS: auto | cma | window
     hier_min_bytes: int = 64 << 10     # MPIDP_HIER_MIN_BYTES: from it, auto uses hier across nodes

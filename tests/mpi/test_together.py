@@ -29,7 +29,7 @@ TOGETHER = ("body_collectives.py", "body_ddp.py", "body_dist.py", "body_syncbn.p
 BEYOND_ONE = ("body_bad_inputs.py",)  # bad inputs on some ranks need others to disagree with
 
 
-# at n = 3 the shm protocol's chunks are small (Note [Chunk size] in csrc/shm.c: 1 MiB by
+# at n = 3 the shm protocol's chunks are small (Note [Chunk size] in csrc/shm.c: 256 KiB by
 # default, larger than most of the bodies' slices): its chunk loop, the spare chunk of rank
 # order and segments split across chunks run there
 CHUNKS = {3: {"MPIDP_SHM_CHUNK_BYTES": "4096"}}
