@@ -196,7 +196,11 @@ def _one_call(g, view, op: str) -> bool:
     raises on every rank when the ranks' inputs disagree. A strided array goes through a
     contiguous copy, not the general path: only what every rank's header shows (dtype, op,
     size) may send a rank there (Note [Chunks after the record] in csrc/exchange.c)."""
-    done = g.resources.fast_allreduce(view, op)
+    try:
+        done = g.resources.fast_allreduce(view, op)
+    except BaseException:  # refused here, in C: it raised at once (the others: fast_disagreed)
+        g.board.failed += 1
+        raise
     if done is view:
         return True
     if done is not NotImplemented:  # the ranks disagreed: raise on every rank

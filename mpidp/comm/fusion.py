@@ -117,8 +117,9 @@ def _views(tensors: Sequence[Any]) -> list:
 _PLANS: dict = {}
 _PLANS_KEPT = 4
 _NOTHING = contextlib.nullcontext()
-# group -> the layout of this rank's last grouped call on it that did not raise (Note [A
-# group's layout]); a group freed keeps its entry, a few strings
+# group -> (the layout of this rank's last grouped call on it that did not raise, the group's
+# count of collectives that raised then: Board.failed) (Note [A group's layout]); a group
+# freed keeps its entry, a few strings
 _LAST_LAYOUT: dict = {}
 
 # Note [A group's layout]
@@ -126,11 +127,26 @@ _LAST_LAYOUT: dict = {}
 # layouts (shapes and dtypes in order, the bucket cap) differ, their buckets would add one
 # tensor into another. So the first bucket carries the layout (mpidp.comm.agreement.agreed:
 # Note [Agreement before refusal]) — where it differs from this rank's previous grouped call
-# on the group, the first call included, or one that raised; otherwise it keeps the one C
-# call (a stamp costs the Python path, tens of microseconds on a small group). That is
-# enough: ranks whose layouts agree change them at the same calls, so they stamp alike; a
-# layout that differs on some rank at a call where the previous call agreed differs from its
-# previous one on at least one rank, whose stamp meets another rank's other stamp, or none.
+# on the group, the first call included, or where any collective on the group raised since
+# (the board counts them: Board.failed in mpidp/runtime/watchdog.py), or after a join;
+# otherwise it keeps the one C call (a stamp costs the Python path, tens of microseconds on a
+# small group). That is enough: ranks whose layouts agree change them at the same calls, so
+# they stamp alike; a layout that differs on some rank at a call where the previous call
+# agreed differs from its previous one on at least one rank, whose stamp meets another rank's
+# other stamp, or none. It needs every rank to forget at the same calls: a collective that
+# raises raises on every rank (Note [Agreement before refusal]), whichever path each took —
+# refused before fusion (Horovod's own checks), one tensor at a time, the one C call — so
+# counting them, not the grouped calls that raised, keeps the ranks alike; a joined rank
+# sees the others' all-reduces only as headers, so every rank forgets when the join ends
+# (``forget``, from mpidp.comm.joined). A group of no tensors always exchanges a header of no
+# elements (``agree_on_nothing``): it is rare, and skipping it on a rank whose empty group is
+# unchanged would pair another rank's refusal with this rank's next collective.
+
+
+def forget(g) -> None:
+    """Every rank's next grouped call on group ``g`` carries its layout (Note [A group's
+    layout]). Every rank of ``g`` calls it at the same point (the end of a join)."""
+    _LAST_LAYOUT.pop(g, None)
 
 
 def _cached_plan(arrays: list, cap_bytes: int, max_count: Optional[int]) -> tuple:
@@ -211,9 +227,10 @@ def _grouped(tensors, in_place: bool, op, algorithm, bucket_cap_mb):
         collectives.refuse(g, ALLREDUCE, exc)
         raise
     last = _LAST_LAYOUT.pop(g, None)
-    changed = last is not layout and last != layout  # Note [A group's layout]
-    if not buckets and changed and g.size > 1:  # an empty group still meets the others' first
-        with agreed(g, layout):                  # bucket, as a header of no elements
+    changed = last is None or last[1] != g.board.failed or (
+        last[0] is not layout and last[0] != layout)  # Note [A group's layout]
+    if not buckets and g.size > 1:  # an empty group still meets the others' first bucket,
+        with agreed(g, layout):     # as a header of no elements
             collectives.agree_on_nothing(g, ALLREDUCE)
     for k, bucket in enumerate(buckets):
         try:
@@ -224,7 +241,7 @@ def _grouped(tensors, in_place: bool, op, algorithm, bucket_cap_mb):
             if k or layout in str(exc):
                 raise
             raise _with_layout(exc, g.rank, layout) from None
-    _LAST_LAYOUT[g] = layout
+    _LAST_LAYOUT[g] = (layout, g.board.failed)
     if in_place:
         for a in arrays:
             collectives.bump_version(a)

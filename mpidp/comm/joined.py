@@ -13,7 +13,7 @@ from ..engine import header
 from ..engine.dtypes import BF16, DTYPE_NAMES, ITEMSIZE, NUMPY_STORAGE, flat_host_array
 from ..errors import MismatchError
 from ..runtime.frame import Frame
-from . import collectives
+from . import collectives, fusion
 
 _ROWS = {a.code: a for a in TABLE}
 
@@ -40,6 +40,7 @@ def join(g, device: Optional[int] = None) -> int:
                 free = [h[header.FREE_WORD] for h in headers] if done else None
                 wanted = header.for_joined(headers)
             if free is not None:
+                fusion.forget(g)  # Note [A group's layout] in mpidp/comm/fusion.py
                 return max((r for r, w in enumerate(free) if w), default=g.size - 1)
         first = False
         if wanted is not None:

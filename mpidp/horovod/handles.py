@@ -17,9 +17,9 @@ from typing import Any, Callable
 # order, and runs the pending ones, oldest first, at ``synchronize`` of a pending handle (up
 # to it), at ``poll`` of a pending handle (up to it; that poll answers False, as the
 # operation was not done when asked, and the next answers True), and before any other
-# operation of mpidp.horovod but ``barrier`` and ``hvd.allreduce_``'s one-call path (which
-# checks nothing more, Note [Views of torch tensors]: it runs before the pending ones, on
-# every rank alike). Every rank submits and reaches those points in the same order, so the
+# operation of mpidp.horovod but ``barrier`` (``hvd.allreduce_``'s one-call path is taken only
+# where nothing is pending: whether a call takes it depends on its dtype and on whether a
+# backward pass is under way, which may differ between ranks). Every rank submits and reaches those points in the same order, so the
 # ranks run the same operations in the same order, as mpidp matches them (Note [Names] in
 # mpidp/horovod/arguments.py). An operation's error is kept and raised at ``synchronize``
 # of its handle, as Horovod raises there. A pending operation reads its tensor when it
@@ -41,6 +41,11 @@ def submit(run: Callable[[], Any], name: Any = None) -> int:
     handle = next(_next)
     _pending.append((handle, None if name is None else str(name), run))
     return handle
+
+
+def pending_list() -> list:
+    """The list of pending operations itself (empty: none), for a check that costs no call."""
+    return _pending
 
 
 def run_pending(through: Any = None) -> None:

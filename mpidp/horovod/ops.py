@@ -26,6 +26,7 @@ from .integers import NARROW, as_reduced, narrowed, scaled as _scaled, widened
 _MPIDP_OP = {Average: "avg", Sum: "sum", Min: "min", Max: "max"}
 _PLAIN = {None: "avg", **_MPIDP_OP}  # allreduce_'s shortcut: ops with no rule to apply
 _TENSOR = torch.Tensor
+_PENDING = handles.pending_list()  # allreduce_'s shortcut only where none is pending
 # allreduce_'s shortcut: the dtypes mpidp's collectives carry (Note [Horovod's integer
 # scaling] in mpidp/horovod/integers.py: the others, and an integer Average, go round)
 _FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
@@ -48,9 +49,11 @@ def reduced(tensor: torch.Tensor, op: int, prescale: float = 1.0,
     on the current group (Note [Horovod's integer scaling] in mpidp/horovod/integers.py)."""
     with torch.no_grad():
         op, postscale = as_reduced(tensor, op, postscale)
-        x = widened(tensor.detach()).clone(memory_format=torch.contiguous_format)
-        x = _scaled(_reduce_into(_scaled(x, prescale), op), postscale)
-        return narrowed(x, tensor.dtype)
+        x = _scaled(widened(tensor.detach()).clone(memory_format=torch.contiguous_format),
+                    prescale)
+        if x.dtype != tensor.dtype:  # a narrow dtype: prescaled, summed and postscaled in it
+            x = widened(narrowed(x, tensor.dtype))
+        return _scaled(narrowed(_reduce_into(x, op), tensor.dtype), postscale)
 
 
 class _Allreduce(torch.autograd.Function):
@@ -86,7 +89,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     """In place: ``tensor`` holds the reduction afterwards, and is returned."""
     if average is None and process_set is None and prescale_factor == 1.0 and \
             postscale_factor == 1.0 and type(tensor) is _TENSOR and not backward.active \
-            and name is None:
+            and name is None and not _PENDING:
         plain = _PLAIN.get(op) if op is None or type(op) is int else None
         if plain is not None and tensor.dtype in (_FLOATS if plain == "avg" else _CARRIED):
             collectives.allreduce_(tensor, plain)  # the common call, straight to mpidp's

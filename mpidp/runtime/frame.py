@@ -3,6 +3,7 @@ on a group — mpidp's collectives, its object collectives, the torch.distribute
 operations — runs inside one."""
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 from ..engine import header
@@ -41,6 +42,8 @@ class Frame:
 
     def __exit__(self, *exc_info) -> bool:
         self.board.done = self.board.seq
+        if exc_info and exc_info[0] is not None:
+            self.board.failed += 1
         return False
 
     def publish(self, hdr: tuple) -> tuple:
@@ -99,6 +102,6 @@ def collective(g, name: str, check: bool = True):
         try:
             g.resources.exchange(hdr, name)
         except BaseException:
-            f.__exit__()
+            f.__exit__(*sys.exc_info())
             raise
     return f

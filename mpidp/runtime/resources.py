@@ -129,6 +129,7 @@ class Resources:
     def fast_disagreed(self, done) -> None:
         """Raises on every rank after ``fast_allreduce`` found that the ranks' inputs disagree
         (``done``: what it returned)."""
+        self.board.failed += 1  # the one C call's collective raised (Board.failed)
         if self.c_exchange is not None:
             exchange.disagreed(self.links, done[1], "allreduce", None)
         if not self.shm().check(done[0], done[1], "allreduce"):

@@ -82,13 +82,17 @@ class Board:
     is the last one returned, ``what`` the current one's header (or name) and ``context``
     what it serves (a format string and its arguments, formatted only for a report).
     One-sided waits: ``pseq``, ``pdone``, ``pwhat``. An operation is under way while
-    ``seq != done`` (``pseq != pdone``)."""
+    ``seq != done`` (``pseq != pdone``). ``failed`` counts the collectives that raised here
+    (on every rank alike, as every rank raises where one does: Note [Agreement before refusal]
+    in mpidp/comm/agreement.py), for what above must forget after one (Note [A group's
+    layout] in mpidp/comm/fusion.py)."""
 
-    __slots__ = ("debug", "seq", "done", "what", "context", "pseq", "pdone", "pwhat", "site")
+    __slots__ = ("debug", "seq", "done", "what", "context", "pseq", "pdone", "pwhat", "site",
+                 "failed")
 
     def __init__(self, debug: bool = False):
         self.debug = debug
-        self.seq = self.done = self.pseq = self.pdone = 0
+        self.seq = self.done = self.pseq = self.pdone = self.failed = 0
         self.what = self.context = self.pwhat = None
         self.site = None  # a stamp to carry instead of the call site (Resources.stamped):
                           # a name's hash, or another rank's (Note [Joined ranks] in

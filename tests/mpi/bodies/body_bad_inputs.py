@@ -266,6 +266,35 @@ for what, call in (("grouped_allreduce_", lambda: hvd.grouped_allreduce_(layout,
            f"layouts that differ: {what} wrote into the tensors")
     hvd_next_is_exact(f"layouts that differ: {what}")
 
+# a grouped call refused on rank 0 before it reached the fused all-reduce, or a non-tensor
+# there, between grouped calls of one layout: the next call of that layout works on every
+# rank (Note [A group's layout]: every rank forgets the layout after a collective raised)
+for what, bad, own in (("Adasum", lambda: hvd.grouped_allreduce(agreed_layout, op=hvd.Adasum),
+                        NotImplementedError),
+                       ("a non-tensor", lambda: hvd.grouped_allreduce(
+                           [agreed_layout[0], [1.0, 2.0]], op=hvd.Sum), TypeError)):
+    for step in ("before", "after"):
+        same = returned(lambda: hvd.grouped_allreduce(agreed_layout, op=hvd.Sum))
+        expect(isinstance(same, list) and all(
+            torch.equal(t, torch.full(t.shape, n * (n + 1) / 2)) for t in same),
+            f"one layout {step} a grouped call refused on rank 0 ({what}): {same}")
+        if step == "before":
+            raised_everywhere(lambda: bad() if rank == 0 else hvd.grouped_allreduce(
+                agreed_layout, op=hvd.Sum), rank == 0, own,
+                f"a grouped call refused on rank 0 ({what})", "rank 0:")
+
+# an async operation pending on every rank, then allreduce_ that takes the one-call path on
+# the other ranks and not on rank 0 (a narrow dtype): the pending one runs first on every
+# rank (Note [Pending operations]), then the two calls raise on every rank
+pending = hvd.allreduce_async(torch.full((3,), rank + 1.0), op=hvd.Sum)
+raised_everywhere(lambda: hvd.allreduce_(torch.full((3,), rank + 1.0).to(
+    torch.int16 if rank == 0 else torch.float32), op=hvd.Sum), rank == 0, MismatchError,
+    "allreduce_ of another dtype behind a pending operation", "int32[3]")
+got = returned(lambda: hvd.synchronize(pending))
+expect(isinstance(got, torch.Tensor) and torch.equal(got, torch.full((3,), n * (n + 1) / 2)),
+       f"a pending operation ahead of allreduce_'s one-call path: {got}")
+hvd_next_is_exact("a pending operation ahead of allreduce_'s one-call path")
+
 # an empty group on the last rank meets the others' first bucket (it sends a header of no
 # elements, where its layout changed), then empty groups on every rank, twice: nothing to do
 raised_everywhere(lambda: hvd.grouped_allreduce([] if rank == last else agreed_layout,
@@ -276,6 +305,11 @@ expect(returned(lambda: hvd.grouped_allreduce([], op=hvd.Sum)) == [] and
        returned(lambda: mpidp.grouped_allreduce_([], "sum")) == [],
        "empty groups on every rank")
 hvd_next_is_exact("empty groups on every rank")
+# an empty group that did not change on rank 0 still meets another rank's refusal
+raised_everywhere(lambda: hvd.grouped_allreduce([], op=hvd.Adasum if rank == last else hvd.Sum),
+                  rank == last, NotImplementedError, "an empty group refused on one rank",
+                  f"rank {last}:")
+hvd_next_is_exact("an empty group refused on one rank")
 
 # named asynchronous all-reduces submitted in another order on the last rank (Note [Names] in
 # mpidp/horovod/ops.py: refused on every rank, naming both names), then in the same order

@@ -64,6 +64,12 @@ for dtype in (torch.uint8, torch.int8, torch.int16, torch.bool):
     top = hvd.broadcast(small, n - 1)
     expect(top.dtype == dtype and torch.equal(hvd.broadcast_(small.clone(), n - 1), top),
            f"{dtype} broadcast")
+# a narrow dtype is summed in it, wrapping, before its postscale, as Horovod's: uint8 200 on
+# every rank averaged is (200 n mod 256) / n, truncated (72 at n = 2)
+wrapped = hvd.allreduce(torch.full((3,), 200, dtype=torch.uint8), op=hvd.Average)
+expect(wrapped.dtype == torch.uint8 and torch.equal(wrapped, torch.full((3,), 200 * n % 256 // n,
+                                                                        dtype=torch.uint8)),
+       f"uint8 Average wraps before it scales: {wrapped}")
 y = x.clone()
 expect(hvd.allreduce_(y, op=hvd.Sum) is y and torch.equal(y, torch.full((5,), n * (n + 1) / 2)),
        "allreduce_ in place")
