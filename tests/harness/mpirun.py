@@ -10,6 +10,8 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from mpidp.runtime.launcher import mpiexec  # the mpich wheel's, beside this Python
 
 ROOT = Path(__file__).parents[2]          # the repository: the jobs' working directory
@@ -164,3 +166,13 @@ class Job:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def named_checkout(request, option: str, what: str, example: str) -> Path:
+    """The folder pytest option ``option`` names (a checkout of a peer project, which the
+    project carries no copy of); without it the test skips, saying that ``what`` is not part
+    of mpidp and what to pass (``example``)."""
+    where = request.config.getoption(option)
+    if where is None:
+        pytest.skip(f"{what} not part of mpidp: pass {option}={example}")
+    return Path(where)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from mpirun import ROOT, run
+from mpirun import ROOT, named_checkout, run
 
 STAND_IN = ROOT / "tests" / "harness" / "stand_in"
 IMPORTS = {"import horovod.torch as hvd\n": "import mpidp.horovod as hvd\n",
@@ -28,10 +28,8 @@ IMPORTS = {"import horovod.torch as hvd\n": "import mpidp.horovod as hvd\n",
 @pytest.fixture(scope="module")
 def examples(request, tmp_path_factory) -> Path:
     """The examples with their import lines changed, in a temporary folder."""
-    where = request.config.getoption("--horovod-examples")
-    if where is None:
-        pytest.skip("Horovod's examples are not part of mpidp: pass "
-                    "--horovod-examples=<a Horovod checkout>/examples/pytorch")
+    where = named_checkout(request, "--horovod-examples", "Horovod's examples are",
+                           "<a Horovod checkout>/examples/pytorch")
     folder = tmp_path_factory.mktemp("horovod_examples")
     for name in ("pytorch_mnist.py", "pytorch_synthetic_benchmark.py"):
         text = (Path(where) / name).read_text()

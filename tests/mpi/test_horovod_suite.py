@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import horovod_suite  # tests/harness, as mpirun
+from mpirun import named_checkout
 
 # Horovod's passes at 2 ranks that mpidp does not match, each named in docs/horovod.md
 KNOWN = {"test_sparse_embeddings"}
@@ -21,13 +22,11 @@ KNOWN = {"test_sparse_embeddings"}
 
 @pytest.fixture(scope="module")
 def suite(request, tmp_path_factory) -> Path:
-    checkout = request.config.getoption("--horovod-checkout")
-    if checkout is None:
-        pytest.skip("Horovod's tests are not part of mpidp: pass "
-                    "--horovod-checkout=<a Horovod checkout at v0.28.1>")
+    checkout = named_checkout(request, "--horovod-checkout", "Horovod's tests are",
+                              "<a Horovod checkout at v0.28.1>")
     pytest.importorskip("cloudpickle")
     pytest.importorskip("mock")
-    return horovod_suite.prepare(Path(checkout), tmp_path_factory.mktemp("horovod_suite"))
+    return horovod_suite.prepare(checkout, tmp_path_factory.mktemp("horovod_suite"))
 
 
 def test_horovod_suite_at_two_ranks_passes_what_horovod_passes(suite, tmp_path):
