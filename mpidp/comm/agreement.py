@@ -26,7 +26,10 @@ from . import objects
 #   with), raises its own
 #   error there, and every other rank a MismatchError naming it and those values;
 # - a process set's ranks by one exchange of every rank's list where it is made
-#   (mpidp.horovod.process_sets.add_process_set, fingerprint.check_same).
+#   (mpidp.horovod.process_sets.add_process_set, fingerprint.check_same), after a header
+#   naming that exchange (``agree`` of mpidp.runtime.frame.collective), so a rank still in
+#   another collective — a test that failed on some ranks only and left its loop of calls —
+#   raises there on every rank instead of waiting.
 # The common call pays nothing: an unnamed all-reduce carries no stamp and keeps its one C
 # call; a grouped one stamps its first bucket only, and only where its layout changed (Note
 # [A group's layout] in mpidp/comm/fusion.py).

@@ -89,7 +89,7 @@ def check_same(g, entries: Sequence[tuple], who: str, what: str,
     Every rank calls it, once, where the thing is built."""
     mine = [(str(label), _key(value), _shown(value)) for label, value in entries]
     refusal = None if failed is None else f"{type(failed).__name__}: {failed}"
-    everyone = objects.allgather(g, (refusal, mine), f"{who}: check of {what}")
+    everyone = objects.allgather(g, (refusal, mine), f"{who}: check of {what}", agree=True)
     if failed is not None:
         raise failed
     refused = [f"  rank {r}: {err}" for r, (err, _) in enumerate(everyone) if err is not None]

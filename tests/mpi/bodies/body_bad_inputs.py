@@ -338,6 +338,14 @@ hvd_next_is_exact("add_process_set([0, 99]) on rank 0")
 raised_everywhere(lambda: hvd.add_process_set([0] if rank == 0 else [last]), False, None,
                   "process sets' ranks that differ", f"ranks = [{last}] where rank 0 has [0]")
 hvd_next_is_exact("process sets' ranks that differ")
+# the last rank still in a loop of all-reduces (a check that failed on the other ranks only
+# ended theirs) while the others add a process set: every rank raises, none waits, nothing is
+# registered (Note [Agreement before refusal] in mpidp/comm/agreement.py)
+raised_everywhere(lambda: hvd.allreduce(t3, op=hvd.Sum) if rank == last else
+                  hvd.add_process_set([0]), False, None,
+                  "an all-reduce on one rank, add_process_set on the others", "allreduce",
+                  "hvd.add_process_set")
+hvd_next_is_exact("an all-reduce on one rank, add_process_set on the others")
 members = [0, last] if n > 2 else [last]
 ps = returned(lambda: hvd.add_process_set(members))
 if rank in members:
