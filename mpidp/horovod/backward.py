@@ -109,12 +109,14 @@ def gate():
         _gating.on = False
 
 
-def tag(k: int, n: int, names: Sequence[str]) -> int:
+def tag(k: int, n: int, names: Sequence[str], gathered: Sequence[str] = ()) -> int:
     """The stamp bucket ``k`` of ``n``'s all-reduce carries in its header (Resources.stamped),
-    from the names of its tensors."""
+    from the names of its tensors and of those whose sparse gradients it gathers (Note
+    [Sparse gradients] in mpidp/horovod/sparse.py)."""
     tensors = names[0] if len(names) == 1 else \
         f"{names[0]} … {names[-1]}, {len(names)} tensors"
-    return header.site_hash(f"DistributedOptimizer bucket {k + 1} of {n} ({tensors})")
+    sparse = f", sparse gradients gathered: {', '.join(gathered)}" if gathered else ""
+    return header.site_hash(f"DistributedOptimizer bucket {k + 1} of {n} ({tensors}{sparse})")
 
 
 def groups_of(params: Sequence[torch.Tensor], groups, cap_bytes: int) -> tuple:
