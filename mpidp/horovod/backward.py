@@ -33,7 +33,9 @@ BUCKET_CAP_BYTES = 25 << 20    # a larger bucket only starts its all-reduce late
 # the same order whatever its timing. One thread per process runs the queue for every
 # DistributedOptimizer (two optimizers stepping on one backward queue into its one order).
 # synchronize() launches what is left (a parameter without a gradient
-# contributes zeros, as in Horovod) and waits for every bucket.
+# contributes zeros, as in Horovod) and waits for every bucket. A sparse gradient is
+# gathered in its bucket's place, outside its fused buffer (Note [Sparse gradients] in
+# mpidp/horovod/sparse.py).
 # A collective hvd makes on the user's thread while an optimizer has buckets under way —
 # SyncBatchNorm's backward, the backward of hvd.allreduce / allgather / broadcast, a metric
 # between backward and step, a process set added — goes through ``gate``: it waits until the

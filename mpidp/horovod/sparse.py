@@ -26,8 +26,9 @@ from .basics import Average
 # needs. Which parameters of a bucket are gathered is in the bucket's stamp
 # (mpidp.horovod.backward.tag): where it differs between ranks — a gradient sparse on one
 # rank and dense or absent (zeros) on another — every rank raises at the bucket's first
-# collective, naming both, where Horovod waits for an all-reduce and an all-gather of one
-# name to meet; sparse_as_dense=True makes them agree.
+# collective, naming both, where Horovod's ranks wait for an all-reduce and two all-gathers
+# (of other names) that never meet; sparse_as_dense=True makes them agree. Alone (size 1)
+# Horovod reduces nothing, and the optimizer leaves a sparse gradient as it is.
 
 
 def parts(tensor: torch.Tensor) -> tuple:
