@@ -33,7 +33,9 @@ BUCKET_CAP_BYTES = 25 << 20    # a larger bucket only starts its all-reduce late
 # the same order whatever its timing. One thread per process runs the queue for every
 # DistributedOptimizer (two optimizers stepping on one backward queue into its one order).
 # synchronize() launches what is left (a parameter without a gradient
-# contributes zeros, as in Horovod) and waits for every bucket.
+# contributes zeros, as in Horovod) and waits for every bucket. A sparse gradient is
+# gathered in its bucket's place, outside its fused buffer (Note [Sparse gradients] in
+# mpidp/horovod/sparse.py).
 # A collective hvd makes on the user's thread while an optimizer has buckets under way —
 # SyncBatchNorm's backward, the backward of hvd.allreduce / allgather / broadcast, a metric
 # between backward and step, a process set added — goes through ``gate``: it waits until the
@@ -109,12 +111,14 @@ def gate():
         _gating.on = False
 
 
-def tag(k: int, n: int, names: Sequence[str]) -> int:
+def tag(k: int, n: int, names: Sequence[str], gathered: Sequence[str] = ()) -> int:
     """The stamp bucket ``k`` of ``n``'s all-reduce carries in its header (Resources.stamped),
-    from the names of its tensors."""
+    from the names of its tensors and of those whose sparse gradients it gathers (Note
+    [Sparse gradients] in mpidp/horovod/sparse.py)."""
     tensors = names[0] if len(names) == 1 else \
         f"{names[0]} … {names[-1]}, {len(names)} tensors"
-    return header.site_hash(f"DistributedOptimizer bucket {k + 1} of {n} ({tensors})")
+    sparse = f", sparse gradients gathered: {', '.join(gathered)}" if gathered else ""
+    return header.site_hash(f"DistributedOptimizer bucket {k + 1} of {n} ({tensors}{sparse})")
 
 
 def groups_of(params: Sequence[torch.Tensor], groups, cap_bytes: int) -> tuple:

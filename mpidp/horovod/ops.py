@@ -15,7 +15,7 @@ from .. import config
 from ..comm import collectives, fusion, joined
 from ..ddp import sync_bn
 from ..engine.header import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, UNKNOWN
-from . import backward, handles
+from . import backward, handles, sparse
 from .arguments import (check_tensor, checked, named, op_word, refuse,
                         resolve_op)
 from .process_sets import group_of, local_root, on
@@ -303,19 +303,13 @@ broadcast_async_ = _async(broadcast_, "broadcast_async_")
 def sparse_allreduce_async(tensor, name, op, process_set=None):
     """Horovod's reduction of a sparse ``tensor``: its indices and values gathered from
     every rank (named ``<name>.indices``, ``<name>.values``), the values divided by the
-    set's size for Average; returns a function that returns the sparse result."""
-    indices = allgather(tensor._indices().transpose(0, 1).contiguous(),
-                        name=f"{name}.indices", process_set=process_set)
-    values = allgather(tensor._values(), name=f"{name}.values", process_set=process_set)
-    if op == Average:
-        with on(process_set) as g:
-            values = values / g.size
-
-    def result():
-        if indices.dim() == 0 or values.dim() == 0:
-            return tensor.new().resize_as_(tensor)
-        return tensor.new(indices.transpose(0, 1), values, tensor.size())
-    return result
+    set's size for Average (Note [Sparse gradients] in mpidp/horovod/sparse.py); returns a
+    function that returns the sparse result."""
+    indices, values = sparse.parts(tensor)
+    indices = allgather(indices, name=f"{name}.indices", process_set=process_set)
+    values = allgather(values, name=f"{name}.values", process_set=process_set)
+    size = group_of(process_set).size
+    return lambda: sparse.result(tensor, indices, values, op, size)
 
 
 poll, synchronize = handles.poll, handles.synchronize

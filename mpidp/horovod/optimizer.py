@@ -12,9 +12,8 @@ import torch
 
 from .. import config, runtime
 from ..comm import collectives, state_broadcast
-from ..engine.header import ALLREDUCE
 from .basics import Average, Product, Sum
-from . import backward
+from . import backward, sparse
 from .compression import Compression
 from .arguments import resolve_op
 from .ops import fused
@@ -78,9 +77,11 @@ class _DistributedOptimizer:
                   for j, p in enumerate(group["params"])}
         where = 0 if self._hvd_process_set is None else self._hvd_process_set.process_set_id
         serial = next(_made.setdefault(where, itertools.count()))  # unnamed: the order the
-        self._hvd_tags = [backward.tag(k, len(buckets), [  # set's ranks all make them in
+        self._hvd_names = [[  # set's ranks all make them in
             names.get(id(self._hvd_params[i]), f"allreduce.noname.{where}.{serial}.{i}")
-            for i in b]) for k, b in enumerate(buckets)]
+            for i in b] for b in buckets]
+        self._hvd_tags = [backward.tag(k, len(buckets), b)
+                          for k, b in enumerate(self._hvd_names)]
         for i, p in enumerate(self._hvd_params):
             p.register_post_accumulate_grad_hook(functools.partial(self._hvd_accumulated, i))
 
@@ -107,29 +108,39 @@ class _DistributedOptimizer:
 
     def _hvd_task(self, params: list, k: int):
         """The all-reduce of bucket ``k``'s gradients (``params``'), to run on the
-        communication thread: gradients made dense, or missing ones zeros, here first."""
-        sparse = any(p.grad is not None and p.grad.is_sparse for p in params)
-        refused = sparse and not self._hvd_sparse_as_dense
+        communication thread: missing gradients made zeros here first, sparse ones gathered
+        or, with sparse_as_dense, reduced dense (Note [Sparse gradients] in
+        mpidp/horovod/sparse.py)."""
+        g = group_of(self._hvd_process_set)
+        dense, as_dense, gathered = [], [], []
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            elif p.grad.is_sparse and not refused:
-                p.grad = p.grad.to_dense()
-        g = group_of(self._hvd_process_set)
-        return functools.partial(self._hvd_reduce, g, [p.grad for p in params], refused,
-                                 self._hvd_tags[k])
+            if not p.grad.is_sparse:
+                dense.append(p.grad)
+            elif runtime.size() == 1:
+                continue  # as Horovod, which reduces nothing alone: the gradient as it is
+            elif self._hvd_sparse_as_dense:
+                as_dense.append((p.grad, p.grad.to_dense()))
+                dense.append(as_dense[-1][1])
+            else:
+                gathered.append(p.grad)
+        tag = self._hvd_tags[k] if not gathered else backward.tag(
+            k, len(self._hvd_tags), self._hvd_names[k],
+            [name for name, p in zip(self._hvd_names[k], params) if p.grad.is_sparse])
+        return functools.partial(self._hvd_reduce, g, dense, as_dense, gathered, tag)
 
-    def _hvd_reduce(self, g, grads: list, refused: bool, tag: int) -> None:
+    def _hvd_reduce(self, g, dense: list, as_dense: list, gathered: list, tag: int) -> None:
         with runtime.using(g), g.resources.stamped(tag):
-            if refused:  # refused on every rank, none waits
-                exc = ValueError("mpidp.horovod: sparse gradients are reduced as dense ones "
-                                 "only: pass sparse_as_dense=True to DistributedOptimizer")
-                collectives.refuse(g, ALLREDUCE, exc)
-                raise exc
             op, pre, post = self._hvd_op, 1.0, 1.0
             if op == Average and self._hvd_predivide != 1.0:
                 op, pre, post = Sum, 1.0 / self._hvd_predivide, self._hvd_predivide / g.size
-            fused(grads, True, op, pre, post, self._hvd_compression)
+            if dense:
+                fused(dense, True, op, pre, post, self._hvd_compression)
+            for grad, reduced in as_dense:
+                sparse.install(grad, reduced)
+            for grad in gathered:
+                sparse.gathered(grad, self._hvd_op, g.size, collectives.allgather)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
