@@ -193,5 +193,6 @@ def timeline_requested() -> bool:
     """Whether ``MPIDP_TIMELINE`` (or HOROVOD_TIMELINE, which mpidp.horovod maps to it) names
     a file, read without the other settings (so it never raises): what
     mpidp.runtime.timeline's ``traced`` decides by when a module is imported (Note [Timeline
-    cost]); the timeline itself starts with ``mpidp.init()``."""
+    cost]), and what lets ``hvd.start_timeline`` start one (HOROVOD_TIMELINE=DYNAMIC too: Note
+    [A timeline started while running]); the timeline itself starts with ``mpidp.init()``."""
     return bool(_timeline(os.environ) or os.environ.get("HOROVOD_TIMELINE", "").strip())

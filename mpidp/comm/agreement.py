@@ -4,9 +4,11 @@ the same (``agreed``). Note [Agreement before refusal]."""
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 from ..engine import header
 from ..errors import MismatchError
+from ..runtime.frame import Frame
 from . import objects
 
 # Note [Agreement before refusal]
@@ -26,10 +28,12 @@ from . import objects
 #   with), raises its own
 #   error there, and every other rank a MismatchError naming it and those values;
 # - a process set's ranks by one exchange of every rank's list where it is made
-#   (mpidp.horovod.process_sets.add_process_set, fingerprint.check_same), after a header
-#   naming that exchange (``agree`` of mpidp.runtime.frame.collective), so a rank still in
-#   another collective — a test that failed on some ranks only and left its loop of calls —
-#   raises there on every rank instead of waiting.
+#   (mpidp.horovod.process_sets.add_process_set, fingerprint.check_same);
+# - an operation that is no collective of data but must be called by every rank at the same
+#   point (hvd.start_timeline, hvd.stop_timeline; fingerprint.check_same before its exchange)
+#   by the header of an object collective naming it (``called``), exchanged before it acts,
+#   so a rank still in another collective — a test that failed on some ranks only and left
+#   its loop of calls — raises there on every rank instead of waiting.
 # The common call pays nothing: an unnamed all-reduce carries no stamp and keeps its one C
 # call; a grouped one stamps its first bucket only, and only where its layout changed (Note
 # [A group's layout] in mpidp/comm/fusion.py).
@@ -88,3 +92,16 @@ def _name_every_text(g, exc: MismatchError, text: str) -> None:
     what = header.KIND_NAMES.get(mine[0], "collective")
     raise MismatchError(f"rank {g.rank}: {what}: ranks called it with inputs that do not "
                         "agree; every rank raises this error:\n" + "\n".join(lines)) from None
+
+
+def called(g, name: str, failed: Optional[BaseException] = None) -> None:
+    """Every rank of group ``g`` calls operation ``name`` here (Note [Agreement before
+    refusal]): one header exchange, of an object collective's header naming it, as the
+    group's next collective. Where some rank called another collective, a MismatchError on
+    every rank naming each rank's; where this rank refused its call (``failed``), ``failed``
+    here and a MismatchError naming this rank elsewhere. Every rank of ``g`` calls it."""
+    with Frame(g, header.OTHER, name) as f:
+        if failed is not None:
+            f.refuse(failed, header.other_header(name, error=header.error_code(failed)))
+            raise failed
+        f.check(header.other_header(name))

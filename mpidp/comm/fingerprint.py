@@ -12,7 +12,7 @@ import torch
 
 from ..engine.dtypes import DTYPE_NAMES
 from ..errors import MismatchError
-from . import objects
+from . import agreement, objects
 
 
 def check_same_model(g, module: Any, who: str) -> None:
@@ -89,7 +89,9 @@ def check_same(g, entries: Sequence[tuple], who: str, what: str,
     Every rank calls it, once, where the thing is built."""
     mine = [(str(label), _key(value), _shown(value)) for label, value in entries]
     refusal = None if failed is None else f"{type(failed).__name__}: {failed}"
-    everyone = objects.allgather(g, (refusal, mine), f"{who}: check of {what}", agree=True)
+    name = f"{who}: check of {what}"
+    agreement.called(g, name)  # a rank in another collective raises here, on every rank
+    everyone = objects.allgather(g, (refusal, mine), name)
     if failed is not None:
         raise failed
     refused = [f"  rank {r}: {err}" for r, (err, _) in enumerate(everyone) if err is not None]

@@ -15,10 +15,9 @@ from ..runtime.frame import collective
 # exchanges nothing. Every rank of the group calls each, in the same order.
 
 
-def allgather(g, mine: Any, name: str, agree: bool = False) -> list:
-    """Every rank's ``mine`` in rank order (``agree``: its header exchanged first, so a rank in
-    another collective raises on every rank: ``collective`` in mpidp/runtime/frame.py)."""
-    with collective(g, name, agree=agree):
+def allgather(g, mine: Any, name: str) -> list:
+    """Every rank's ``mine`` in rank order."""
+    with collective(g, name):
         return g.comm.allgather(mine) if g.size > 1 else [mine]
 
 

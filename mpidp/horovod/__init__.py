@@ -8,7 +8,7 @@ from .basics import (Adasum, Average, HorovodInternalError, Max, Min, Product, S
                      cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
                      is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
                      mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
-                     size)
+                     size, start_timeline, stop_timeline)
 from .alltoall import alltoall, alltoall_async
 from .compression import Compression
 from .ops import (allgather, allgather_async, allreduce, allreduce_,
@@ -23,7 +23,6 @@ from .optimizer import (DistributedOptimizer, allgather_object, broadcast_object
                         broadcast_optimizer_state, broadcast_parameters)
 from .process_sets import (ProcessSet, add_process_set, global_process_set,
                            remove_process_set)
-from .refused import start_timeline, stop_timeline
 
 __all__ = ["Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError",
            "Max", "Min", "ProcessSet", "Product", "Sum", "SyncBatchNorm", "add_process_set",

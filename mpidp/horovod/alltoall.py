@@ -71,7 +71,7 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
     the rows received from each rank); differentiable. ``name``: checked against every
     rank's (Note [Names] in mpidp/horovod/arguments.py)."""
     _check(tensor, process_set)
-    with named(name, process_set):
+    with named(name, process_set, "alltoall"):
         out, received = _Alltoall.apply(tensor, splits, process_set)
     return out if splits is None else (out, received)
 
@@ -90,6 +90,6 @@ def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
     does."""
     def run():
         _check(tensor, process_set)
-        with named(name, process_set):
+        with named(name, process_set, "alltoall"):
             return _Alltoall.apply(tensor, splits, process_set)
     return handles.submit(run, name)

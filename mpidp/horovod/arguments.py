@@ -14,6 +14,7 @@ from ..comm.agreement import agreed
 from ..engine import header
 from ..engine.dtypes import BF16, F16, F32, F64, I32, I64
 from ..engine.header import UNKNOWN
+from ..runtime import timeline
 from . import basics
 from .basics import Adasum, Average, Max, Min, Sum
 from .process_sets import group_of, on
@@ -84,18 +85,24 @@ def refuse(exc: BaseException, process_set, kind: int, tensor: Any = None,
         collectives.refuse(g, kind, exc, header.refusal(kind, exc, op, dtype, count))
 
 
-def named(name: Any, process_set):
-    """The block of an operation named ``name`` (None: not named): its collectives carry the
-    name, checked against every rank's (Note [Names])."""
+def named(name: Any, process_set, what: str):
+    """The block of operation ``what`` (Horovod's word: allreduce, grouped_allreduce, ...)
+    named ``name`` (None: not named): its collectives carry the name, checked against every
+    rank's (Note [Names]); while the timeline records, it is a span named as Horovod's
+    timeline names it, ``<what>.<name>``."""
     if name is None:
         return _NOTHING
-    return _named(str(name), process_set)
+    return _named(str(name), process_set, what)
 
 
 @contextlib.contextmanager
-def _named(name: str, process_set):
+def _named(name: str, process_set, what: str):
     with on(process_set) as g, agreed(g, f"name {name!r}"):
-        yield
+        if timeline.ON:
+            with timeline.span(f"{what}.{name}"):
+                yield
+        else:
+            yield
 
 
 _NOTHING = contextlib.nullcontext()

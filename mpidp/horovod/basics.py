@@ -1,11 +1,14 @@
 """Horovod's basics, as ``horovod.torch`` names them, on mpidp's runtime: init and shutdown,
-ranks and sizes (the node-crossing ones included), the build queries answered for what mpidp
-is, and the reduction ops' constants."""
+ranks and sizes (the node-crossing ones included), the timeline started and stopped while
+running, the build queries answered for what mpidp is, and the reduction ops' constants."""
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 from .. import config, runtime
+from ..comm import agreement
+from ..engine import header
 from ..errors import NotInitializedError
 from . import process_sets as process_sets_
 from . import settings
@@ -48,6 +51,49 @@ def shutdown() -> None:
 
 def is_initialized() -> bool:
     return runtime.is_initialized()
+
+
+NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
+START, STOP = "hvd.start_timeline", "hvd.stop_timeline"
+for _name in (START, STOP):  # every rank can name what another rank called (header.describe)
+    header.other_header(_name)
+
+
+def start_timeline(file_path, mark_cycles=False) -> None:
+    """Horovod's: records the timeline from now on, to be written at rank 0's ``file_path``
+    (the others' are not used) by ``stop_timeline`` or at shutdown; to a file being recorded
+    already, nothing; to another, that one is written first (Note [A timeline started while
+    running] in mpidp/runtime/timeline.py). Needs HOROVOD_TIMELINE (``DYNAMIC``: none until
+    now) or MPIDP_TIMELINE set, as Horovod needs HOROVOD_TIMELINE: a ValueError otherwise.
+    ``mark_cycles``: accepted, nothing marked (mpidp has no background cycle). Every rank
+    calls it (Horovod: rank 0's call alone matters); a rank that calls another operation
+    meanwhile, or refuses its call, raises on every rank (Note [Agreement before refusal] in
+    mpidp/comm/agreement.py)."""
+    if not runtime.is_initialized():
+        raise ValueError(NOT_INITIALIZED)
+    path, failed = None, None
+    try:
+        if not config.timeline_requested():
+            raise ValueError("Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.")
+        path = os.fspath(file_path)
+        if not isinstance(path, str) or not path.strip():
+            raise ValueError(f"file_path must name a file, got {file_path!r}")
+    except (TypeError, ValueError) as exc:
+        failed = exc
+    with process_sets_.on(None):  # after pending operations and the buckets in flight
+        agreement.called(runtime.init_group(), START, failed)
+        runtime.start_timeline(path, "hvd.start_timeline file_path", "HOROVOD_TIMELINE")
+
+
+def stop_timeline() -> None:
+    """Horovod's: stops recording the timeline and writes it at the path rank 0 gave
+    ``start_timeline`` (nothing where none records). Every rank calls it, as
+    ``start_timeline``."""
+    if not runtime.is_initialized():
+        raise ValueError(NOT_INITIALIZED)
+    with process_sets_.on(None):
+        agreement.called(runtime.init_group(), STOP)
+        runtime.stop_timeline()
 
 
 def _group():

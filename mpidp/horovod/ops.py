@@ -77,7 +77,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     differentiable. ``name``: checked against every rank's (Note [Names] in
     mpidp/horovod/arguments.py)."""
     op = checked(tensor, op, average, process_set, ALLREDUCE, "allreduce")
-    with named(name, process_set):
+    with named(name, process_set, "allreduce"):
         compressed, ctx = compression.compress(tensor)
         return compression.decompress(_Allreduce.apply(compressed, op, float(prescale_factor),
                                                        float(postscale_factor), process_set),
@@ -95,7 +95,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
             collectives.allreduce_(tensor, plain)  # the common call, straight to mpidp's
             return tensor
     op = checked(tensor, op, average, process_set, ALLREDUCE, "allreduce_")
-    with torch.no_grad(), on(process_set), named(name, process_set):
+    with torch.no_grad(), on(process_set), named(name, process_set, "allreduce"):
         if tensor.is_contiguous() and op != Product and prescale_factor == 1.0 and \
                 tensor.is_floating_point():
             return _scaled(_reduce_into(tensor, op), float(postscale_factor))
@@ -128,7 +128,7 @@ def _grouped(tensors, in_place, average, op, prescale, postscale, process_set, c
     except Exception as exc:
         refuse(exc, process_set, ALLREDUCE, None, asked)
         raise
-    with named(name, process_set):
+    with named(name, process_set, "grouped_allreduce"):
         if op == Product or any(t.dtype not in (_FLOATS if op == Average else _CARRIED)
                                 or (t.requires_grad and not in_place) for t in tensors):
             outs = [allreduce(t, op=op, prescale_factor=prescale, postscale_factor=postscale,
@@ -190,12 +190,12 @@ def allgather(tensor, name=None, process_set=None):
     except TypeError as exc:
         refuse(exc, process_set, ALLGATHER)
         raise
-    with named(name, process_set):
+    with named(name, process_set, "allgather"):
         return _Allgather.apply(tensor, process_set)
 
 
 def grouped_allgather(tensors, name=None, process_set=None):
-    with named(name, process_set):
+    with named(name, process_set, "grouped_allgather"):
         return [allgather(t, process_set=process_set) for t in tensors]
 
 
@@ -220,7 +220,7 @@ def broadcast(tensor, root_rank, name=None, process_set=None):
     """Root's ``tensor`` on every rank, a new tensor; differentiable. ``root_rank`` is a
     global rank, also with a process set (as in Horovod)."""
     root = _checked_root(tensor, root_rank, process_set, "broadcast")
-    with named(name, process_set):
+    with named(name, process_set, "broadcast"):
         return _Broadcast.apply(tensor, root, process_set)
 
 
@@ -240,7 +240,7 @@ def _checked_root(tensor, root_rank, process_set, what: str) -> int:
 def broadcast_(tensor, root_rank, name=None, process_set=None):
     """In place: every rank's ``tensor`` holds root's values, and is returned."""
     root = _checked_root(tensor, root_rank, process_set, "broadcast_")
-    with torch.no_grad(), on(process_set), named(name, process_set):
+    with torch.no_grad(), on(process_set), named(name, process_set, "broadcast"):
         if tensor.is_contiguous() and tensor.dtype not in NARROW:
             return collectives.broadcast_(tensor, root)
         return tensor.copy_(collectives.broadcast(widened(tensor.contiguous()), root))

@@ -47,7 +47,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
     op = checked(tensor, op, None, process_set, REDUCE_SCATTER, "reducescatter",
                  (Average, Sum, Min, Max))
     compressed, ctx = compression.compress(tensor)
-    with named(name, process_set):
+    with named(name, process_set, "reducescatter"):
         out = _Reducescatter.apply(compressed, op, process_set, float(prescale_factor),
                                    float(postscale_factor))
     return compression.decompress(out, ctx)
@@ -56,7 +56,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=None, prescale_factor=1.0, postscale_factor=1.0):
     """``reducescatter`` of each tensor of ``tensors``, in order; a list."""
-    with named(name, process_set):
+    with named(name, process_set, "grouped_reducescatter"):
         return [reducescatter(t, compression=compression, op=op, process_set=process_set,
                               prescale_factor=prescale_factor,
                               postscale_factor=postscale_factor) for t in tensors]

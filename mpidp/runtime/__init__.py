@@ -144,7 +144,7 @@ def init(comm: Any = None) -> Group:
         if timeline.ON:
             try:
                 with collective(group, "init: starting the timeline", check=False):
-                    timeline.start(group.comm)
+                    timeline.start(group.comm, cfg.timeline)
             except BaseException:  # raised on every rank: nothing of this group survives
                 timeline.switch(False)
                 group.free()
@@ -179,6 +179,57 @@ def shutdown() -> None:
                 _group.free()  # stops the watchdog
                 timeline.write(records)
             _group = None
+
+
+def start_timeline(path: str, what: str = "start_timeline", asked: str = "MPIDP_TIMELINE"
+                   ) -> None:
+    """Starts recording the timeline now, to be written at rank 0's ``path`` (the other
+    ranks' are not used) by ``stop_timeline`` or at shutdown: Note [A timeline started while
+    running] in mpidp/runtime/timeline.py. Already recording to that file: nothing; to
+    another one: that one is written first. A ValueError on every rank where rank 0 cannot
+    write there (``what`` names the call in it); a RuntimeWarning where ``asked``, the
+    variable that asks for the timeline, was set after mpidp's modules were imported.
+    Collective over the group made by ``init``: every rank calls it, having agreed on the call
+    (mpidp.comm.agreement.called)."""
+    with _lock:
+        g = init_group()
+        if g.size > 1:
+            with collective(g, "starting the timeline: rank 0's file", check=False):
+                path = g.comm.bcast(path, root=0)
+        if timeline.ON:
+            if timeline.started_path() == path:
+                return
+            stop_timeline()
+        _record(True, asked)
+        try:
+            with collective(g, "starting the timeline", check=False):
+                timeline.start(g.comm, path, what)
+        except BaseException:  # raised on every rank: nothing records
+            _record(False)
+            raise
+
+
+def stop_timeline() -> Optional[str]:
+    """Stops recording the timeline and writes it (rank 0, atomically, as at shutdown):
+    its path on rank 0, None elsewhere, when none records, or where the write failed (said
+    on stderr). Collective over the group made by ``init``: every rank calls it, having
+    agreed on the call (mpidp.comm.agreement.called)."""
+    with _lock:
+        g = init_group()
+        if not timeline.ON:
+            return None
+        with collective(g, "stopping the timeline: gathering it", check=False):
+            records = timeline.gather()
+        _record(False)
+        return timeline.write(records)
+
+
+def _record(on: bool, asked: str = "MPIDP_TIMELINE") -> None:
+    """Recording on or off, for every group's one-call path too (Resources.record)."""
+    timeline.switch(on, asked)
+    for g in (_group, *_subgroups):
+        if g is not None:
+            g.resources.record()
 
 
 def subgroup(ranks) -> Group:

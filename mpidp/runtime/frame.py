@@ -88,19 +88,17 @@ class _Unwatched:
 _UNWATCHED = _Unwatched()
 
 
-def collective(g, name: str, check: bool = True, agree: bool = False):
+def collective(g, name: str, check: bool = True):
     """The frame of an object collective or a barrier on the group's communicator named
     ``name`` (mpidp.comm.objects), which every rank of ``g`` enters in the same order: the
-    group's next collective under the watchdog; in debug mode with ``check``, and always with
-    ``agree`` (a point where ranks must agree: Note [Agreement before refusal] in
-    mpidp/comm/agreement.py), a header naming it is exchanged first, so a rank in another
-    collective raises on every rank instead of waiting (Note [Debug fingerprints] in
-    mpidp/engine/header.py). ``g`` None: communication outside any mpidp group, unwatched."""
+    group's next collective under the watchdog; in debug mode with ``check`` a header naming
+    it is exchanged first (Note [Debug fingerprints] in mpidp/engine/header.py). ``g`` None:
+    communication outside any mpidp group, unwatched."""
     if g is None:
         return _UNWATCHED
     f = Frame(g, header.OTHER, name)
     hdr = f.publish(header.other_header(name))
-    if (agree or check and f.board.debug) and g.size > 1:
+    if check and f.board.debug and g.size > 1:
         try:
             g.resources.exchange(hdr, name)
         except BaseException:

@@ -58,13 +58,14 @@ class Resources:
         self.watchdog: Optional[Watchdog] = None
         # Note [Small all-reduce in one call] in csrc/small.c: the C call that is the whole
         # in-place all-reduce of a small numpy array, once the node's context exists, where
-        # auto means shm and nothing else must see every call (debug headers, the timeline)
+        # auto means shm and nothing else must see every call (debug headers; the timeline
+        # while it records: ``record``)
         self.fast_allreduce: Optional[Callable] = None
         self.fast_max_bytes = 0  # the largest array it takes
         self._fast_ok = (topo.size > 1 and choose(HOST, "auto", self.facts, 8).name == "shm"
-                         and not cfg.debug and not timeline.ON)
+                         and not cfg.debug)
         self.c_exchange = None  # across nodes, one rank per node: csrc/exchange.c's context
-        if topo.size > 1 and self.facts.one_per_node and not cfg.debug and not timeline.ON \
+        if topo.size > 1 and self.facts.one_per_node and not cfg.debug \
                 and choose(HOST, "auto", self.facts, 8).name == "doubling":
             self._make_c_exchange(cfg)
 
@@ -84,7 +85,7 @@ class Resources:
         if not topo.comm.allreduce(int(ctx is not None), op=MPI.MIN):
             return  # a rank without it: the Python path everywhere, alike
         self.c_exchange = self.links.c_exchange = ctx
-        self.fast_allreduce = ctx.allreduce_array
+        self.fast_allreduce = self._one_call()
         self.fast_max_bytes = sys.maxsize if chunks else inline
         self.facts = self.facts._replace(checked_chunks=chunks)
 
@@ -109,9 +110,28 @@ class Resources:
                 self._shm.set_timeout(self.wait_timeout_s)
             if self._fast_ok:
                 self._shm.c.set_board(self.board)
-                self.fast_allreduce = self._shm.c.allreduce_array
                 self.fast_max_bytes = self.facts.inline_bytes
+                self.fast_allreduce = self._one_call()
         return self._shm
+
+    def _one_call(self) -> Optional[Callable]:
+        """The one-call path (Note [Small all-reduce in one call] in csrc/small.c) where
+        nothing holds it off: the C exchange across nodes (not under a wait timeout), else
+        the node's context once made. None while the timeline records (it would see no
+        call of it: Note [Timeline cost] in mpidp/runtime/timeline.py), inside a stamped block
+        and once the group is closing."""
+        if self._closed or timeline.ON or self.board.site is not None:
+            return None
+        if self.c_exchange is not None:
+            return self.c_exchange.allreduce_array if self.wait_timeout_s is None else None
+        return self._shm.c.allreduce_array if self._fast_ok and self._shm is not None else None
+
+    def record(self) -> None:
+        """The timeline has started or stopped recording (timeline.ON): the one-call path is
+        off while it records and back when it stops (Note [A timeline started while running]
+        in mpidp/runtime/timeline.py). Called outside any collective of the group; this rank
+        only."""
+        self.fast_allreduce = self._one_call()
 
     def set_wait_timeout(self, timeout_s: Optional[float]) -> None:
         """The collectives entering from now on wait at most ``timeout_s`` (None: the
@@ -124,7 +144,7 @@ class Resources:
         if self._shm is not None:
             self._shm.set_timeout(timeout_s)
         if self.c_exchange is not None:
-            self.fast_allreduce = self.c_exchange.allreduce_array if timeout_s is None else None
+            self.fast_allreduce = self._one_call()
 
     def fast_disagreed(self, done) -> None:
         """Raises on every rank after ``fast_allreduce`` found that the ranks' inputs disagree

@@ -27,6 +27,25 @@ answers rank 0's message sent at t_1 and received back at t_2; offset = t_r - (t
 taken from the round with the shortest round trip, whose half is the error bound: a few
 microseconds on one node, tens over a network). Each rank's events are shifted by the offset
 interpolated linearly between the two measurements, which also removes a constant drift.
+
+Note [A timeline started while running]
+Besides MPIDP_TIMELINE (from ``mpidp.init`` to shutdown), the timeline may be started and
+stopped while the job runs: mpidp.runtime's ``start_timeline(path)`` and ``stop_timeline()``
+(Horovod's ``hvd.start_timeline``/``hvd.stop_timeline`` with HOROVOD_TIMELINE=DYNAMIC,
+mpidp/horovod/basics.py). Both are collective over the group made by ``mpidp.init``: the
+trace holds every rank's events on rank 0's clock, which takes every rank's events and a
+ping-pong with each, so every rank calls them (Horovod lets rank 0's call alone matter); the
+binding first agrees on the call (``called`` in mpidp/comm/agreement.py), so a rank that
+calls something else meanwhile raises on every rank instead of waiting. Rank 0's path is the
+one written (the others' are not used, as in Horovod). ``start_timeline`` to the file being
+recorded does nothing; to another file it writes the one being recorded first, then starts
+afresh (Horovod switches files too). ``stop_timeline`` gathers and writes the trace (rank 0,
+atomically, as at shutdown) and recording stops; a timeline still started at shutdown is
+written then. While it records, the one-call paths of every group are off (Resources.record
+in mpidp/runtime/resources.py), as under MPIDP_TIMELINE, so that every collective is seen;
+they come back when it stops. What ``traced`` wraps is still decided at import (Note
+[Timeline cost]): HOROVOD_TIMELINE (DYNAMIC too) or MPIDP_TIMELINE set before the import
+records the traced functions; set only later, the spans alone (a warning says so).
 """
 from __future__ import annotations
 
@@ -118,14 +137,15 @@ def span(name: str, args: Optional[dict] = None):
     return _Span(name, args) if ON else _NO_SPAN
 
 
-def switch(on: bool) -> None:
-    """Turns recording on or off (``mpidp.init``, from MPIDP_TIMELINE): Note [Timeline cost].
-    Warns where it turns it on but ``traced`` did not wrap (the variable was set after the
-    import)."""
+def switch(on: bool, asked: str = "MPIDP_TIMELINE") -> None:
+    """Turns recording on or off (``mpidp.init``, from MPIDP_TIMELINE; mpidp.runtime's
+    ``start_timeline`` and ``stop_timeline``): Note [Timeline cost]. Warns where it turns it
+    on but ``traced`` did not wrap (``asked``, the variable that asks for the timeline, was
+    set after the import)."""
     global ON
     ON = on
     if on and not _WRAP:
-        warnings.warn("mpidp: MPIDP_TIMELINE was set after mpidp's modules were imported: the "
+        warnings.warn(f"mpidp: {asked} was set after mpidp's modules were imported: the "
                       "timeline records spans but not the traced functions (collectives, "
                       "pack, unpack); set it before starting Python", RuntimeWarning,
                       stacklevel=3)
@@ -256,11 +276,13 @@ def _ping_pong(comm) -> dict:
     return found
 
 
-def start(comm) -> None:
-    """Starts the timeline on ``comm`` (called by ``mpidp.init`` when ON): checks on rank 0
-    that the file can be written (a ValueError on every rank otherwise) and measures the
-    clock offsets. Every rank of ``comm`` calls it."""
-    path = config.get().timeline
+def start(comm, path: str, what: str = "MPIDP_TIMELINE") -> None:
+    """Starts the timeline on ``comm``, to be written at rank 0's ``path`` (the others' are
+    not used; called by ``mpidp.init`` when ON, and by mpidp.runtime's ``start_timeline``):
+    checks on rank 0 that the file can be written (a ValueError on every rank otherwise, ``what``
+    naming where the path came from) and measures the clock offsets. Every rank of ``comm``
+    calls it."""
+    asked = path
     comm = comm.Dup()
     from mpi4py import MPI
     if comm.Get_size() != MPI.COMM_WORLD.Get_size():  # several groups: one file each
@@ -270,12 +292,18 @@ def start(comm) -> None:
     if comm.Get_rank() == 0:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            problem = f"MPIDP_TIMELINE={path!r}: cannot write to {folder!r}"
-    problem = comm.bcast(problem, root=0)
+            problem = f"{what}={path!r}: cannot write to {folder!r}"
+    problem, asked = comm.bcast((problem, asked), root=0)
     if problem:
         comm.Free()
         raise ValueError(problem)
-    _state.update(comm=comm, path=path, first=_ping_pong(comm))
+    _state.update(comm=comm, path=path, asked=asked, first=_ping_pong(comm))
+
+
+def started_path() -> Optional[str]:
+    """The path rank 0 was given at ``start`` (the same on every rank) while the timeline is
+    started, else None."""
+    return _state.get("asked") if "comm" in _state else None
 
 
 def finish() -> Optional[str]:
@@ -286,8 +314,9 @@ def finish() -> Optional[str]:
 
 def gather() -> Optional[list]:
     """Measures the clock offsets again and gathers every rank's events on rank 0; returns
-    them there (None elsewhere, or when not started). Called by ``mpidp.shutdown`` (at exit);
-    every rank calls it."""
+    them there (None elsewhere, or when not started). Called by ``mpidp.shutdown`` (at exit)
+    and mpidp.runtime's ``stop_timeline``; every rank calls it."""
+    global _dropped
     comm = _state.pop("comm", None)
     if comm is None:
         return None
@@ -296,7 +325,8 @@ def gather() -> Optional[list]:
               "threads": dict(_threads), "main": _main_ident, "dropped": _dropped}
     records = comm.gather(record, root=0)
     comm.Free()
-    _events.clear()  # a later init records afresh
+    _events.clear()  # a later start records afresh
+    _dropped = 0
     if records is None:
         return None
     first = _state["first"]

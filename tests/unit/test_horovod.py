@@ -121,12 +121,14 @@ def test_buckets_of_horovods_groups_launch_last_parameters_first():
         backward.groups_of(ps, [[ps[0]], [torch.ones(1, requires_grad=True)]], 1 << 20)
 
 
-@pytest.mark.parametrize("name", ["start_timeline", "stop_timeline"])
-def test_what_is_not_served_is_refused_in_one_line(name):
-    with pytest.raises(NotImplementedError) as info:
-        getattr(hvd, name)()
-    assert str(info.value).startswith(f"mpidp.horovod: hvd.{name} is not supported yet; ")
-    assert "\n" not in str(info.value)
+@pytest.mark.parametrize("call", [lambda: hvd.start_timeline("t.json"),
+                                  lambda: hvd.start_timeline("t.json", mark_cycles=True),
+                                  lambda: hvd.stop_timeline()])
+def test_the_timeline_calls_before_init_raise_horovods_error(call, monkeypatch):
+    monkeypatch.setenv("HOROVOD_TIMELINE", "DYNAMIC")
+    with pytest.raises(ValueError, match=r"^Horovod has not been initialized; use "
+                                         r"hvd\.init\(\)\.$"):
+        call()
 
 
 def test_process_sets_are_checked_as_horovod_checks_them():

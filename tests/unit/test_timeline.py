@@ -74,8 +74,12 @@ def test_init_switches_recording_and_traced_follows_it(monkeypatch):
     monkeypatch.setattr(timeline, "_WRAP", False)
     with pytest.warns(RuntimeWarning, match="MPIDP_TIMELINE was set after"):
         timeline.switch(True)
+    # hvd.start_timeline's: HOROVOD_TIMELINE=DYNAMIC set after the import (Note [A timeline
+    # started while running])
+    with pytest.warns(RuntimeWarning, match="HOROVOD_TIMELINE was set after"):
+        timeline.switch(True, "HOROVOD_TIMELINE")
     timeline.switch(False)
-    assert not timeline.ON
+    assert not timeline.ON and timeline.started_path() is None
 
 
 def test_estimate_offset_takes_the_shortest_round_trip():

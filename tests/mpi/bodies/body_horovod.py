@@ -4,16 +4,23 @@ exact on small integers for every op, factor, form (new, in place, grouped, asyn
 autograd as Horovod defines it; DistributedOptimizer training on each rank's share of a
 global batch ending as one process does on the whole batch (with backward_passes_per_step,
 gradient_predivide_factor and fp16 compression); the broadcasts a script makes at start-up;
-alltoall with and without splits; process sets added and removed while running; and what is
-refused, refused on every rank."""
+alltoall with and without splits; process sets added and removed while running; the timeline
+started and stopped while running (HOROVOD_TIMELINE=DYNAMIC); and what is refused, refused on
+every rank."""
 import contextlib
+import json
 import math
+import os
+import shutil
+import tempfile
 import warnings
 
 import torch
 
 import mpidp.horovod as hvd
+from mpidp import runtime
 from mpidp.errors import MismatchError
+from mpidp.runtime import timeline as rt_timeline
 from bodykit import expect, finish
 
 hvd.init()
@@ -524,6 +531,88 @@ else:
             expect(False, "backward through a removed set should raise")
         except ValueError as exc:
             expect("has not been added" in str(exc), f"backward after removal: {exc}")
+
+# ---- the timeline started and stopped while running (Note [A timeline started while running])
+# every rank calls start/stop, each naming its own file (Horovod's test: a temporary file per
+# rank); rank 0's is written. The body runs without HOROVOD_TIMELINE: set here, as a script
+# sets it before hvd.init, and read by start_timeline when called
+folder = tempfile.mkdtemp(prefix=f"hvd-timeline-{r}-")
+files = {k: os.path.join(folder, f"{k}.json") for k in ("first", "second", "third")}
+
+
+def trace_of(path):
+    """The events of rank 0's trace at ``path``, by name: {name: set of ranks}."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    seen = {}
+    for e in events:
+        key = e["args"]["name"] if e["name"] == "process_name" else e["name"]
+        seen.setdefault(key, set()).add(e["pid"])
+    return seen
+
+
+static = bool(os.environ.get("MPIDP_TIMELINE"))  # a timeline from init: nothing to refuse
+saved_timeline = os.environ.pop("HOROVOD_TIMELINE", None)
+res = runtime.init_group().resources
+one_call = res.fast_allreduce
+if not static:
+    try:
+        hvd.start_timeline(files["first"])
+        expect(False, "start_timeline without HOROVOD_TIMELINE should raise")
+    except ValueError as exc:
+        expect("Set HOROVOD_TIMELINE=DYNAMIC" in str(exc) and not rt_timeline.ON, str(exc))
+    expect(torch.equal(hvd.allreduce(x, op=hvd.Sum), torch.full((5,), n * (n + 1) / 2)),
+           "usable after start_timeline refused")
+os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    hvd.start_timeline(files["first"])
+    hvd.start_timeline(files["first"], mark_cycles=True)  # the file being recorded: nothing
+    recording = rt_timeline.ON and res.fast_allreduce is None
+    got = hvd.allreduce(x, op=hvd.Sum, name="test_allreduce")
+    hvd.stop_timeline()
+late = [w for w in caught if "HOROVOD_TIMELINE was set after" in str(w.message)]
+expect(len(late) == (0 if rt_timeline._WRAP else 1), f"the late-variable warning: {late}")
+expect(recording and not rt_timeline.ON and res.fast_allreduce == one_call,
+       "recording holds the one-call path off, and stop gives it back")
+expect(torch.equal(got, torch.full((5,), n * (n + 1) / 2)), f"named allreduce recorded: {got}")
+if r == 0:
+    seen = trace_of(files["first"])
+    expect({f"rank {q}" for q in range(n)} <= set(seen), f"every rank's track: {seen}")
+    expect(seen.get("allreduce.test_allreduce") == set(range(n)), f"the named op: {seen}")
+hvd.start_timeline(files["second"])
+hvd.allreduce(x, name="in_second")
+hvd.start_timeline(files["third"])  # another file: the second is written first
+hvd.allreduce(x, name="in_third")
+hvd.stop_timeline()
+hvd.stop_timeline()  # none records: nothing
+if r == 0:
+    second, third = trace_of(files["second"]), trace_of(files["third"])
+    expect("allreduce.in_second" in second and "allreduce.in_third" not in second and
+           "allreduce.in_third" in third and "allreduce.in_second" not in third,
+           f"start with another file: {sorted(second)} then {sorted(third)}")
+try:  # rank 0's folder cannot be written: every rank raises, nothing records
+    hvd.start_timeline(os.path.join(folder, "missing", "t.json"))
+    expect(False, "an unwritable timeline should raise")
+except ValueError as exc:
+    expect("cannot write" in str(exc) and not rt_timeline.ON, str(exc))
+if n > 1:  # rank 0 starts (then stops) the timeline while the others all-reduce: every rank raises
+    for call in (lambda: hvd.start_timeline(files["first"]), hvd.stop_timeline):
+        try:
+            if r == 0:
+                call()
+            else:
+                hvd.allreduce_(torch.ones(2), op=hvd.Sum)
+            expect(False, "start/stop_timeline on rank 0 alone should raise on every rank")
+        except MismatchError:
+            pass
+        expect(not rt_timeline.ON and torch.equal(hvd.allreduce(x, op=hvd.Sum),
+                                                  torch.full((5,), n * (n + 1) / 2)),
+               "usable after a timeline call on rank 0 alone")
+os.environ.pop("HOROVOD_TIMELINE")
+if saved_timeline is not None:
+    os.environ["HOROVOD_TIMELINE"] = saved_timeline
+shutil.rmtree(folder)
 
 # ---- refused on every rank, at the same call -------------------------------------------------
 for call, words in ((lambda: hvd.allreduce(x, op=hvd.Adasum), "Adasum"),
