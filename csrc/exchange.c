@@ -255,17 +255,19 @@ static PyObject *int_tuple(const int64_t *words, int n) {
 
 static PyObject *checked_allreduce_array(CheckedContext *self, PyObject *const *args,
                                          Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "allreduce_array(x, op)");
+    if (nargs < 2 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "allreduce_array(x, op[, stamp])");
         return NULL;
     }
+    int64_t stamp;
+    if (mp_small_stamp(args, nargs, &stamp) < 0) return NULL;
     int opc, average, dtype;
     Py_buffer v;
     Py_hash_t shape_hash;
     if (!mp_small_take(args[0], args[1], self->max_bytes, &v, &dtype, &opc, &average,
                        &shape_hash))
         Py_RETURN_NOTIMPLEMENTED;
-    int64_t header[HEADER_WORDS] = {1 /* ALLREDUCE */, DOUBLING, opc + 4 * average, dtype,
+    int64_t header[HEADER_WORDS] = {1 /* ALLREDUCE */, DOUBLING | stamp, opc + 4 * average, dtype,
                                     (int64_t)(v.len / v.itemsize), shape_hash, 0, 0};
     long long seq = mp_post(self->board, header);
     if (seq < 0) { /* nothing entered: the general path takes the call (out of memory) */
@@ -329,7 +331,7 @@ static PyGetSetDef checked_getset[] = {
 
 static PyMethodDef checked_methods[] = {
     {"allreduce_array", (PyCFunction)(void (*)(void))checked_allreduce_array, METH_FASTCALL,
-     "allreduce_array(x, op) -> x, (False, header) when the ranks disagree, or NotImplemented "
+     "allreduce_array(x, op[, stamp]) -> x, (False, header) when the ranks disagree, or NotImplemented "
      "when it declines (nothing done, nothing posted)"},
     {"exchange", (PyCFunction)(void (*)(void))checked_exchange, METH_FASTCALL,
      "exchange(header, x, dtype, op) -> every rank's free word, or None when the ranks "

@@ -100,24 +100,41 @@ int mp_mark_done(PyObject *board, long long seq) {
 }
 
 const char mp_allreduce_array_doc[] =
-"allreduce_array(x, op) -> x, (status, info) or NotImplemented\n\n"
+"allreduce_array(x, op[, stamp]) -> x, (status, info) or NotImplemented\n\n"
 "The whole in-place all-reduce of a small numpy array, posted on the board given to\n"
 "set_board (Note [Small all-reduce in one call]): x when done, (status, info) as exchange\n"
-"when the ranks disagree, NotImplemented when it declines (nothing done, nothing posted).";
+"when the ranks disagree, NotImplemented when it declines (nothing done, nothing posted).\n"
+"stamp: a name's stamp for the header's call-site bits (Note [Described stamps]), 0 none.";
+
+int mp_small_stamp(PyObject *const *args, Py_ssize_t nargs, int64_t *stamp) {
+    *stamp = 0;
+    if (nargs == 3) {
+        long long s = PyLong_AsLongLong(args[2]);
+        if (s == -1 && PyErr_Occurred()) return -1;
+        if (s < 0 || s >= (1LL << 24)) {
+            PyErr_SetString(PyExc_ValueError, "allreduce_array: a stamp is below 2**24");
+            return -1;
+        }
+        *stamp = (int64_t)s << 8;
+    }
+    return 0;
+}
 
 PyObject *mp_ctx_allreduce_array(ShmContext *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!mp_ctx_ready(self)) return NULL;
-    if (nargs != 2 || !self->board) {
-        PyErr_SetString(PyExc_TypeError, "allreduce_array(x, op) needs set_board first");
+    if (nargs < 2 || nargs > 3 || !self->board) {
+        PyErr_SetString(PyExc_TypeError, "allreduce_array(x, op[, stamp]) needs set_board first");
         return NULL;
     }
+    int64_t stamp;
+    if (mp_small_stamp(args, nargs, &stamp) < 0) return NULL;
     int opc, average, dtype;
     Py_buffer v;
     Py_hash_t shape_hash;
     if (!mp_small_take(args[0], args[1], self->inline_bytes, &v, &dtype, &opc, &average,
                        &shape_hash))
         Py_RETURN_NOTIMPLEMENTED;
-    int64_t header[SHM_HEADER_WORDS] = {1 /* ALLREDUCE */, 3 /* shm */, opc + 4 * average,
+    int64_t header[SHM_HEADER_WORDS] = {1 /* ALLREDUCE */, 3 /* shm */ | stamp, opc + 4 * average,
                                         dtype, (int64_t)(v.len / v.itemsize), shape_hash, 0, 0};
     long long seq = mp_post(self->board, header);
     if (seq < 0) { /* nothing entered: the general path takes the call (out of memory) */

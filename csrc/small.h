@@ -15,6 +15,10 @@ int mp_op_of(PyObject *op, int *code, int *average);
  * held, no exception set): another dtype or op, read-only, strided, too large, avg of ints. */
 int mp_small_take(PyObject *x, PyObject *op, Py_ssize_t max_bytes, Py_buffer *v, int *dtype,
                   int *opc, int *average, Py_hash_t *shape_hash);
+/* The optional third argument of allreduce_array, a name's stamp (below 2**24), shifted to
+ * where a header's word 1 carries it (Note [Described stamps] in mpidp/engine/header.py):
+ * 0 with *stamp set (0 without the argument), or -1 with an exception set. */
+int mp_small_stamp(PyObject *const *args, Py_ssize_t nargs, int64_t *stamp);
 /* hash() of the buffer's shape tuple, as mpidp.engine.header.header takes it; -1 on error. */
 Py_hash_t mp_shape_hash(const Py_buffer *v);
 /* board.seq += 1; board.what = header; returns the new seq, or -1 with an exception set. */

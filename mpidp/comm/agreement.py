@@ -9,7 +9,7 @@ from typing import Optional
 from ..engine import header
 from ..errors import MismatchError
 from ..runtime.frame import Frame
-from . import objects
+from . import collectives, objects
 
 # Note [Agreement before refusal]
 # Every argument that must agree across ranks is checked together, in the one frame (Note [The
@@ -40,6 +40,17 @@ from . import objects
 
 
 _TEXTS: dict = {}  # described stamp -> its text, on this rank
+_STAMPS: dict = {}  # text -> its described stamp, on this rank
+
+
+def stamp_of(text: str) -> int:
+    """The described stamp of ``text`` (Note [Described stamps] in mpidp/engine/header.py),
+    made once per text."""
+    stamp = _STAMPS.get(text)
+    if stamp is None:
+        stamp = _STAMPS[text] = header.described_stamp(text)
+        _TEXTS[stamp] = text
+    return stamp
 
 
 @contextlib.contextmanager
@@ -47,20 +58,19 @@ def agreed(g, text: str):
     """The block's collectives on group ``g`` carry a described stamp of ``text``: where it
     differs on some rank, every rank raises a MismatchError naming every rank's ``text``
     (Note [Agreement before refusal]). Inside another stamp, the two together. The block's
-    collectives do not take the one C call. Every rank of ``g`` enters it at the same call."""
+    one C calls carry the stamp too. Every rank of ``g`` enters it at the same call."""
     if g.size == 1:
         yield
         return
     outer = g.board.site
     if outer is not None:  # a stamp already: one of both texts
         text = f"{_TEXTS.get(outer) or header.site_text(outer)}; {text}"
-    stamp = header.described_stamp(text)
-    _TEXTS[stamp] = text
+    stamp = stamp_of(text)
     try:
         if outer is None:
             with g.resources.stamped(stamp):
                 yield
-        else:  # the one C call is off already
+        else:  # the one C call reads the board's stamp
             g.board.site = stamp
             try:
                 yield
@@ -68,6 +78,21 @@ def agreed(g, text: str):
                 g.board.site = outer
     except MismatchError as exc:
         _name_every_text(g, exc, text)
+
+
+def allreduce_tensor_(g, x, op: str, stamp: int) -> bool:
+    """``collectives.allreduce_tensor_`` (the in-place all-reduce of CPU tensor ``x`` as one C
+    call) as inside ``agreed(g, text)``, ``stamp`` being ``stamp_of(text)`` (a named Horovod
+    all-reduce: Note [Names] in mpidp/horovod/arguments.py): its header carries the stamp, so
+    the name costs no exchange of its own. True when done, False when it declined (nothing
+    done: the caller takes its ``agreed`` block); where the ranks' stamps or inputs differ,
+    every rank raises as ``agreed`` makes it. Every rank of ``g`` calls it."""
+    if g.board.site is not None:  # inside another stamp: the caller's block
+        return False
+    try:
+        return collectives.allreduce_tensor_(g, x, op, stamp)
+    except MismatchError as exc:
+        _name_every_text(g, exc, _TEXTS[stamp])
 
 
 def _name_every_text(g, exc: MismatchError, text: str) -> None:

@@ -163,10 +163,10 @@ def allreduce_in(g, x: Any, op: str = "sum", algorithm: str = "auto", inplace: b
     except MismatchError as exc:
         if header.for_joined(getattr(exc, "headers", ())) is None:
             raise
-    return _with_joined(g, x, op, algorithm, inplace)
+    return with_joined(g, x, op, algorithm, inplace)
 
 
-def _with_joined(g, x, op: str, algorithm: str, inplace: bool):
+def with_joined(g, x, op: str, algorithm: str, inplace: bool):
     """The all-reduce of ``x`` once more, the ranks that joined adding zeros (Note [Joined
     ranks] in mpidp/engine/header.py): ``x`` viewed flat, a shape a joined rank can make."""
     shape = tuple(x.shape)
@@ -181,23 +181,59 @@ def _with_joined(g, x, op: str, algorithm: str, inplace: bool):
     return x
 
 
-def allreduce_one_call(g, view, op: str) -> bool:
+def allreduce_one_call(g, view, op: str, stamp: int = 0) -> bool:
     """The in-place all-reduce of ``view`` (a numpy array, or any writable C-contiguous
     buffer such as mpidp.engine.host_ops.host_view's) over group ``g`` as one C call where
-    the group has it (csrc/small.c on one node, csrc/exchange.c across nodes): True when
-    done, False when it declined (nothing done: the caller takes ``allreduce_in``); raises on
-    every rank when the ranks' inputs disagree. Every rank of ``g`` calls it."""
-    return g.resources.fast_allreduce is not None and _one_call(g, view, op)
+    the group has it (csrc/small.c on one node, csrc/exchange.c across nodes), its header
+    carrying ``stamp`` (Note [Described stamps] in mpidp/engine/header.py; 0: none): True
+    when done, False when it declined (nothing done: the caller takes ``allreduce_in``);
+    raises on every rank when the ranks' inputs disagree. Every rank of ``g`` calls it."""
+    return g.resources.fast_allreduce is not None and _one_call(g, view, op, stamp)
 
 
-def _one_call(g, view, op: str) -> bool:
+def allreduce_tensor_(g, x, op: str, stamp: int = 0) -> bool:
+    """The in-place all-reduce of CPU torch tensor ``x`` over group ``g`` as one C call, its
+    header carrying ``stamp`` (0: none; the caller's ``agreed`` block in
+    mpidp/comm/agreement.py otherwise): the drop-in bindings' shortcut. True when done (where
+    ranks have joined, once more with their zeros: Note [Joined ranks] in
+    mpidp/engine/header.py); False when it declined, nothing done (another dtype or device,
+    strided, too large, an average of integers: the caller takes its general path); raises
+    on every rank when the ranks' inputs disagree. Every rank of ``g`` calls it."""
+    fast = g.resources.fast_allreduce
+    if fast is None:
+        return False
+    view = tensor_view(x)  # contiguous: no copy to make (``_one_call``)
+    if view is None:
+        return False
+    try:
+        done = fast(view, op, stamp)
+    except BaseException:  # refused here, in C: it raised at once (Board.failed)
+        g.board.failed += 1
+        raise
+    if done is view:
+        bump_tensor_version(x)
+        return True
+    if done is NotImplemented:
+        return False
+    try:
+        g.resources.fast_disagreed(done)  # raises on every rank
+    except MismatchError as exc:
+        if header.for_joined(getattr(exc, "headers", ())) is None:
+            raise
+        with g.resources.stamped(stamp or None):
+            with_joined(g, x, op, "auto", True)
+    return True
+
+
+def _one_call(g, view, op: str, stamp: int = 0) -> bool:
     """The in-place all-reduce of ``view`` as one C call (csrc/small.c on one node,
     csrc/exchange.c across nodes): True when done, False when it declined (nothing done);
     raises on every rank when the ranks' inputs disagree. A strided array goes through a
     contiguous copy, not the general path: only what every rank's header shows (dtype, op,
     size) may send a rank there (Note [Chunks after the record] in csrc/exchange.c)."""
     try:
-        done = g.resources.fast_allreduce(view, op)
+        done = g.resources.fast_allreduce(view, op, stamp) if stamp else \
+            g.resources.fast_allreduce(view, op)
     except BaseException:  # refused here, in C: it raised at once (the others: fast_disagreed)
         g.board.failed += 1
         raise
@@ -209,7 +245,7 @@ def _one_call(g, view, op: str) -> bool:
             or view.nbytes > g.resources.fast_max_bytes:
         return False
     tmp = np.ascontiguousarray(view)
-    if not _one_call(g, tmp, op):
+    if not _one_call(g, tmp, op, stamp):
         return False
     view[...] = tmp
     return True

@@ -28,8 +28,11 @@ from .process_sets import group_of, on
 # Note [Agreement before refusal] in mpidp/comm/agreement.py), and ranks that submit named
 # operations in another order — ``a`` then ``b`` on one rank, ``b`` then ``a`` on another
 # — raise a MismatchError on every rank naming each rank's name, where they would have
-# added ``a`` to ``b``. Unnamed operations are matched by their order, as always, and keep
-# the one-call path (an unnamed call pays nothing); DistributedOptimizer's buckets carry
+# added ``a`` to ``b``. Unnamed operations are matched by their order, as always. Both keep
+# the one-call path where it takes the tensor (csrc/small.c, csrc/exchange.c): the stamp goes
+# into that call's header (``allreduce_array``'s third argument), so a named ``allreduce_``
+# of a small tensor costs a dictionary lookup more than an unnamed one, no exchange (the
+# stamp of a name is made once: mpidp.comm.agreement.stamp_of); DistributedOptimizer's buckets carry
 # their parameters' names their own way (Note [Gradients during backward] in backward.py).
 # The backward pass of a named operation is not named (Horovod names it after the forward).
 
@@ -95,9 +98,14 @@ def named(name: Any, process_set, what: str):
     return _named(str(name), process_set, what)
 
 
+def name_text(name: Any) -> str:
+    """What a name's stamp says (Note [Names])."""
+    return f"name {str(name)!r}"
+
+
 @contextlib.contextmanager
 def _named(name: str, process_set, what: str):
-    with on(process_set) as g, agreed(g, f"name {name!r}"):
+    with on(process_set) as g, agreed(g, name_text(name)):
         if timeline.ON:
             with timeline.span(f"{what}.{name}"):
                 yield

@@ -11,12 +11,13 @@ import inspect
 
 import torch
 
-from .. import config
-from ..comm import collectives, fusion, joined
+from .. import config, runtime
+from ..runtime import timeline
+from ..comm import agreement, collectives, fusion, joined
 from ..ddp import sync_bn
 from ..engine.header import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE_SCATTER, UNKNOWN
 from . import backward, handles, sparse
-from .arguments import (check_tensor, checked, named, op_word, refuse,
+from .arguments import (check_tensor, checked, name_text, named, op_word, refuse,
                         resolve_op)
 from .process_sets import group_of, local_root, on
 from .basics import Average, Max, Min, Product, Sum
@@ -31,6 +32,7 @@ _PENDING = handles.pending_list()  # allreduce_'s shortcut only where none is pe
 # scaling] in mpidp/horovod/integers.py: the others, and an integer Average, go round)
 _FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 _CARRIED = _FLOATS | {torch.int32, torch.int64}
+_NAME_STAMPS: dict = {}  # allreduce_'s shortcut: name -> the stamp of its text (Note [Names])
 
 
 def _reduce_into(x: torch.Tensor, op: int) -> torch.Tensor:
@@ -89,11 +91,20 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     """In place: ``tensor`` holds the reduction afterwards, and is returned."""
     if average is None and process_set is None and prescale_factor == 1.0 and \
             postscale_factor == 1.0 and type(tensor) is _TENSOR and not backward.active \
-            and name is None and not _PENDING:
+            and not _PENDING:
         plain = _PLAIN.get(op) if op is None or type(op) is int else None
-        if plain is not None and tensor.dtype in (_FLOATS if plain == "avg" else _CARRIED):
-            collectives.allreduce_(tensor, plain)  # the common call, straight to mpidp's
-            return tensor
+        if plain is not None:  # the common call, straight to mpidp's
+            if name is None:
+                if collectives.allreduce_tensor_(runtime.group(), tensor, plain):
+                    return tensor  # in one C call (it declines the dtypes it does not carry)
+                if tensor.dtype in (_FLOATS if plain == "avg" else _CARRIED):
+                    return collectives.allreduce_(tensor, plain)
+            elif type(name) is str and not timeline.ON:  # the name in the header (Note [Names])
+                stamp = _NAME_STAMPS.get(name)
+                if stamp is None:
+                    stamp = _NAME_STAMPS[name] = agreement.stamp_of(name_text(name))
+                if agreement.allreduce_tensor_(runtime.group(), tensor, plain, stamp):
+                    return tensor
     op = checked(tensor, op, average, process_set, ALLREDUCE, "allreduce_")
     with torch.no_grad(), on(process_set), named(name, process_set, "allreduce"):
         if tensor.is_contiguous() and op != Product and prescale_factor == 1.0 and \

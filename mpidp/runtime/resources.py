@@ -118,9 +118,9 @@ class Resources:
         """The one-call path (Note [Small all-reduce in one call] in csrc/small.c) where
         nothing holds it off: the C exchange across nodes (not under a wait timeout), else
         the node's context once made. None while the timeline records (it would see no
-        call of it: Note [Timeline cost] in mpidp/runtime/timeline.py), inside a stamped block
-        and once the group is closing."""
-        if self._closed or timeline.ON or self.board.site is not None:
+        call of it: Note [Timeline cost] in mpidp/runtime/timeline.py) and once the group is
+        closing."""
+        if self._closed or timeline.ON:
             return None
         if self.c_exchange is not None:
             return self.c_exchange.allreduce_array if self.wait_timeout_s is None else None
@@ -174,20 +174,23 @@ class Resources:
         another rank's stamp; None: nothing done) in their headers where the call site goes
         in debug mode, so the check compares it (Note [Debug fingerprints] in
         mpidp/engine/header.py): one rank's call that comes in another's place raises on
-        every rank instead of pairing. The one-call paths, whose headers carry no stamp, are
-        off meanwhile; the node's context is made first (a collective on its first use:
-        every rank enters the block at the same call)."""
+        every rank instead of pairing. The one C call carries it too (the board's stamp when
+        it is called: an inner block may change it); the node's context is made first (a
+        collective on its first use: every rank enters the block at the same call)."""
         if site is None:
             yield
             return
         self.links_ready()
-        fast, self.fast_allreduce = self.fast_allreduce, None
-        self.board.site = site
+        fast = self.fast_allreduce
+        board = self.board
+        if fast is not None:
+            self.fast_allreduce = lambda x, op, stamp=0: fast(x, op, board.site)
+        board.site = site
         try:
             yield
         finally:
-            self.board.site = None
-            if self.fast_allreduce is None and not self._closed:
+            board.site = None
+            if self.fast_allreduce is not None and not self._closed:
                 self.fast_allreduce = fast
 
     def add_user(self, stop: Callable[[float], bool]) -> None:

@@ -330,6 +330,25 @@ expect(isinstance(got, dict) and torch.equal(got["a"], torch.tensor([n * (n + 1)
        torch.equal(got["b"], torch.tensor([100.0 * n + n * (n - 1) / 2])),
        f"named all-reduces in the same order: {got}")
 
+# named all-reduces in place (the name rides the one C call's header: Note [Names] in
+# mpidp/horovod/arguments.py): another name on the last rank, no name there, then one name on
+# every rank, in place on some ranks and not on others
+raised_everywhere(lambda: hvd.allreduce_(torch.ones(2), op=hvd.Sum,
+                                         name="b" if rank == last else "a"), False, None,
+                  "another name on one rank", "name 'a'", "name 'b'", f"rank {last}:")
+hvd_next_is_exact("another name on one rank")
+raised_everywhere(lambda: hvd.allreduce_(torch.ones(2), op=hvd.Sum,
+                                         name=None if rank == last else "a"), False, None,
+                  "no name on one rank", f"rank {last}:")
+hvd_next_is_exact("no name on one rank")
+for size in (2, 100_000):  # the one call, and the general path
+    x = torch.full((size,), rank + 1.0)
+    got = returned(lambda: hvd.allreduce_(x, op=hvd.Sum, name="m") if rank % 2 else
+                   hvd.allreduce(x, op=hvd.Sum, name="m"))
+    expect(isinstance(got, torch.Tensor) and torch.equal(got, torch.full((size,),
+                                                                       n * (n + 1) / 2)),
+           f"one name on every rank, {size} elements: {got}")
+
 # process sets: a bad list on rank 0, then lists that differ, then one that every rank agrees on
 raised_everywhere(lambda: hvd.add_process_set([0, 99] if rank == 0 else [0]), rank == 0,
                   ValueError, "add_process_set([0, 99]) on rank 0", "rank 0: ValueError",

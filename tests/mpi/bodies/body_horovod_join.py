@@ -50,6 +50,10 @@ else:
     expect(hvd.allreduce_(t, op=hvd.Sum) is t and
            torch.equal(t, active * torch.arange(12.0).reshape(3, 4) + sum(range(active))),
            f"allreduce_ while a rank has joined: {t}")
+    u = torch.arange(6, dtype=torch.float32).reshape(2, 3) + r  # named: its stamp in the one
+    expect(hvd.allreduce_(u, op=hvd.Sum, name="u") is u and       # call, then the second try's
+           torch.equal(u, active * torch.arange(6.0).reshape(2, 3) + sum(range(active))),
+           f"named allreduce_ while a rank has joined: {u}")
     s = (torch.arange(12, dtype=torch.float64).reshape(4, 3) + 1).t()  # not contiguous
     hvd.allreduce_(s, op=hvd.Sum)
     expect(torch.equal(s, active * (torch.arange(12.0, dtype=torch.float64).reshape(4, 3)
