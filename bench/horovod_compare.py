@@ -93,6 +93,7 @@ def latency(comm, hvd, nbytes: int, reps: int, seed: int) -> dict:
             "us": {c: statistics.median(times[c]) * 1e6 for c in cols},
             "vs_mpi": {c: ratio(c, "mpi") for c in cols},
             "horovod_over": {c: ratio("horovod", c) for c in cols} if hvd else {},
+            "drop_in_over_own": ratio("mpidp.horovod", "mpidp"),  # the drop-in's cost
             "all_us": {c: [t * 1e6 for t in times[c]] for c in cols}}
 
 
@@ -141,6 +142,9 @@ def training(comm, hvd, steps: int, warmup: int, reps: int) -> dict:
     params = sum(p.numel() for p in runs["none"].model.parameters())
     return {"params": params, "batch_per_rank": runs["none"].batch, "steps": steps,
             "samples_per_s": {m: statistics.median(rates[m]) for m in modes},
+            "drop_in_over_ddp": statistics.median(  # DistributedOptimizer ÷ mpidp's DDP
+                a / b for a, b in zip(rates["mpidp.horovod"], rates["mpidp DDP"])),
+            "drop_in_rate": statistics.median(rates["mpidp.horovod"]),
             "all_samples_per_s": rates}
 
 
