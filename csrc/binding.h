@@ -5,9 +5,7 @@
 #include <Python.h>
 #include "fusion.h"
 
-/* Header word 1 carries the shared-memory call's data and peer mode above the algorithm code
- * (mpidp.engine.header.MODE_SHIFT): ranks that would move data differently disagree there. */
-#define SHM_MODE_SHIFT 4
+#include "wire.h"
 
 int mp_get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what);
 int mp_check_codes(int dtype, int op);

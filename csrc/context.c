@@ -71,11 +71,11 @@ static PyObject *ctx_set_segments(ShmContext *self, PyObject *args) {
 }
 
 static int read_header(PyObject *obj, int64_t *header) {
-    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != SHM_HEADER_WORDS) {
-        PyErr_Format(PyExc_TypeError, "header must be a tuple of %d ints", SHM_HEADER_WORDS);
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != MP_HEADER_WORDS) {
+        PyErr_Format(PyExc_TypeError, "header must be a tuple of %d ints", MP_HEADER_WORDS);
         return -1;
     }
-    for (int i = 0; i < SHM_HEADER_WORDS; i++) {
+    for (int i = 0; i < MP_HEADER_WORDS; i++) {
         header[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(obj, i));
         if (header[i] == -1 && PyErr_Occurred()) return -1;
     }
@@ -100,14 +100,14 @@ static PyObject *result_tuple(const shm_result *r, int nranks, int data) {
         if (data != SHM_DATA_NONE) return Py_BuildValue("(iO)", SHM_OK, Py_None);
         info = PyTuple_New(nranks);
         for (int q = 0; info && q < nranks; q++)
-            if (!set_item(info, q, PyLong_FromLongLong(r->headers[q][SHM_HEADER_WORDS - 1])))
+            if (!set_item(info, q, PyLong_FromLongLong(r->headers[q][MP_HEADER_WORDS - 1])))
                 Py_CLEAR(info);
         break;
     case SHM_MISMATCH:
         info = PyTuple_New(nranks);
         for (int q = 0; info && q < nranks; q++) {
-            PyObject *h = PyTuple_New(SHM_HEADER_WORDS);
-            for (int i = 0; h && i < SHM_HEADER_WORDS; i++)
+            PyObject *h = PyTuple_New(MP_HEADER_WORDS);
+            for (int i = 0; h && i < MP_HEADER_WORDS; i++)
                 if (!set_item(h, i, PyLong_FromLongLong(r->headers[q][i]))) Py_CLEAR(h);
             if (!set_item(info, q, h)) Py_CLEAR(info);
         }
@@ -153,7 +153,7 @@ static int poll_interrupt(void *arg) {
 PyObject *mp_ctx_enter(ShmContext *self, shm_call *c, int64_t *header) {
     if (self->interrupted || __atomic_load_n(&self->closed, __ATOMIC_ACQUIRE))
         return Py_BuildValue("(iO)", SHM_INTERRUPTED, Py_None);
-    header[1] |= (int64_t)(c->data | self->peers << 2) << SHM_MODE_SHIFT;
+    header[1] |= (int64_t)(c->data | self->peers << 2) << MP_MODE_SHIFT;
     c->ctrl = self->ctrl;
     c->nranks = self->nranks;
     c->rank = self->rank;
@@ -187,9 +187,9 @@ PyObject *mp_ctx_enter(ShmContext *self, shm_call *c, int64_t *header) {
 static PyObject *refuse(ShmContext *self, int64_t kind) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    int64_t header[SHM_HEADER_WORDS] = {0};
+    int64_t header[MP_HEADER_WORDS] = {0};
     header[0] = kind;
-    header[SHM_HEADER_WORDS - 2] = PyErr_GivenExceptionMatches(type, PyExc_TypeError) ? 1 : 2;
+    header[MP_HEADER_WORDS - 2] = PyErr_GivenExceptionMatches(type, PyExc_TypeError) ? 1 : 2;
     shm_call c;
     memset(&c, 0, sizeof(c));
     c.data = SHM_DATA_NONE;
@@ -214,7 +214,7 @@ int mp_ctx_ready(ShmContext *self) {
 
 static PyObject *ctx_exchange(ShmContext *self, PyObject *header_obj) {
     if (!mp_ctx_ready(self)) return NULL;
-    int64_t header[SHM_HEADER_WORDS];
+    int64_t header[MP_HEADER_WORDS];
     if (read_header(header_obj, header) < 0) return NULL;
     shm_call c;
     memset(&c, 0, sizeof(c));
@@ -238,7 +238,7 @@ static PyObject *ctx_allreduce(ShmContext *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_TypeError, "allreduce takes 6 arguments");
         return NULL;
     }
-    int64_t header[SHM_HEADER_WORDS];
+    int64_t header[MP_HEADER_WORDS];
     if (read_header(args[0], header) < 0) return NULL;
     PyObject *src_obj = args[1], *dst_obj = args[2];
     int dtype = PyLong_AsLong(args[3]), op = PyLong_AsLong(args[4]);

@@ -42,8 +42,7 @@ typedef int (*wait_fn)(int *, void *);
  * for an agreeing header runs this same exchange (mpidp.engine.exchange.exchange calls `exchange`),
  * and mpidp.comm.collectives copies a strided array rather than let it be declined: a record
  * whose data follows never meets a rank that would not take it. */
-enum { REC_OK = 0, REC_DISAGREE = 1, CHECK_TAG = 0x6D63, DATA_TAG = 0x6D64, HEADER_WORDS = 8,
-       COMPARED = 7, MAX_ROUNDS = 31, DOUBLING = 8 /* the algorithm's code, mpidp.algorithms */ };
+enum { REC_OK = 0, REC_DISAGREE = 1, CHECK_TAG = 0x6D63, DATA_TAG = 0x6D64, MAX_ROUNDS = 31 };
 
 typedef struct {
     PyObject_HEAD
@@ -96,7 +95,7 @@ static int checked_init(CheckedContext *self, PyObject *args, PyObject *kw) {
     if (m != size) max_bytes = inline_bytes; /* Note [Chunks after the record]: no fold */
     self->inline_bytes = inline_bytes, self->max_bytes = max_bytes;
     self->chunk_bytes = chunk_bytes, self->window = window;
-    self->words = 1 + HEADER_WORDS + size;
+    self->words = 1 + MP_HEADER_WORDS + size;
     size_t bytes = (size_t)self->words * 8 + (size_t)inline_bytes;
     free(self->mine);
     free(self->theirs);
@@ -129,8 +128,8 @@ static void merge(CheckedContext *self, int rc, int mine_first, size_t len, int 
         a[0] = REC_DISAGREE;
         return;
     }
-    for (Py_ssize_t i = 1 + HEADER_WORDS; i < self->words; i++) a[i] |= b[i];
-    if (a[0] != REC_OK || b[0] != REC_OK || memcmp(a + 1, b + 1, COMPARED * 8) != 0) {
+    for (Py_ssize_t i = 1 + MP_HEADER_WORDS; i < self->words; i++) a[i] |= b[i];
+    if (a[0] != REC_OK || b[0] != REC_OK || memcmp(a + 1, b + 1, MP_FREE_WORD * 8) != 0) {
         a[0] = REC_DISAGREE;
         return;
     }
@@ -229,9 +228,9 @@ static int64_t run(CheckedContext *self, const int64_t *header, char *buf, size_
                    int dtype, int op) {
     int64_t *rec = self->mine;
     rec[0] = REC_OK;
-    memcpy(rec + 1, header, HEADER_WORDS * 8);
-    memset(rec + 1 + HEADER_WORDS, 0, (size_t)self->size * 8); /* a slot: its owner's only */
-    rec[1 + HEADER_WORDS + self->rank] = header[COMPARED];
+    memcpy(rec + 1, header, MP_HEADER_WORDS * 8);
+    memset(rec + 1 + MP_HEADER_WORDS, 0, (size_t)self->size * 8); /* a slot: its owner's only */
+    rec[1 + MP_HEADER_WORDS + self->rank] = header[MP_FREE_WORD];
     int inlined = len <= (size_t)self->inline_bytes;
     if (inlined) memcpy(rec + self->words, buf, len);
     Py_BEGIN_ALLOW_THREADS
@@ -267,7 +266,7 @@ static PyObject *checked_allreduce_array(CheckedContext *self, PyObject *const *
     if (!mp_small_take(args[0], args[1], self->max_bytes, &v, &dtype, &opc, &average,
                        &shape_hash))
         Py_RETURN_NOTIMPLEMENTED;
-    int64_t header[HEADER_WORDS] = {1 /* ALLREDUCE */, DOUBLING | stamp, opc + 4 * average, dtype,
+    int64_t header[MP_HEADER_WORDS] = {MP_KIND_ALLREDUCE, MP_ALGO_DOUBLING | stamp, opc + 4 * average, dtype,
                                     (int64_t)(v.len / v.itemsize), shape_hash, 0, 0};
     long long seq = mp_post(self->board, header);
     if (seq < 0) { /* nothing entered: the general path takes the call (out of memory) */
@@ -284,7 +283,7 @@ static PyObject *checked_allreduce_array(CheckedContext *self, PyObject *const *
     PyBuffer_Release(&v);
     if (mp_mark_done(self->board, seq) < 0) return NULL;
     if (status == REC_OK) return Py_NewRef(args[0]);
-    PyObject *words = int_tuple(header, HEADER_WORDS); /* disagreed: (False, header) */
+    PyObject *words = int_tuple(header, MP_HEADER_WORDS); /* disagreed: (False, header) */
     return words ? Py_BuildValue("(ON)", Py_False, words) : NULL;
 }
 
@@ -293,12 +292,12 @@ static PyObject *checked_allreduce_array(CheckedContext *self, PyObject *const *
  * in place; every rank's free word as a tuple, or None where the ranks disagree. */
 static PyObject *checked_exchange(CheckedContext *self, PyObject *const *args, Py_ssize_t nargs) {
     int dtype, op;
-    int64_t header[HEADER_WORDS];
-    if (nargs != 4 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != HEADER_WORDS) {
+    int64_t header[MP_HEADER_WORDS];
+    if (nargs != 4 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != MP_HEADER_WORDS) {
         PyErr_SetString(PyExc_TypeError, "exchange(header (8 ints), x, dtype, op)");
         return NULL;
     }
-    for (int i = 0; i < HEADER_WORDS; i++) {
+    for (int i = 0; i < MP_HEADER_WORDS; i++) {
         header[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(args[0], i));
         if (header[i] == -1 && PyErr_Occurred()) return NULL;
     }
@@ -317,7 +316,7 @@ static PyObject *checked_exchange(CheckedContext *self, PyObject *const *args, P
     int64_t status = run(self, header, v.buf, (size_t)v.len, dtype, op);
     PyBuffer_Release(&v);
     if (status != REC_OK) Py_RETURN_NONE;
-    return int_tuple(self->mine + 1 + HEADER_WORDS, self->size);
+    return int_tuple(self->mine + 1 + MP_HEADER_WORDS, self->size);
 }
 
 static PyObject *checked_get_max_bytes(CheckedContext *self, void *closure) {

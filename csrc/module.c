@@ -329,12 +329,18 @@ PyMODINIT_FUNC PyInit__ext(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddIntConstant(m, "SHM_HEADER_WORDS", SHM_HEADER_WORDS) < 0 ||
+    /* csrc/wire.h, which mpidp.engine.header.check_wire compares with its own */
+    PyObject *wire = Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
+                                   "HEADER_WORDS", MP_HEADER_WORDS, "FREE_WORD", MP_FREE_WORD,
+                                   "ALLREDUCE", MP_KIND_ALLREDUCE, "SHM", MP_ALGO_SHM,
+                                   "DOUBLING", MP_ALGO_DOUBLING, "MODE_SHIFT", MP_MODE_SHIFT,
+                                   "STAMP_SHIFT", MP_STAMP_SHIFT);
+    if (!wire || PyModule_AddObject(m, "WIRE", wire) < 0 ||
         PyModule_AddIntConstant(m, "SHM_INLINE_BYTES", SHM_INLINE_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "SHM_SLOT_BYTES", SHM_SLOT_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "SHM_MAX_RANKS", SHM_MAX_RANKS) < 0 ||
-        PyModule_AddIntConstant(m, "SHM_MAX_SEGMENTS", SHM_MAX_SEGMENTS) < 0 ||
-        PyModule_AddIntConstant(m, "SHM_MODE_SHIFT", SHM_MODE_SHIFT) < 0) {
+        PyModule_AddIntConstant(m, "SHM_MAX_SEGMENTS", SHM_MAX_SEGMENTS) < 0) {
+        Py_XDECREF(wire);
         Py_DECREF(m);
         return NULL;
     }

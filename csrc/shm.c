@@ -41,9 +41,9 @@
 #include <unistd.h>
 
 typedef struct {
-    int64_t header[SHM_HEADER_WORDS];
+    int64_t header[MP_HEADER_WORDS];
     int64_t pid, in_addr, out_addr, status, nsegs, seq;
-    char pad[128 - (SHM_HEADER_WORDS + 6) * 8];
+    char pad[128 - (MP_HEADER_WORDS + 6) * 8];
     char payload[SHM_INLINE_BYTES];
 } record_t;
 
@@ -372,7 +372,7 @@ void shm_run(const shm_call *c, shm_result *r) {
     for (int q = 0; q < c->nranks; q++) {
         const int64_t *h = slot_of(c, q)->record[c->seq & 1].header;
         memcpy(r->headers[q], h, sizeof(r->headers[q]));
-        if (memcmp(h, c->header, (SHM_HEADER_WORDS - 1) * sizeof(int64_t))) agree = 0;
+        if (memcmp(h, c->header, (MP_HEADER_WORDS - 1) * sizeof(int64_t))) agree = 0;
     }
     if (!agree) { r->status = SHM_MISMATCH; return; }
     if (c->data == SHM_DATA_INLINE) { inline_reduce(c); return; }

@@ -7,8 +7,8 @@
 #include <stdint.h>
 #include <sys/types.h>
 #include "fusion.h"
+#include "wire.h"
 
-#define SHM_HEADER_WORDS 8     /* int64 words every rank writes; all but the last must agree */
 #define SHM_INLINE_BYTES 4096  /* payload carried inside the record itself */
 #define SHM_SLOT_BYTES (256 + 2 * (128 + SHM_INLINE_BYTES))
 #define SHM_MAX_SEGMENTS (SHM_INLINE_BYTES / 16) /* segment table in the inline payload */
@@ -25,7 +25,7 @@ typedef struct {
     char *ctrl;            /* base of the control block: nranks * SHM_SLOT_BYTES */
     int nranks, rank;
     uint64_t seq;          /* the same on every rank for the same call */
-    const int64_t *header; /* SHM_HEADER_WORDS words */
+    const int64_t *header; /* MP_HEADER_WORDS words */
     int data;              /* SHM_DATA_* */
     const char *in;        /* this rank's input (NULL for a handshake only) */
     char *out;             /* this rank's output; may equal in */
@@ -51,7 +51,7 @@ typedef struct {
 
 typedef struct {
     int status;                 /* SHM_* */
-    int64_t headers[SHM_MAX_RANKS][SHM_HEADER_WORDS]; /* on mismatch, or for a handshake: every rank's */
+    int64_t headers[SHM_MAX_RANKS][MP_HEADER_WORDS]; /* on mismatch, or for a handshake: every rank's */
     int missing[SHM_MAX_RANKS];            /* on timeout: 1 for each rank that had not arrived;
                                               departed: for each that shut down before it */
     int64_t seqs[SHM_MAX_RANKS];           /* out of step: the call number of every rank's record */

@@ -48,9 +48,9 @@ long long mp_post(PyObject *board, const int64_t *header) {
     Py_DECREF(seq);
     if (next == -1 && PyErr_Occurred()) return -1;
     next++;
-    PyObject *what = PyTuple_New(SHM_HEADER_WORDS), *n = PyLong_FromLongLong(next);
+    PyObject *what = PyTuple_New(MP_HEADER_WORDS), *n = PyLong_FromLongLong(next);
     int bad = !what || !n;
-    for (int i = 0; !bad && i < SHM_HEADER_WORDS; i++) {
+    for (int i = 0; !bad && i < MP_HEADER_WORDS; i++) {
         PyObject *word = PyLong_FromLongLong(header[i]);
         if (!word) bad = 1;
         else PyTuple_SET_ITEM(what, i, word);
@@ -115,7 +115,7 @@ int mp_small_stamp(PyObject *const *args, Py_ssize_t nargs, int64_t *stamp) {
             PyErr_SetString(PyExc_ValueError, "allreduce_array: a stamp is below 2**24");
             return -1;
         }
-        *stamp = (int64_t)s << 8;
+        *stamp = (int64_t)s << MP_STAMP_SHIFT;
     }
     return 0;
 }
@@ -134,7 +134,7 @@ PyObject *mp_ctx_allreduce_array(ShmContext *self, PyObject *const *args, Py_ssi
     if (!mp_small_take(args[0], args[1], self->inline_bytes, &v, &dtype, &opc, &average,
                        &shape_hash))
         Py_RETURN_NOTIMPLEMENTED;
-    int64_t header[SHM_HEADER_WORDS] = {1 /* ALLREDUCE */, 3 /* shm */ | stamp, opc + 4 * average,
+    int64_t header[MP_HEADER_WORDS] = {MP_KIND_ALLREDUCE, MP_ALGO_SHM | stamp, opc + 4 * average,
                                         dtype, (int64_t)(v.len / v.itemsize), shape_hash, 0, 0};
     long long seq = mp_post(self->board, header);
     if (seq < 0) { /* nothing entered: the general path takes the call (out of memory) */

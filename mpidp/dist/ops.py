@@ -31,6 +31,8 @@ from ..engine import header, host_ops
 from ..runtime.frame import Frame
 from ..errors import MismatchError
 
+header.binding(__package__)  # a call site is the script's line, not this package's
+
 RED = torch.distributed.ReduceOp.RedOpType
 _NAMES = {RED.SUM: "SUM", RED.AVG: "AVG", RED.PRODUCT: "PRODUCT", RED.MIN: "MIN",
           RED.MAX: "MAX", RED.BAND: "BAND", RED.BOR: "BOR", RED.BXOR: "BXOR",

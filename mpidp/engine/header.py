@@ -9,6 +9,11 @@ all-reduce's data in the same messages, Note [Checked in the message] in
 mpidp/engine/doubling.py); after a disagreement one MPI_Allgather (``exchange_mpi``, here) names
 who called what.
 
+The C side writes headers too (the one-call all-reduce, csrc/small.c and csrc/exchange.c): the
+words it needs are in csrc/wire.h, which the extension exports as ``mpidp._ext.WIRE``;
+``check_wire`` compares them with the constants here, and mpidp.engine.host_ops does not use
+an extension built for another header (a stale build says so, naming the words that differ).
+
 Note [Debug fingerprints]
 The header covers what a collective's data depends on: which collective, algorithm, op,
 root, dtype, element count and a hash of the shape. Two things escape it: collectives that
@@ -55,14 +60,17 @@ _SITES: dict = {}        # 24-bit CRC -> call site this process has seen
 # (Horovod's API and the torch.distributed backend too: a script's own line is named, not the
 # drop-in's), and torch's own modules between them and the script (autograd's Function.apply
 # of hvd.allreduce, dist.all_reduce's front)
-_LAYER = ("mpidp.comm.", "mpidp.runtime.", "mpidp.engine.", "mpidp.horovod.", "mpidp.dist.",
-          "torch.")
+_LAYER = ("mpidp.comm.", "mpidp.runtime.", "mpidp.engine.", "torch.")  # and the bindings'
+# packages, each added where it is imported (``binding``)
 _LAYER_MODULES = frozenset(("contextlib", "torch"))
+_CODES = {name: code for code, name in CODE_NAMES.items()}  # an algorithm's code by name
 # word 1: the algorithm's code (mpidp.algorithms) in bits 0-3; for the shared-memory protocol
 # its data mode (none, inline, sliced) in bits 4-5 and peer mode (cma, window) in bit 6, set
 # by the C call (csrc/binding.h), so ranks that would move data differently disagree there;
 # the call site's hash above bit 8 in debug mode
 MODE_SHIFT = 4
+STAMP_SHIFT = 8  # word 1: a call site's hash or a name's stamp (Note [Described stamps])
+HEADER_WORDS = 8
 _DATA_MODES = ("handshake", "inline", "sliced")
 _PEER_MODES = ("cma", "window")
 
@@ -74,6 +82,29 @@ _ERR_NAMES = {ERR_TYPE: "TypeError", ERR_VALUE: "ValueError",
               ERR_UNSUPPORTED: "NotImplementedError"}
 UNKNOWN = -1  # a word of a refusal its rank could not fill (a dtype of no tensor, ...)
 FREE_WORD = 7  # not compared: a value that may differ per rank (allgather's first dimension)
+
+
+def binding(package: str) -> None:
+    """A binding above the collectives (mpidp.horovod, the torch.distributed backend) names its
+    package, so that a call site is looked for beyond its frames too (Note [Debug
+    fingerprints]): the engine names no layer above it."""
+    global _LAYER
+    if package + "." not in _LAYER:
+        _LAYER = _LAYER + (package + ".",)
+
+
+def check_wire(wire: dict) -> Optional[str]:
+    """What differs between the header the C extension was built for (``mpidp._ext.WIRE``,
+    csrc/wire.h) and this one; None where nothing does."""
+    mine = {"HEADER_WORDS": HEADER_WORDS, "FREE_WORD": FREE_WORD, "ALLREDUCE": ALLREDUCE,
+            "SHM": _CODES["shm"], "DOUBLING": _CODES["doubling"], "MODE_SHIFT": MODE_SHIFT,
+            "STAMP_SHIFT": STAMP_SHIFT}
+    differ = [f"{k} {wire.get(k)} where mpidp.engine.header has {v}" for k, v in mine.items()
+              if wire.get(k) != v]
+    if not differ:
+        return None
+    return ("the C extension was built for another collective header (" + "; ".join(differ) +
+            "): rebuild it (pip install -e . in the checkout)")
 
 
 def op_word(op: int, average: bool) -> int:
@@ -127,7 +158,7 @@ def described_stamp(text: str) -> int:
 
 def stamp_of(h: Sequence[int]) -> int:
     """The stamp (or call site's hash) header ``h`` carries; 0 for none."""
-    return int(h[1]) >> 8
+    return int(h[1]) >> STAMP_SHIFT
 
 
 # element types of the torch.distributed backend's operations (mpidp.dist), by name: word 3
@@ -184,26 +215,26 @@ def share_sites(comm, headers: Sequence[Sequence[int]]) -> None:
     the call sites they carry named on every rank (a rank knows only the lines it called
     from: Note [Debug fingerprints]), so that each rank's error names them all. Collective
     over ``comm``: one allgather, on the error path only."""
-    mine = {crc: _SITES[crc] for crc in {int(h[1]) >> 8 for h in headers} if crc in _SITES}
+    mine = {crc: _SITES[crc] for crc in {int(h[1]) >> STAMP_SHIFT for h in headers} if crc in _SITES}
     for known in comm.allgather(mine):
         _SITES.update(known)
 
 
 def with_site(hdr: tuple, site: str) -> tuple:
     """``hdr`` carrying a hash of its call site ``site`` above the algorithm byte."""
-    return (hdr[0], hdr[1] | site_hash(site) << 8) + tuple(hdr[2:])
+    return (hdr[0], hdr[1] | site_hash(site) << STAMP_SHIFT) + tuple(hdr[2:])
 
 
 def with_site_hash(hdr: tuple, crc: int) -> tuple:
     """``hdr`` carrying call-site hash ``crc`` (another rank's, from its header)."""
-    return (hdr[0], hdr[1] & 0xFF | crc << 8) + tuple(hdr[2:])
+    return (hdr[0], hdr[1] & (1 << STAMP_SHIFT) - 1 | crc << STAMP_SHIFT) + tuple(hdr[2:])
 
 
 def describe(h: Sequence[int], modes: bool = False) -> str:
     """A header in words: "allreduce float32[650] op=avg algorithm=shm", with its call site
     where it carries one, and with ``modes`` its shared-memory data and peer mode."""
     kind, algorithm, op, dtype, count, shape, error, _ = h
-    site, mode, algorithm = algorithm >> 8, (algorithm >> MODE_SHIFT) & 0xF, algorithm & 0xF
+    site, mode, algorithm = algorithm >> STAMP_SHIFT, (algorithm >> MODE_SHIFT) & 0xF, algorithm & 0xF
     name = KIND_NAMES.get(kind, f"collective kind {kind}")
     if kind == JOIN:
         what = "join (out of data: adds zeros to the others' all-reduces)"

@@ -4,6 +4,7 @@ supported, mapped and refused). Importing it starts neither MPI nor CUDA; ``hvd.
 starts MPI."""
 from __future__ import annotations
 
+from ..engine import header
 from .basics import (Adasum, Average, HorovodInternalError, Max, Min, Product, Sum, ccl_built,
                      cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
                      is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
@@ -23,6 +24,8 @@ from .optimizer import (DistributedOptimizer, allgather_object, broadcast_object
                         broadcast_optimizer_state, broadcast_parameters)
 from .process_sets import (ProcessSet, add_process_set, global_process_set,
                            remove_process_set)
+
+header.binding(__name__)  # a call site is the script's line, not this package's
 
 __all__ = ["Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError",
            "Max", "Min", "ProcessSet", "Product", "Sum", "SyncBatchNorm", "add_process_set",

@@ -104,7 +104,36 @@ def test_header_words_name_the_shared_memory_modes():
     assert header.describe(inline_cma, modes=True).endswith("(shared memory: inline, cma)")
     text = str(header.mismatch_error("allreduce", [inline_cma, sliced_window], 0))
     assert "sliced, window" in text and "different MPIDP_SHM_* settings" in text
-    assert extension().SHM_MODE_SHIFT == header.MODE_SHIFT
+    assert header.check_wire(extension().WIRE) is None  # csrc/wire.h: the same header
+
+
+STALE = """
+import os, sys, warnings
+import mpidp._ext as ext
+ext.WIRE = dict(ext.WIRE, STAMP_SHIFT=9)  # as a build from other sources would say
+os.environ["MPIDP_REQUIRE_EXTENSION"] = sys.argv[1]
+from mpidp.engine import host_ops
+from mpidp.errors import BackendUnavailableError
+try:
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        print(host_ops.IMPLEMENTATION, *[str(w.message) for w in said])
+except BackendUnavailableError as exc:
+    print("refused", exc)
+"""
+
+
+@pytest.mark.parametrize("required", ["0", "1"])
+def test_an_extension_built_for_another_header_is_never_used(required):
+    import subprocess
+    import sys
+    extension()  # the extension itself, built for this header
+    out = subprocess.run([sys.executable, "-c", STALE, required], capture_output=True,
+                         text=True, timeout=120, env=dict(__import__("os").environ, CI=""))
+    assert out.returncode == 0, out.stderr
+    said = out.stdout
+    assert "STAMP_SHIFT 9 where mpidp.engine.header has 8" in said and "rebuild" in said, said
+    assert said.startswith("refused" if required == "1" else "numpy"), said
 
 
 def test_a_disagreement_says_when_only_joined_ranks_differ():
