@@ -335,12 +335,13 @@ PyMODINIT_FUNC PyInit__ext(void) {
                                    "ALLREDUCE", MP_KIND_ALLREDUCE, "SHM", MP_ALGO_SHM,
                                    "DOUBLING", MP_ALGO_DOUBLING, "MODE_SHIFT", MP_MODE_SHIFT,
                                    "STAMP_SHIFT", MP_STAMP_SHIFT);
-    if (!wire || PyModule_AddObject(m, "WIRE", wire) < 0 ||
+    int added = wire ? PyModule_AddObjectRef(m, "WIRE", wire) : -1;
+    Py_XDECREF(wire);
+    if (added < 0 ||
         PyModule_AddIntConstant(m, "SHM_INLINE_BYTES", SHM_INLINE_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "SHM_SLOT_BYTES", SHM_SLOT_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "SHM_MAX_RANKS", SHM_MAX_RANKS) < 0 ||
         PyModule_AddIntConstant(m, "SHM_MAX_SEGMENTS", SHM_MAX_SEGMENTS) < 0) {
-        Py_XDECREF(wire);
         Py_DECREF(m);
         return NULL;
     }

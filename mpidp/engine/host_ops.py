@@ -32,10 +32,10 @@ def _choose() -> None:
     or disabled (a warning), or BackendUnavailableError where it is required."""
     cfg = config.get()
     ext, why = _built, BUILD_PROBLEM
-    if ext is not None and (stale := header.check_wire(getattr(ext, "WIRE", {}))):
-        ext, why = None, stale  # never pairs headers it does not read as Python writes them
     if ext is not None and not cfg.extension:
         ext, why = None, "disabled by MPIDP_EXTENSION=0"
+    if ext is not None and (stale := header.check_wire(getattr(ext, "WIRE", {}))):
+        ext, why = None, stale  # never pairs headers it does not read as Python writes them
     if ext is None:
         if cfg.require_extension and cfg.extension:
             raise _unavailable(why)

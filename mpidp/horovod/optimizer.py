@@ -118,7 +118,7 @@ class _DistributedOptimizer:
                 p.grad = torch.zeros_like(p)
             if not p.grad.is_sparse:
                 dense.append(p.grad)
-            elif runtime.size() == 1:
+            elif g.size == 1:
                 continue  # as Horovod, which reduces nothing alone: the gradient as it is
             elif self._hvd_sparse_as_dense:
                 as_dense.append((p.grad, p.grad.to_dense()))

@@ -181,15 +181,14 @@ class Resources:
             yield
             return
         self.links_ready()
-        fast = self.fast_allreduce
-        board = self.board
-        if fast is not None:
-            self.fast_allreduce = lambda x, op, stamp=0: fast(x, op, board.site)
-        board.site = site
+        fast, board = self.fast_allreduce, self.board
+        if fast is not None:  # a stamp given, else the board's when called (an inner block's)
+            self.fast_allreduce = lambda x, op, stamp=0: fast(x, op, stamp or board.site or 0)
+        before, board.site = board.site, site
         try:
             yield
         finally:
-            board.site = None
+            board.site = before
             if self.fast_allreduce is not None and not self._closed:
                 self.fast_allreduce = fast
 

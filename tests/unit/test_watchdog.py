@@ -262,3 +262,23 @@ def test_the_watchdog_ends_a_wait_for_a_rank_that_shut_down(monkeypatch):
     sample_and_check(20.0)
     sample_and_check(30.0)
     assert not ended  # its own shutdown waits for the others' shutdowns
+
+
+def test_a_stamped_block_keeps_the_one_call_carrying_the_stamp_of_its_innermost_block():
+    """Resources.stamped: the one C call stays, and carries the board's stamp as it is when
+    called — an inner block's inside it, the outer one's again after — or a stamp given; the
+    board and the call are as before once the block ends (Note [Described stamps])."""
+    from types import SimpleNamespace
+    from mpidp.runtime.resources import Resources
+    calls = []
+    fast = lambda x, op, stamp=0: calls.append(stamp)  # noqa: E731 - the C call's stand-in
+    res = SimpleNamespace(board=Board(), fast_allreduce=fast, _closed=False,
+                          links_ready=lambda: None)
+    with Resources.stamped(res, 0x800001):
+        res.fast_allreduce(None, "sum")
+        with Resources.stamped(res, 0x800002):
+            res.fast_allreduce(None, "sum")
+            res.fast_allreduce(None, "sum", 0x800003)
+        res.fast_allreduce(None, "sum")
+    assert calls == [0x800001, 0x800002, 0x800003, 0x800001]
+    assert res.fast_allreduce is fast and res.board.site is None
