@@ -181,14 +181,13 @@ def with_joined(g, x, op: str, algorithm: str, inplace: bool):
     return x
 
 
-def allreduce_one_call(g, view, op: str, stamp: int = 0) -> bool:
+def allreduce_one_call(g, view, op: str) -> bool:
     """The in-place all-reduce of ``view`` (a numpy array, or any writable C-contiguous
     buffer such as mpidp.engine.host_ops.host_view's) over group ``g`` as one C call where
-    the group has it (csrc/small.c on one node, csrc/exchange.c across nodes), its header
-    carrying ``stamp`` (Note [Described stamps] in mpidp/engine/header.py; 0: none): True
-    when done, False when it declined (nothing done: the caller takes ``allreduce_in``);
-    raises on every rank when the ranks' inputs disagree. Every rank of ``g`` calls it."""
-    return g.resources.fast_allreduce is not None and _one_call(g, view, op, stamp)
+    the group has it (csrc/small.c on one node, csrc/exchange.c across nodes): True when
+    done, False when it declined (nothing done: the caller takes ``allreduce_in``); raises on
+    every rank when the ranks' inputs disagree. Every rank of ``g`` calls it."""
+    return g.resources.fast_allreduce is not None and _one_call(g, view, op)
 
 
 def allreduce_tensor_(g, x, op: str, stamp: int = 0) -> bool:
@@ -199,35 +198,28 @@ def allreduce_tensor_(g, x, op: str, stamp: int = 0) -> bool:
     mpidp/engine/header.py); False when it declined, nothing done (another dtype or device,
     strided, too large, an average of integers: the caller takes its general path); raises
     on every rank when the ranks' inputs disagree. Every rank of ``g`` calls it."""
-    fast = g.resources.fast_allreduce
-    if fast is None:
+    if g.resources.fast_allreduce is None:
         return False
-    view = tensor_view(x)  # contiguous: no copy to make (``_one_call``)
+    view = tensor_view(x)
     if view is None:
         return False
     try:
-        done = fast(view, op, stamp)
-    except BaseException:  # refused here, in C: it raised at once (Board.failed)
-        g.board.failed += 1
-        raise
-    if done is view:
-        bump_tensor_version(x)
-        return True
-    if done is NotImplemented:
-        return False
-    try:
-        g.resources.fast_disagreed(done)  # raises on every rank
+        if not _one_call(g, view, op, stamp):
+            return False
     except MismatchError as exc:
         if header.for_joined(getattr(exc, "headers", ())) is None:
             raise
         with g.resources.stamped(stamp or None):
             with_joined(g, x, op, "auto", True)
+        return True
+    bump_tensor_version(x)
     return True
 
 
 def _one_call(g, view, op: str, stamp: int = 0) -> bool:
     """The in-place all-reduce of ``view`` as one C call (csrc/small.c on one node,
-    csrc/exchange.c across nodes): True when done, False when it declined (nothing done);
+    csrc/exchange.c across nodes), its header carrying ``stamp`` (0: none; Note [Described
+    stamps] in mpidp/engine/header.py): True when done, False when it declined (nothing done);
     raises on every rank when the ranks' inputs disagree. A strided array goes through a
     contiguous copy, not the general path: only what every rank's header shows (dtype, op,
     size) may send a rank there (Note [Chunks after the record] in csrc/exchange.c)."""

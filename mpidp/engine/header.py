@@ -215,7 +215,8 @@ def share_sites(comm, headers: Sequence[Sequence[int]]) -> None:
     the call sites they carry named on every rank (a rank knows only the lines it called
     from: Note [Debug fingerprints]), so that each rank's error names them all. Collective
     over ``comm``: one allgather, on the error path only."""
-    mine = {crc: _SITES[crc] for crc in {int(h[1]) >> STAMP_SHIFT for h in headers} if crc in _SITES}
+    mine = {crc: _SITES[crc] for crc in {int(h[1]) >> STAMP_SHIFT for h in headers}
+            if crc in _SITES}
     for known in comm.allgather(mine):
         _SITES.update(known)
 
@@ -234,7 +235,8 @@ def describe(h: Sequence[int], modes: bool = False) -> str:
     """A header in words: "allreduce float32[650] op=avg algorithm=shm", with its call site
     where it carries one, and with ``modes`` its shared-memory data and peer mode."""
     kind, algorithm, op, dtype, count, shape, error, _ = h
-    site, mode, algorithm = algorithm >> STAMP_SHIFT, (algorithm >> MODE_SHIFT) & 0xF, algorithm & 0xF
+    site, mode = algorithm >> STAMP_SHIFT, (algorithm >> MODE_SHIFT) & 0xF
+    algorithm &= 0xF
     name = KIND_NAMES.get(kind, f"collective kind {kind}")
     if kind == JOIN:
         what = "join (out of data: adds zeros to the others' all-reduces)"

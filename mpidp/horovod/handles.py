@@ -19,8 +19,9 @@ from typing import Any, Callable
 # operation was not done when asked, and the next answers True), and before any other
 # operation of mpidp.horovod but ``barrier`` (``hvd.allreduce_``'s one-call path is taken only
 # where nothing is pending: whether a call takes it depends on its dtype and on whether a
-# backward pass is under way, which may differ between ranks). Every rank submits and reaches those points in the same order, so the
-# ranks run the same operations in the same order, as mpidp matches them (Note [Names] in
+# backward pass is under way, which may differ between ranks). Every rank submits and
+# reaches those points in the same order, so the ranks run the same operations in the same
+# order, as mpidp matches them (Note [Names] in
 # mpidp/horovod/arguments.py). An operation's error is kept and raised at ``synchronize``
 # of its handle, as Horovod raises there. A pending operation reads its tensor when it
 # runs: as in Horovod, a tensor handed to an ``*_async`` call is not to be changed before

@@ -43,8 +43,6 @@ def result(tensor: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, op
     ``values`` (``parts``), over a set of ``size`` ranks (Note [Sparse gradients])."""
     if op == Average:
         values = values / size
-    if indices.dim() == 0 or values.dim() == 0:
-        return tensor.new().resize_as_(tensor)
     return tensor.new(indices.transpose(0, 1), values, tensor.size())
 
 
