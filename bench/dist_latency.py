@@ -11,7 +11,7 @@ under MPI:
 ``--layers`` times instead where one call of the mpidp group goes, one layer down at a time
 (the same tensor each call, the layers alternated): torch's ``dist.all_reduce``, the method
 torch calls (``ProcessGroup.allreduce``), the group's ordering (``_run``), the operation
-(``mpidp.dist.ops.all_reduce``: the one C call through the tensor's view), and
+(``mpidp.backend.ops.all_reduce``: the one C call through the tensor's view), and
 ``mpidp.allreduce_`` for reference.
 
 Per size, blocks run in turn (MPI, mpidp.allreduce_, dist mpidp, dist gloo, MPI, ...)
@@ -116,7 +116,7 @@ def main() -> int:
 def layers(args) -> int:
     """``--layers``: µs per call of each layer of a synchronous all-reduce on the default
     mpidp group, medians over repeats of the rank average."""
-    from mpidp.dist import ops  # the backend's own layers, timed one by one
+    from mpidp.backend import ops  # the backend's own layers, timed one by one
     dist.init_process_group("mpidp")
     from mpi4py import MPI  # initialised by the group
     comm = MPI.COMM_WORLD

@@ -24,7 +24,7 @@ class WaitTimeoutError(CommunicationError):
     ``late`` are those ranks — local ranks of the node where the shared-memory protocol
     waited (``across`` False), ranks of the group where a wait across nodes did (``across``
     True) — and ``timeout_s`` the limit. The collective cannot be taken back: the ranks that
-    did arrive may have gone on with it (Note [A group's timeout] in mpidp/dist/group.py)."""
+    did arrive may have gone on with it (Note [A group's timeout] in mpidp/backend/group.py)."""
 
     def __init__(self, rank: int, operation: str, timeout_s: float, late, cause: str,
                  across: bool = False):

@@ -139,7 +139,7 @@ def link_ceiling(g, nbytes: int = 16 << 20, iters: int = 5, piece: int = 32 << 1
 class Gloo:
     """torch.distributed on gloo (over loopback on one node; across nodes to ``host``, rank
     0's host name): a reference column only. With ``backend_group``, ``mpidp_group`` is a
-    group of every rank on the mpidp torch.distributed backend (mpidp.dist)."""
+    group of every rank on the mpidp torch.distributed backend (mpidp.backend)."""
 
     def __init__(self, comm, host: str = "127.0.0.1", backend_group: bool = False):
         import torch.distributed as dist

@@ -14,7 +14,7 @@ never takes the zero-copy path: a hook takes one flat tensor. torch's hooks
 (``default_hooks.allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``,
 ``powerSGD_hook``, ``batched_powerSGD_hook``) communicate through torch.distributed, so they
 need it initialised — on the mpidp backend they run on mpidp's collectives, on a group of
-their own (Note [Sub-groups] in mpidp/runtime.py). A joined rank (Note [Uneven inputs] in
+their own (Note [Sub-groups] in mpidp/runtime/world.py). A joined rank (Note [Uneven inputs] in
 mpidp/ddp/join.py) calls the hook with a zero buffer, as torch's DDP does. Every rank must
 register the same hook with a state that agrees: at the first synchronised backward (or its
 shadow under Join) the ranks compare whether one is registered, then ``describe_hook`` — the

@@ -10,7 +10,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..comm import collectives
 from .. import runtime
-from ..dist import process_group_for_join
+from ..backend import process_group_for_join
 from ..comm.fingerprint import check_same
 from ..comm.state_broadcast import broadcast_tensors_
 from .hooks import reduce_scatters

@@ -161,7 +161,7 @@ def stamp_of(h: Sequence[int]) -> int:
     return int(h[1]) >> STAMP_SHIFT
 
 
-# element types of the torch.distributed backend's operations (mpidp.dist), by name: word 3
+# element types of the torch.distributed backend's operations (mpidp.backend), by name: word 3
 # of an OTHER header holds 1 + an index into this table, 0 for none
 OTHER_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
                 "float32", "float64", "complex64", "complex128", "uint16", "uint32", "uint64",
@@ -184,7 +184,7 @@ def call_site() -> str:
     """``file.py:line`` of the first caller outside mpidp's collective layers and torch
     (``_LAYER``): the user's line, whichever entry point it called. A collective that runs on
     another thread than its caller's (the backend's: Note [One communication thread per
-    group] in mpidp/dist/thread.py) takes its caller's, captured at submission
+    group] in mpidp/backend/thread.py) takes its caller's, captured at submission
     (Board.carry_site in mpidp/runtime/watchdog.py). Debug mode only: a stack walk."""
     f = sys._getframe(1)
     while f.f_back is not None:

@@ -101,7 +101,7 @@ class ShmContext:
     def set_timeout(self, timeout_s) -> None:
         """The calls entering from now on wait at most ``timeout_s`` (None: the backstop) for
         the other local ranks — never longer than the backstop (Note [A group's timeout] in
-        mpidp/dist/group.py). This rank only."""
+        mpidp/backend/group.py). This rank only."""
         self.c.timeout_s = self.backstop_s if timeout_s is None else \
             min(float(timeout_s), self.backstop_s)
 

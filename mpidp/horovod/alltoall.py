@@ -1,6 +1,6 @@
 """Horovod's ``alltoall``: rank r's block j of the tensor (rows ``splits[j]`` of dimension 0,
 equal blocks without splits) becomes block r of rank j's result, on the torch.distributed
-backend's all-to-all (mpidp.dist.ops: split sizes agreed or a MismatchError on every rank).
+backend's all-to-all (mpidp.backend.ops: split sizes agreed or a MismatchError on every rank).
 With ``splits`` it also returns the rows received from each rank, as Horovod does; the
 gradient goes back the way the rows came."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import collectives
-from ..dist import ops as dist_ops
+from ..backend import ops as dist_ops
 from ..engine.header import ALLGATHER
 from .arguments import check_tensor, named, refuse
 from . import handles

@@ -137,7 +137,7 @@ class Resources:
         """The collectives entering from now on wait at most ``timeout_s`` (None: the
         backstop, 2 x MPIDP_TIMEOUT_S + 10 s, on the node; the watchdog across nodes) for the
         other ranks to reach them, then raise WaitTimeoutError (a torch group's timeout: Note
-        [A group's timeout] in mpidp/dist/group.py): on the node in the shared-memory
+        [A group's timeout] in mpidp/backend/group.py): on the node in the shared-memory
         protocol, across nodes in the header exchange's receives (which then take the Python
         path, whose MPI waits are polled, rather than the one C call). This rank only."""
         self.wait_timeout_s = self.links.wait_timeout_s = timeout_s

@@ -152,7 +152,7 @@ def test_write_atomically_never_writes_through_a_link(tmp_path):
 def test_an_unwritable_timeline_is_an_error_at_init(tmp_path):
     """...and where the group cannot be built, init leaves the timeline off (in the same
     process, first: a group that fails to build, then the unwritable file)."""
-    code = ("import mpidp\nfrom mpidp import runtime\nfrom mpidp.runtime import timeline\n"
+    code = ("import mpidp\nfrom mpidp.runtime import timeline, world as runtime\n"
             "real, runtime.Group = runtime.Group, lambda *a: 1 / 0\n"
             "try:\n    mpidp.init()\nexcept ZeroDivisionError:\n"
             "    print('no group; timeline on:', timeline.ON)\n"

@@ -12,14 +12,14 @@ PACKAGE = ROOT / "mpidp"
 
 def test_the_root_holds_only_the_public_surface():
     assert sorted(p.name for p in PACKAGE.glob("*.py")) == [
-        "__init__.py", "algorithms.py", "config.py", "errors.py", "lazy.py"]
+        "__init__.py", "algorithms.py", "config.py", "dist.py", "errors.py", "lazy.py"]
 
 
 def test_every_package_is_a_layer_of_the_contract():
     """Each subpackage is named in pyproject.toml's layer contract (Note [Layers])."""
     contract = (ROOT / "pyproject.toml").read_text().split("[tool.importlinter]")[1]
     packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
-    assert packages == ["bench", "comm", "ddp", "dist", "doctor", "engine", "files", "horovod",
+    assert packages == ["backend", "bench", "comm", "ddp", "doctor", "engine", "files", "horovod",
                         "modes", "report", "run", "runtime", "train", "workloads"]
     for name in packages:
         assert f'"mpidp.{name}' in contract or f"| mpidp.{name}" in contract, name
@@ -43,6 +43,40 @@ def test_import_starts_nothing_and_public_names_resolve():
             "assert mpidp.zero.reduce_scatter_hook is zero.reduce_scatter_hook\n"
             "assert mpidp.audit.ReplicaDivergenceError is audit.ReplicaDivergenceError\n"
             "assert 'mpi4py.MPI' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_supervisor_loads_nothing_of_the_engine():
+    """Note [The runtime's front]: ``python -m mpidp.run`` imports runtime.hostlist, launcher
+    and exit, and with them neither the engine, nor its C extension, nor MPI, nor torch."""
+    code = ("import sys, mpidp.run.cli, mpidp.run.supervisor\n"
+            "loaded = [m for m in sys.modules if m.startswith(('mpidp.engine', 'mpidp._ext',\n"
+            "          'mpidp.runtime.world', 'mpi4py', 'torch'))]\n"
+            "assert loaded == [], loaded\n"
+            "from mpidp import runtime\n"
+            "assert runtime.group is sys.modules['mpidp.runtime.world'].group\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_backends_old_name_is_the_backend():
+    """Note [The backend's old name]: ``import mpidp.dist`` and its submodules are the very
+    modules of ``mpidp.backend`` (no second copy), and the entry point of an install made
+    before the move, ``mpidp.dist:autoload``, registers the backend."""
+    code = ("import sys, mpidp.dist, mpidp.backend\n"
+            "assert mpidp.dist is mpidp.backend\n"
+            "import mpidp.dist.group, mpidp.backend.group\n"
+            "from mpidp.dist import ops\n"
+            "assert mpidp.dist.group is mpidp.backend.group\n"
+            "assert sys.modules['mpidp.dist.group'] is mpidp.backend.group\n"
+            "assert ops is sys.modules['mpidp.backend.ops']\n"
+            "from importlib.metadata import EntryPoint\n"
+            "EntryPoint('mpidp', 'mpidp.dist:autoload', 'torch.backends').load()()\n"
+            "import torch.distributed as d\n"
+            "assert 'MPIDP' in d.Backend._plugins\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

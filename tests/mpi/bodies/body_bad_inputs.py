@@ -174,7 +174,7 @@ expect(t._version > before, "grouped_allreduce_ left the version counter alone")
 # after the watchdog's 180 s -----------------------------------------------------------------
 import torch.distributed as dist  # noqa: E402 - the sections above need neither
 
-import mpidp.dist  # noqa: E402,F401 - registers the backend
+import mpidp.backend  # noqa: E402,F401 - registers the backend
 import mpidp.horovod as hvd  # noqa: E402
 
 hvd.init()

@@ -75,7 +75,7 @@ if rank == 0:
 dist.barrier()
 
 # every method torch's Store has, through the PrefixStore torch puts in front (Note [What torch
-# calls on a store written in Python] in mpidp/dist/store.py) and on mpidp's store directly
+# calls on a store written in Python] in mpidp/backend/store.py) and on mpidp's store directly
 mine = store
 while isinstance(mine, dist.PrefixStore):
     mine = mine.underlying_store
@@ -360,7 +360,7 @@ if n > 1:
 t = torch.ones(2)
 dist.all_reduce(t)
 equal(t, torch.full((2,), float(n)), "all_reduce after the errors")
-mpidp_dist = sys.modules["mpidp.dist"]
+mpidp_dist = sys.modules["mpidp.backend"]
 mpidp_dist.monitored_barrier(timeout=timedelta(seconds=60), wait_all_ranks=True)
 
 

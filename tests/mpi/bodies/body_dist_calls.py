@@ -1,6 +1,6 @@
 """Run under mpiexec at any world size, without MASTER_ADDR: which thread runs torch's operations
 on the "mpidp" backend (Note [Synchronous calls on the caller's thread] in
-mpidp/dist/thread.py), recorded with ``threading.get_ident()`` inside the operation — a
+mpidp/backend/thread.py), recorded with ``threading.get_ident()`` inside the operation — a
 synchronous call on the caller's thread, an asynchronous one on the group's thread, a
 synchronous call made while asynchronous work is queued or running behind it and in order,
 torch's DDP's bucket all-reduces on the group's thread (so backward goes on meanwhile), a
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bodykit import expect, finish
-from mpidp.dist import ops
+from mpidp.backend import ops
 
 torch.set_num_threads(1)
 dist.init_process_group("mpidp")

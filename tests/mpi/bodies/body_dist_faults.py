@@ -13,7 +13,7 @@ _test_barrier_timeout: only rank 0 of a full group with timeout=1 s calls barrie
 raise matching " (Timed out|closed|timeout) " no earlier than the timeout; also a barrier's
 own timeout= on a group whose timeout is long). Each timed-out rank prints
 "caught <rank> <seconds waited>: <message>" and every rank "ok <rank>" (Note [A group's
-timeout] in mpidp/dist/group.py)."""
+timeout] in mpidp/backend/group.py)."""
 import re
 import sys
 import time
@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import mpidp.dist
+import mpidp.backend
 
 fault = sys.argv[1]
 dist.init_process_group("mpidp")

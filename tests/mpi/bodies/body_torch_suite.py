@@ -50,7 +50,7 @@ from torch.testing._internal.distributed import distributed_test as dt  # noqa: 
 
 if backend == "mpidp":
     import functools
-    import mpidp.dist  # noqa: F401 - registers the backend
+    import mpidp.backend  # noqa: F401 - registers the backend
 
     def on_mpidp(make):
         """``make`` (a torch call that makes a group) with the backend the suite names,

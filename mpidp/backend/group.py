@@ -1,9 +1,9 @@
 """The torch.distributed process group of the "mpidp" backend: torch's operations on an mpidp
-group of its own (mpidp.dist.ops), run in order — asynchronous ones on the group's
-communication thread (mpidp.dist.thread), so that ``async_op=True`` returns at once and
+group of its own (mpidp.backend.ops), run in order — asynchronous ones on the group's
+communication thread (mpidp.backend.thread), so that ``async_op=True`` returns at once and
 torch's DDP overlaps its all-reduces with backward, synchronous ones on the caller's thread
 where the group is idle — within the group's timeout (Note [A group's timeout]);
-point-to-point on the group's own communicator (mpidp.dist.p2p).
+point-to-point on the group's own communicator (mpidp.backend.p2p).
 
 Note [What torch calls on a Python group]
 A backend written in Python is a subclass of torch's ProcessGroup, and torch reaches it two
@@ -69,7 +69,7 @@ from .thread import CommThread, Work, run_now
 
 class ProcessGroup(dist.ProcessGroup):
     """torch.distributed's group on mpidp group ``g`` (a group of its own: Note [Sub-groups]
-    in mpidp/runtime.py): every method is torch's, and collective over ``g`` as torch's
+    in mpidp/runtime/world.py): every method is torch's, and collective over ``g`` as torch's
     are."""
 
     def __init__(self, g, name: str, timeout: Optional[timedelta] = None, global_ranks=()):
@@ -302,7 +302,7 @@ class ProcessGroup(dist.ProcessGroup):
         registered), after this group's queued operations: rank 0 waits up to ``timeout`` (a
         timedelta or seconds, as torch's front takes; default: the group's timeout, else the
         watchdog's) and names the ranks that did not come, in gloo's words
-        (mpidp.dist.p2p.monitored_barrier)."""
+        (mpidp.backend.p2p.monitored_barrier)."""
         self._run(None, lambda: None, None).wait()
         timeout_s = _seconds(timeout) if timeout is not None else self.timeout_s
         if timeout_s is None:
@@ -359,7 +359,7 @@ def _cuda_devices(*tensors) -> list:
 def create(opts, backend_options) -> ProcessGroup:
     """The backend's creator (torch's extended API): the default group and every
     ``new_group`` each on an mpidp group of its own over their ranks (Note [Sub-groups] in
-    mpidp/runtime.py), mpidp started first. Collective over the group's ranks."""
+    mpidp/runtime/world.py), mpidp started first. Collective over the group's ranks."""
     from mpi4py import MPI  # deferred for cost, as above
     g = runtime.init()
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:

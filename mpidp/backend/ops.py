@@ -3,7 +3,7 @@ all-reduce, reduce-scatter and reduce through mpidp's collectives where they hav
 the dtype; the rest — every other op and dtype, broadcast, the all-gathers, gather, scatter,
 the all-to-alls, barrier — as MPI calls on the tensors' bytes after the same header check
 (Note [Operations beyond mpidp's collectives]). Each function is one collective: every rank of
-the group calls it, in the same order (mpidp.dist.group's communication thread does).
+the group calls it, in the same order (mpidp.backend.group's communication thread does).
 
 Note [Operations beyond mpidp's collectives]
 A reduction mpidp's kernels do not have (PRODUCT, the bitwise ops, the dtypes other than

@@ -1,17 +1,17 @@
 """mpidp as a torch.distributed backend: ``dist.init_process_group("mpidp")`` under mpiexec,
 mpirun or srun, with no MASTER_ADDR, no port and no socket of mpidp's own, runs torch's
 collectives — and torch's DDP, ZeroRedundancyOptimizer, torchmetrics, Lightning — on mpidp's
-(mpidp.dist.group, mpidp.dist.ops).
+(mpidp.backend.group, mpidp.backend.ops).
 
 The backend is registered when torch is imported (the ``torch.backends`` entry point torch
-loads unless TORCH_DEVICE_BACKEND_AUTOLOAD=0) and by ``import mpidp.dist``; registering
+loads unless TORCH_DEVICE_BACKEND_AUTOLOAD=0) and by ``import mpidp.backend``; registering
 imports nothing but this module and starts nothing: MPI starts when the first process group
 is made.
 
 Note [Rendezvous over MPI]
 torch finds its store by the init method: ``env://`` by default, which reads MASTER_ADDR and
 MASTER_PORT and opens a TCPStore. Under an MPI launcher nothing of that is needed: rank and
-world size are MPI's, and the store is served over MPI (mpidp.dist.store). So registering also
+world size are MPI's, and the store is served over MPI (mpidp.backend.store). So registering also
 adds the ``mpidp://`` init method, and makes ``env://`` fall back to it where MASTER_ADDR is
 not set and an MPI launcher started the process (or mpidp is already initialised); with
 MASTER_ADDR set, as Lightning and torchrun-style launchers set it, ``env://`` is torch's own
@@ -61,7 +61,7 @@ def autoload() -> None:
         register()
     except Exception as exc:  # noqa: BLE001 - anything: torch must still import
         warnings.warn(f"mpidp: the torch.distributed backend was not registered: {exc}; "
-                      "call mpidp.dist.register() to see why", RuntimeWarning, stacklevel=2)
+                      "call mpidp.backend.register() to see why", RuntimeWarning, stacklevel=2)
 
 
 def _create(opts, backend_options):

@@ -1,0 +1,357 @@
+"""The process group mpidp runs on (read as ``mpidp.runtime``: Note [The runtime's front]): ``init`` (its topology and resources, the settings that
+must agree across ranks), ``shutdown``, rank queries, and the abort of the whole job when any
+rank dies of an uncaught exception."""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import contextvars
+import socket
+import sys
+import threading
+import traceback
+import warnings
+from typing import Any, Optional
+
+from .. import config
+from . import launcher, timeline
+from .abort import abort_job
+from ..errors import ConfigError, LaunchError, MismatchError, NotInitializedError
+from ..engine.gpu.device import bind_if_visible
+from .resources import Resources
+from .topology import Topology
+from .frame import collective
+
+
+class Group(Topology):
+    """mpidp's process group: its topology (mpidp.runtime.topology, fixed after init) and the
+    ``resources`` its collectives use (mpidp.runtime.resources), among them the watchdog's ``board``."""
+
+    __slots__ = ("resources", "board")
+
+    def __init__(self, user_comm: Any, cfg: config.Config):
+        super().__init__(user_comm, cfg.emulate_node_size)
+        self.resources = Resources(self, cfg)
+        self.board = self.resources.board
+
+    def free(self) -> None:
+        """Collective: frees the resources (under the watchdog, which stops last), then the
+        communicators; neither while a thread of mpidp's still uses them (Note [Stopping the
+        users first] in mpidp/runtime/resources.py)."""
+        if self.resources.free():
+            super().free()
+
+
+def _agreed_settings(comm: Any) -> config.Config:
+    """This rank's settings (config.get) once every rank of ``comm`` has read its own: on
+    every rank, a ConfigError where some rank's MPIDP_* value is bad (Note [Settings read at
+    init] in mpidp/config.py: this rank's own, else the first bad rank's, "rank r: " before
+    it), a MismatchError where ranks started with different settings of the algorithms
+    (config.AGREED), a ConfigError where one cannot apply to a group of this size. Runs first
+    in init, before any collective those settings shape (the node split among them); every
+    rank of ``comm`` calls it, in one exchange, so that no rank waits for one that raised."""
+    try:
+        cfg, bad = config.get(), None
+    except ConfigError as exc:
+        cfg, bad = None, exc
+    if comm.Get_size() > 1:
+        mine = (None, config.agreed(cfg)) if bad is None else \
+            ((bad.variable, bad.value, bad.expected), None)
+        everyone = comm.allgather(mine)
+        if bad is None:
+            for r, (fields, _) in enumerate(everyone):
+                if fields is not None:
+                    raise ConfigError(*fields, where=f"rank {r}: ")
+            _check_agreement(comm, [agreed for _, agreed in everyone])
+    if bad is not None:
+        raise bad
+    config.check_group_size(cfg, comm.Get_size())
+    return cfg
+
+
+def _check_agreement(comm: Any, everyone: list) -> None:
+    """MismatchError (on every rank: each has ``everyone``) naming each rank's value of every
+    setting of config.AGREED where ranks differ."""
+    differ = [name for k, name in enumerate(config.AGREED)
+              if len({e[k] for e in everyone}) > 1]
+    if differ:
+        raise MismatchError(
+            f"rank {comm.Get_rank()}: ranks were started with different settings, which must "
+            "agree: "
+            + "; ".join(f"{config.env_name(name)}: " + ", ".join(
+                f"rank {r}={e[config.AGREED.index(name)]!r}" for r, e in enumerate(everyone))
+                for name in differ) + " (every rank raises this error)")
+
+
+_group: Optional[Group] = None
+_lock = threading.RLock()  # re-entered: shutdown's users may free sub-groups (free_subgroup)
+# Note [Sub-groups]: the group a thread's collectives run on while it is inside ``using``
+_current: contextvars.ContextVar = contextvars.ContextVar("mpidp_group", default=None)
+_subgroups: list = []  # made by ``subgroup``, freed by ``shutdown`` before the group
+
+# Note [Sub-groups]
+# Every torch.distributed group of the mpidp backend (mpidp.backend), the default one too, is a
+# Group of its own over a communicator of some or all of the group's ranks: its own topology,
+# shared memory, watchdog and board — so torch's asynchronous operations, on their group's
+# thread, never share an order with mpidp's own collectives (its DDP's thread, the user's
+# calls), which would then differ between ranks. mpidp's
+# collectives read their group from ``group()``, which is the group made by ``init`` unless
+# the calling thread is inside ``using(g)``. Sub-groups are freed at shutdown, before the
+# group, in the order they were made (the same order on every member, as Group.free is
+# collective over the sub-group), or earlier by ``free_subgroup`` (torch's
+# destroy_process_group), in the order its callers call it.
+
+
+def init(comm: Any = None) -> Group:
+    """Starts MPI (thread level MULTIPLE) and builds mpidp's group on ``comm`` (default
+    COMM_WORLD; a sub-communicator combines data parallelism with the user's own model
+    parallelism). Idempotent: later calls return the same group; a different ``comm`` after
+    the first is a ValueError. LaunchError when a launcher started this process as one of N
+    independent singletons (pass ``MPI.COMM_SELF`` to run one alone on purpose). ConfigError
+    (a ValueError) on every rank where a rank's MPIDP_* value is bad, MismatchError where
+    ranks' settings differ (``_agreed_settings``). Every rank of ``comm`` must call it."""
+    global _group
+    with _lock:
+        launcher.prepare_mpi_start()  # Note [PMI-1 lines under srun] in mpidp/runtime/launcher.py
+        from mpi4py import MPI
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise TypeError(f"comm must be an mpi4py Intracomm, got {comm!r}")
+        if _group is not None:
+            if MPI.Comm.Compare(_group.user_comm, comm) not in (MPI.IDENT, MPI.CONGRUENT):
+                raise ValueError("mpidp.init() was already called with another communicator")
+            return _group
+        if comm == MPI.COMM_WORLD:
+            # Note [Independent singletons] in mpidp/runtime/launcher.py
+            reason = launcher.independent_singletons(comm.Get_size())
+            if reason is not None:
+                raise LaunchError(f"mpidp: {reason}")
+        cfg = _agreed_settings(comm)
+        timeline.switch(bool(cfg.timeline))  # Note [Timeline cost]
+        try:
+            group = Group(comm, cfg)
+        except BaseException:  # no group: nothing records, as before init
+            timeline.switch(False)
+            raise
+        if cfg.abort_on_exception:
+            _install_abort_hooks(group)
+        group.resources.start_watchdog(cfg.timeout_s)
+        if comm == MPI.COMM_WORLD and cfg.emulate_node_size == 0:
+            for problem in launcher.disagreements(launcher.launcher_view(), group.rank,
+                                                  group.size, group.local_rank, group.local_size):
+                warnings.warn(f"mpidp: rank {group.rank}: {problem}", RuntimeWarning, stacklevel=2)
+        if timeline.ON:
+            try:
+                with collective(group, "init: starting the timeline", check=False):
+                    timeline.start(group.comm, cfg.timeline)
+            except BaseException:  # raised on every rank: nothing of this group survives
+                timeline.switch(False)
+                group.free()
+                raise
+        _group = group
+        bind_if_visible(group.local_rank)  # before any CUDA work of the user's (imports nothing)
+        atexit.register(shutdown)
+        return group
+
+
+def shutdown() -> None:
+    """Frees mpidp's communicators and windows (also at exit, before MPI finalises)."""
+    global _group
+    with _lock:
+        if _group is not None:
+            from mpi4py import MPI
+            if not MPI.Is_finalized():
+                # every group first: a rank another waits for on one group must not first
+                # wait on another group's shutdown (Note [A rank that has shut down] in
+                # csrc/shm.c)
+                for g in (*_subgroups, _group):
+                    g.resources.depart()
+                for sub in _subgroups:
+                    sub.resources.stop_users()
+                    sub.free()
+                _subgroups.clear()
+                _group.resources.stop_users()  # Note [Stopping the users first]
+                records = None
+                if timeline.ON:
+                    with collective(_group, "shutdown: gathering the timeline", check=False):
+                        records = timeline.gather()
+                _group.free()  # stops the watchdog
+                timeline.write(records)
+            _group = None
+
+
+def start_timeline(path: str, what: str = "start_timeline", asked: str = "MPIDP_TIMELINE"
+                   ) -> None:
+    """Starts recording the timeline now, to be written at rank 0's ``path`` (the other
+    ranks' are not used) by ``stop_timeline`` or at shutdown: Note [A timeline started while
+    running] in mpidp/runtime/timeline.py. Already recording to that file: nothing; to
+    another one: that one is written first. A ValueError on every rank where rank 0 cannot
+    write there (``what`` names the call in it); a RuntimeWarning where ``asked``, the
+    variable that asks for the timeline, was set after mpidp's modules were imported.
+    Collective over the group made by ``init``: every rank calls it, having agreed on the call
+    (mpidp.comm.agreement.called)."""
+    with _lock:
+        g = init_group()
+        if g.size > 1:
+            with collective(g, "starting the timeline: rank 0's file", check=False):
+                path = g.comm.bcast(path, root=0)
+        if timeline.ON:
+            if timeline.started_path() == path:
+                return
+            stop_timeline()
+        _record(True, asked)
+        try:
+            with collective(g, "starting the timeline", check=False):
+                timeline.start(g.comm, path, what)
+        except BaseException:  # raised on every rank: nothing records
+            _record(False)
+            raise
+
+
+def stop_timeline() -> Optional[str]:
+    """Stops recording the timeline and writes it (rank 0, atomically, as at shutdown):
+    its path on rank 0, None elsewhere, when none records, or where the write failed (said
+    on stderr). Collective over the group made by ``init``: every rank calls it, having
+    agreed on the call (mpidp.comm.agreement.called)."""
+    with _lock:
+        g = init_group()
+        if not timeline.ON:
+            return None
+        with collective(g, "stopping the timeline: gathering it", check=False):
+            records = timeline.gather()
+        _record(False)
+        return timeline.write(records)
+
+
+def _record(on: bool, asked: str = "MPIDP_TIMELINE") -> None:
+    """Recording on or off, for every group's one-call path too (Resources.record)."""
+    timeline.switch(on, asked)
+    for g in (_group, *_subgroups):
+        if g is not None:
+            g.resources.record()
+
+
+def subgroup(ranks) -> Group:
+    """A Group of the ranks ``ranks`` (ranks of the group made by ``init``, in the order
+    given) with its own watchdog: Note [Sub-groups]. Collective over those ranks only; this
+    rank must be one of them."""
+    g = group()
+    ranks = [int(r) for r in ranks]
+    if g.rank not in ranks:
+        raise ValueError(f"rank {g.rank} is not one of the sub-group's ranks {ranks}")
+    comm = g.user_comm.Create_group(g.user_comm.Get_group().Incl(ranks))
+    cfg = config.get()
+    sub = Group(comm, cfg)
+    sub.resources.start_watchdog(cfg.timeout_s)
+    with _lock:
+        _subgroups.append(sub)
+    return sub
+
+
+def free_subgroup(sub: Group) -> bool:
+    """Frees sub-group ``sub`` now rather than at shutdown (torch's destroy_process_group:
+    Note [Sub-groups]); True if this call freed it, False if it was freed already (by an
+    earlier call or by shutdown). Collective over the sub-group's ranks, which free their
+    sub-groups in the same order."""
+    with _lock:
+        if sub not in _subgroups:
+            return False
+        _subgroups.remove(sub)
+        from mpi4py import MPI  # deferred for cost, as in shutdown
+        if not MPI.Is_finalized():
+            sub.resources.stop_users()
+            sub.free()
+        return True
+
+
+@contextlib.contextmanager
+def using(g: Group):
+    """mpidp's collectives called by this thread inside the block run on ``g`` (a sub-group:
+    Note [Sub-groups])."""
+    token = _current.set(g)
+    try:
+        yield g
+    finally:
+        _current.reset(token)
+
+
+def group() -> Group:
+    """The group this thread's collectives run on: the one made by ``init``, or the
+    sub-group of an enclosing ``using``; NotInitializedError before ``init``."""
+    g = _current.get()
+    if g is None:
+        g = _group
+    if g is None:
+        raise NotInitializedError("call mpidp.init() on every rank before using mpidp")
+    return g
+
+
+def init_group() -> Group:
+    """The group made by ``init``, also inside a ``using`` block; NotInitializedError before."""
+    if _group is None:
+        raise NotInitializedError("call mpidp.init() on every rank before using mpidp")
+    return _group
+
+
+def is_initialized() -> bool:
+    return _group is not None
+
+
+def rank() -> int:
+    """This process's rank in the group."""
+    return group().rank
+
+
+def size() -> int:
+    """Number of ranks in the group."""
+    return group().size
+
+
+def local_rank() -> int:
+    """Rank among the group's ranks on this node (COMM_TYPE_SHARED split)."""
+    return group().local_rank
+
+
+def local_size() -> int:
+    """Number of the group's ranks on this node."""
+    return group().local_size
+
+
+def node_count() -> int:
+    """Number of nodes the group spans."""
+    return group().node_count
+
+
+def _abort_message(g: Group, kind: str, exc: BaseException) -> str:
+    return (f"mpidp: rank {g.rank} of {g.size} on {socket.gethostname()}: uncaught "
+            f"{kind}{type(exc).__name__}: {exc}; aborting the job\n")
+
+
+def _install_abort_hooks(g: Group) -> None:
+    """One rank's uncaught exception aborts every rank (as ``python -m mpi4py`` does)."""
+    from mpi4py import MPI
+
+    def abort(kind: str, exc_type, exc, tb) -> None:
+        try:
+            message = ("".join(traceback.format_exception(exc_type, exc, tb))
+                       + _abort_message(g, kind, exc))
+        except BaseException:  # a message that cannot be formatted still ends the job
+            message = f"mpidp: rank {g.rank}: uncaught {kind}exception; aborting the job\n"
+        abort_job(message, 1)
+
+    previous = sys.excepthook
+
+    def excepthook(exc_type, exc, tb):
+        if issubclass(exc_type, (KeyboardInterrupt, SystemExit)) or MPI.COMM_WORLD.Get_size() == 1:
+            return previous(exc_type, exc, tb)
+        abort("", exc_type, exc, tb)
+
+    def thread_hook(args):
+        if args.exc_type is SystemExit:
+            return
+        abort(f"in thread {args.thread.name if args.thread else '?'}: ", args.exc_type,
+              args.exc_value, args.exc_traceback)
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_hook
