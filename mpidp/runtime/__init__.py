@@ -7,14 +7,19 @@ this package's names for them are looked up on first use (PEP 562), so that the 
 (mpidp.run), which imports ``runtime.hostlist``, ``runtime.launcher`` and ``runtime.exit`` and
 never makes a group, loads nothing of the engine (tests/unit/test_tree.py checks it). A name,
 once looked up, is a plain attribute of this package: ``runtime.group()`` costs what it cost
-when the functions were defined here."""
+when the functions were defined here.
+
+Note [MPI below one line]
+MPI is called in mpidp.engine and mpidp.runtime only; every package above reaches it through
+them (mpidp.comm's collectives, the group's functions here), and an import-linter contract in
+pyproject.toml forbids ``mpi4py`` above this line."""
 from __future__ import annotations
 
 import importlib
 
 _WORLD = ("Group", "init", "shutdown", "start_timeline", "stop_timeline", "subgroup",
           "free_subgroup", "using", "group", "init_group", "is_initialized", "rank", "size",
-          "local_rank", "local_size", "node_count")
+          "local_rank", "local_size", "node_count", "thread_level", "THREAD_LEVELS")
 __all__ = list(_WORLD)
 
 

@@ -294,6 +294,19 @@ def init_group() -> Group:
     return _group
 
 
+THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")  # MPI's order
+
+
+def thread_level() -> str:
+    """The thread level MPI was initialised with, by name (THREAD_LEVELS, lowest first); a
+    level compares by ``THREAD_LEVELS.index``. Callers above this layer ask here rather than
+    import mpi4py (Note [MPI below one line] in mpidp/runtime/__init__.py)."""
+    from mpi4py import MPI
+    level = MPI.Query_thread()
+    order = (MPI.THREAD_SINGLE, MPI.THREAD_FUNNELED, MPI.THREAD_SERIALIZED, MPI.THREAD_MULTIPLE)
+    return THREAD_LEVELS[order.index(level)]
+
+
 def is_initialized() -> bool:
     return _group is not None
 
