@@ -242,7 +242,7 @@ static int store_to_peer(const shm_call *c, const direct_t *dx, int q, size_t of
  * costs a process_vm_readv and a process_vm_writev per peer, and the kernel pins the pages of
  * every call: on the 2-core test machine (AMD EPYC, 1 MiB L2 a core, 32 MiB L3) reading a
  * peer's 32 MiB through 64 KiB chunks ran at 7.2 GB/s, 256 KiB at 9.6 and 1 MiB at 13.9 (a
- * user-space copy of the same pattern: 12-16; bench/copy_kinds.py --chunk). The 64 MiB
+ * user-space copy of the same pattern: 12-16; bench/collectives/copy_kinds.py --chunk). The 64 MiB
  * in-place all-reduce on 2 ranks took 0.82x the time with 1 MiB chunks as with 256 KiB, and
  * 0.85-0.93x from 1 to 32 MiB (bench/RESULTS.md, issue 32), so the default was 1 MiB. On
  * today's 2-core machine (Intel Xeon, 2 MiB L2 a core, 300 MiB L3) the same comparison went the
@@ -257,7 +257,7 @@ static int store_to_peer(const shm_call *c, const direct_t *dx, int q, size_t of
  * system call to amortise, and the chunk is what must stay in cache between loading the
  * peer's bytes and storing the result over them: at most SHM_DIRECT_CHUNK_BYTES (64 KiB). The
  * 64 MiB in-place all-reduce of node memory on 2 ranks ran at 99-101% of the non-temporal
- * copy with 64 KiB chunks, 72-94% with 128 KiB, 89-97% with 256 KiB (bench/copy_kinds.py,
+ * copy with 64 KiB chunks, 72-94% with 128 KiB, 89-97% with 256 KiB (bench/collectives/copy_kinds.py,
  * the kinds taking turns), and ~80% with 1 MiB in the first experiment (bench/RESULTS.md). */
 static int sliced_reduce(const shm_call *c, const direct_t *dx, shm_result *r) {
     size_t isz = mp_itemsize(c->dtype);

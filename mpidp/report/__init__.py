@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .. import files
+from . import records
 from ..runtime.helpformat import DefaultsHelpFormatter, Parser
 
 PROG = "mpidp.report"
@@ -21,19 +22,11 @@ def read_run(path: Path) -> dict:
     """The epochs, the straggler events and the summary of a JSON log; ValueError naming the
     file and line when it is not one."""
     epochs, stragglers, summary = [], [], None
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            event = json.loads(line)
-            kind = event["event"]
-        except (ValueError, KeyError, TypeError):
-            raise ValueError(f"{path}:{n}: not a line of python -m mpidp.train --log-json") \
-                from None
+    what = "a line of python -m mpidp.train --log-json"
+    for event in records.load(path, lines=True, what=what):
+        kind = event.get("event") if isinstance(event, dict) else None
+        if kind is None:
+            raise ValueError(f"{path}: {json.dumps(event)[:60]} is not {what}")
         if kind == "epoch":
             epochs.append(event)
         elif kind == "straggler":

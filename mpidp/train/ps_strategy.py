@@ -38,7 +38,7 @@ from .strategy_base import Strategy
 # costs one vector subtraction and addition per step and no communication. With one worker
 # it is off (the run is sequential SGD, unchanged), an epoch's first step has no previous
 # pull (so a resume from an epoch-end checkpoint stays exact), and --no-ps-lookahead turns
-# it off. Measured (bench/run_ps_accuracy.sh, medians of 3): 3 workers 42.7% -> 55.7%, 2
+# it off. Measured (bench/training/run_ps_accuracy.sh, medians of 3): 3 workers 42.7% -> 55.7%, 2
 # workers 55.8% -> 60.7% (mirrored 54.0%, 57.9%), Adam with 3 workers 64.7% -> 68.3%
 # (mirrored 66.2%); the digits job stays at 98.6-99.2%. At 3 workers lookaheads of 0.5, 1
 # and 2 ended at medians of 51.5%, 53.3% and 55.3% over 3-7 runs each. It is in the spirit

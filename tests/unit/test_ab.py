@@ -144,7 +144,7 @@ def _allreduce_doc(nodes):
 
 def test_guard_specs_read_the_benches_json():
     """Every named bench's figures and expectations read a document shaped like its
-    benchmark's --json (mpidp.bench allreduce / train, bench/dist_latency.py)."""
+    benchmark's --json (mpidp.bench allreduce / train, bench/collectives/dist_latency.py)."""
     named = {b.name: b for b in guard.BENCHES}
     assert set(guard.GUARD) <= set(named) and len(named) == len(guard.BENCHES)
     for b in guard.BENCHES:

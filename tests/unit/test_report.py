@@ -64,3 +64,40 @@ def test_size_labels_read_as_a_person_reads_them():
     from mpidp.bench.allreduce import size_label
     assert [size_label(x) for x in (8, 4096, 1 << 20, 64 << 20, 1 << 30)] == \
         ["8 B", "4 KiB", "1 MiB", "64 MiB", "1 GiB"]
+
+
+def test_one_loader_reads_json_and_json_lines(tmp_path):
+    """mpidp.report.records.load: a .json file's value, JSON lines' records (blank lines
+    skipped; ``lines=True`` whatever the name), and an error naming the file and line."""
+    from mpidp.report import records
+    (tmp_path / "a.json").write_text('{"rows": [1, 2]}')
+    (tmp_path / "b.jsonl").write_text('{"x": 1}\n\n{"x": 2}\n')
+    (tmp_path / "c.log").write_text('{"x": 3}\n')
+    (tmp_path / "d.jsonl").write_text('{"x": 1}\nnot json\n')
+    assert records.load(tmp_path / "a.json") == {"rows": [1, 2]}
+    assert records.load(tmp_path / "b.jsonl") == [{"x": 1}, {"x": 2}]
+    assert records.load(tmp_path / "c.log", lines=True) == [{"x": 3}]
+    for bad, said in (("d.jsonl", "d.jsonl:2: not a line of JSON"), ("e.json", "cannot read")):
+        try:
+            records.load(tmp_path / bad)
+        except ValueError as exc:
+            assert said in str(exc), exc
+        else:
+            raise AssertionError(f"{bad} was read")
+
+
+def test_the_straggler_summary_reads_train_logs_through_the_loader(tmp_path):
+    """bench/training/summarize_straggler.py reads mpidp.train's logs with read_run: two
+    conditions' runs give their rows and ratios to mirrored."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).parent.parent.parent
+    for name in ("local.mirrored.0.jsonl", "local.ps.0.jsonl"):
+        _log(tmp_path / name)
+    out = subprocess.run([sys.executable, root / "bench/training/summarize_straggler.py",
+                          tmp_path, "--target", "0.7"], capture_output=True, text=True,
+                         timeout=60, cwd=root)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| one machine")]
+    assert len(rows) == 2 and all("| 1.00× | 1.00 | 80.00% | 1 |" in r for r in rows), out.stdout
