@@ -18,8 +18,8 @@ is set, so a missing extension fails the launch instead of timing the numpy twin
 
 A TEMPLATE is one command, split as a shell would, with {python} (this venv's), {mpiexec}
 (the one beside it), {tree} (the build's directory: the launch's working directory), {driver}
-(this checkout: scripts kept the same for A and B, e.g. {driver}/bench/collectives/dist_latency.py) and
-{json} (a fresh file per launch for the command to write). A figure SPEC selects one number
+(this checkout: scripts kept the same for A and B, e.g.
+{driver}/bench/collectives/dist_latency.py) and {json} (a fresh file per launch for the command to write). A figure SPEC selects one number
 from that JSON: a path such as ``rows[size=8,algorithm=auto].in_place.time_us.avg`` (``[k=v,...]``
 picks the one list element with those values, ``[2]`` an index), or ``PATH / PATH`` (a ratio
 within one launch, e.g. against MPI_Allreduce in the same launch), or ``re:REGEX``, the first

@@ -59,8 +59,8 @@ BENCHES = (
           about="mpidp DDP, MLP 784-2048-2048-10, batch 64/rank, 2 ranks x 1 thread, 25 MiB "
                 "buckets; and the same model with no all-reduce in the launch"),
     Bench("dist-8B",
-          "{mpiexec} -n 2 {python} {driver}/bench/collectives/dist_latency.py --sizes 8 --repeats 5 "
-          "--json {json}",
+          "{mpiexec} -n 2 {python} {driver}/bench/collectives/dist_latency.py --sizes 8 "
+          "--repeats 5 --json {json}",
           (Figure("dist.all_reduce 8 B, mpidp group", "rows[size=8].avg_us[2]", "lower", "µs"),
            Figure("dist.all_reduce 8 B ÷ MPI_Allreduce", "rows[size=8].ratio_avg[2]", "lower",
                   "ratio")),

@@ -6,7 +6,8 @@ it (process_vm_readv, how it reads the peer's input), each into a destination wr
 (no page faults); the all-reduce's own read pattern (the peer's 256 KiB chunks into one
 cache-resident scratch) by CMA and by a user-space copy; and the in-place shm all-reduce of the
 same size beside them, of an ordinary buffer and of one from mpidp.alloc (Note [Node heap] in
-csrc/heap.c: the peer's stores land in it directly). Which copy the all-reduce runs at says where its time goes.
+csrc/heap.c: the peer's stores land in it directly). Which copy the all-reduce runs at says
+where its time goes.
 
     mpiexec -n 2 python bench/collectives/copy_kinds.py [--size 32M] [--repeats 5]
 """

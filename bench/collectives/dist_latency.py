@@ -18,8 +18,8 @@ Per size, blocks run in turn (MPI, mpidp.allreduce_, dist mpidp, dist gloo, MPI,
 ``--repeats`` times; each block is a warm-up, a barrier, then ``time.perf_counter`` around N
 calls over rotated float32 tensors (N = ``--iters`` up to 4 KiB, fewer above: 16 MiB of
 calls, at least 20). The table gives the median over repeats of the rank average (rank
-maximum) per call and the median of each repeat's paired ratio (bench/collectives/small_messages.py's
-``run_blocks`` and ``summarize``). #wrong: elements differing from the exact sum of small
+maximum) per call and the median of each repeat's paired ratio
+(bench/collectives/small_messages.py's ``run_blocks`` and ``summarize``). #wrong: elements differing from the exact sum of small
 integers, one checked call per size and column, summed over ranks."""
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Markdown summary of an allreduce JSON (bench/collectives/run_allreduce.sh): the sizes and ratios that
-bench/RESULTS.md records. Usage: python bench/collectives/summarize_allreduce.py bench/out/allreduce_n2.json"""
+"""Markdown summary of an allreduce JSON (bench/collectives/run_allreduce.sh): the sizes and
+ratios that bench/RESULTS.md records. Usage:
+python bench/collectives/summarize_allreduce.py bench/out/allreduce_n2.json"""
 import sys
 
 from mpidp.report import records

@@ -1,6 +1,6 @@
-"""What the timeline costs per call site, off and on (Note [Timeline cost] in mpidp/runtime/timeline.py):
-``python bench/overhead/timeline_overhead.py`` (one process, no MPI). Prints ns per call, the median of
-``--repeats`` runs of ``--calls`` calls each, minus an empty loop's time."""
+"""What the timeline costs per call site, off and on (Note [Timeline cost] in
+mpidp/runtime/timeline.py): ``python bench/overhead/timeline_overhead.py`` (one process, no
+MPI). Prints ns per call, the median of ``--repeats`` runs of ``--calls`` calls each, minus an empty loop's time."""
 from __future__ import annotations
 
 import argparse

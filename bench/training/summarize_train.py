@@ -1,6 +1,7 @@
 """Markdown summary of bench/training/run_train.sh's JSON files: samples/s per model, mode and world
 size, with mpidp's ratios to torch DDP (gloo), to the no-all-reduce bound and to one process
-with 2 threads. Usage: python bench/training/summarize_train.py train_n1.json train_n2.json [t2.json]"""
+with 2 threads. Usage:
+python bench/training/summarize_train.py train_n1.json train_n2.json [t2.json]"""
 import sys
 
 from mpidp.report import records

@@ -11,8 +11,8 @@ init] in mpidp/config.py). ``traced`` decides when it decorates, at import: it w
 where MPIDP_TIMELINE is set then (``config.timeline_requested``, which reads that variable
 alone and cannot fail), and the wrapper records while ON. Off, ``traced`` returns the
 function itself (no cost at all), ``span`` returns one shared no-op context manager and
-``instant`` returns at once (tens of nanoseconds a call; bench/overhead/timeline_overhead.py measures
-both); so MPIDP_TIMELINE set only after mpidp's modules were imported records the spans but
+``instant`` returns at once (tens of nanoseconds a call;
+bench/overhead/timeline_overhead.py measures both); so MPIDP_TIMELINE set only after mpidp's modules were imported records the spans but
 not the traced functions (``mpidp.init`` warns). On, an event is one tuple
 appended to a list (about a microsecond), nothing is written until shutdown, and a rank keeps
 at most ``MAX_EVENTS`` events (the rest are counted as dropped).
