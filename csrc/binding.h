@@ -1,4 +1,5 @@
-/* Helpers shared by the extension's binding files (module.c, context.c). */
+/* The helpers every binding file shares (binding.c: buffers, codes, segments), and what
+ * module.c registers from the other files (their types and functions). */
 #ifndef MPIDP_BINDING_H
 #define MPIDP_BINDING_H
 #define PY_SSIZE_T_CLEAN
@@ -13,7 +14,7 @@ int mp_check_codes(int dtype, int op);
 Py_ssize_t mp_get_segments(PyObject *seq, int writable, size_t isz, Py_buffer **views,
                            mp_segment **segs, size_t *total);
 void mp_release_segments(Py_buffer *views, mp_segment *segs, Py_ssize_t n);
-/* Adds the ShmContext type (context.c) to module `m`; -1 on error. */
+/* Adds the ShmContext type (context_type.c) to module `m`; -1 on error. */
 int mp_add_shm_context_type(PyObject *m);
 /* Adds the CheckedContext type (exchange.c) to module `m`; -1 on error. */
 int mp_add_checked_type(PyObject *m);

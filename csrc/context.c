@@ -1,74 +1,12 @@
-/* mpidp._ext.ShmContext: one node's shared-memory context as a Python type. It holds what
- * every call of the protocol shares (control block, ranks, peer mode, sizes, staging
- * segments, the call counter), so a call passes only its own header and data.
- * The call counter advances only when a call really enters the protocol: a call refused for
- * its arguments (a read-only buffer, a size that does not fit) has taken no part in it, so
- * its rank stays in step with the others (Note [Shared-memory protocol] in shm.c). */
+/* The calls of mpidp._ext.ShmContext into the shared-memory protocol (the type itself, what a
+ * context holds and its method table, is csrc/context_type.c): the handshake alone
+ * (exchange), the general all-reduce (allreduce), and the entry every call takes, one-call
+ * paths included (mp_ctx_enter). The call counter advances only when a call really enters
+ * the protocol: a call refused for its arguments (a read-only buffer, a size that does not
+ * fit) has taken no part in it, so its rank stays in step with the others (Note
+ * [Shared-memory protocol] in shm.c). */
 #include "context.h"
 #include "kernels.h"
-#include <structmember.h>
-
-
-static void ctx_dealloc(ShmContext *self) {
-    Py_XDECREF(self->board);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static int ctx_init(ShmContext *self, PyObject *args, PyObject *kwds) {
-    static char *kw[] = {"ctrl_addr", "nranks", "rank", "peers", "inline_bytes", "chunk_bytes",
-                         "timeout_s", NULL};
-    unsigned long long ctrl;
-    int nranks, rank, peers;
-    Py_ssize_t inline_bytes, chunk_bytes;
-    double timeout_s;
-    if (self->ctrl) {
-        PyErr_SetString(PyExc_TypeError, "a ShmContext is initialised once");
-        return -1;
-    }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Kiiinnd", kw, &ctrl, &nranks, &rank, &peers,
-                                     &inline_bytes, &chunk_bytes, &timeout_s))
-        return -1;
-    if (!ctrl || nranks < 1 || nranks > SHM_MAX_RANKS || rank < 0 || rank >= nranks) {
-        PyErr_Format(PyExc_ValueError, "rank %d of %d outside 1..%d ranks (or no control block)",
-                     rank, nranks, SHM_MAX_RANKS);
-        return -1;
-    }
-    if (peers != SHM_PEERS_CMA && peers != SHM_PEERS_WINDOW) {
-        PyErr_Format(PyExc_ValueError, "unknown peer mode %d", peers);
-        return -1;
-    }
-    if (inline_bytes < 0 || inline_bytes > SHM_INLINE_BYTES || chunk_bytes < 1) {
-        PyErr_Format(PyExc_ValueError, "inline_bytes must be 0..%d and chunk_bytes positive",
-                     SHM_INLINE_BYTES);
-        return -1;
-    }
-    self->nranks = nranks;
-    self->rank = rank;
-    self->peers = peers;
-    self->inline_bytes = inline_bytes;
-    self->chunk_bytes = chunk_bytes;
-    self->timeout_s = timeout_s;
-    self->ctrl = (char *)(uintptr_t)ctrl;
-    self->seq = 0;
-    self->capacity = 0;
-    return 0;
-}
-
-static PyObject *ctx_set_segments(ShmContext *self, PyObject *args) {
-    PyObject *addrs;
-    Py_ssize_t capacity;
-    if (!PyArg_ParseTuple(args, "O!n", &PyTuple_Type, &addrs, &capacity)) return NULL;
-    if (PyTuple_GET_SIZE(addrs) != self->nranks) {
-        PyErr_SetString(PyExc_ValueError, "one staging segment address per rank");
-        return NULL;
-    }
-    for (int q = 0; q < self->nranks; q++) {
-        self->segments[q] = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(addrs, q));
-        if (PyErr_Occurred()) return NULL;
-    }
-    self->capacity = capacity;
-    Py_RETURN_NONE;
-}
 
 static int read_header(PyObject *obj, int64_t *header) {
     if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != MP_HEADER_WORDS) {
@@ -201,10 +139,10 @@ static PyObject *refuse(ShmContext *self, int64_t kind) {
     return NULL;
 }
 
-PyDoc_STRVAR(exchange_doc,
+const char mp_ctx_exchange_doc[] =
 "exchange(header) -> (status, info)\n\n"
 "The protocol's handshake alone: OK with every rank's free header word, or MISMATCH with\n"
-"every rank's header (also TIMEOUT, OUT_OF_STEP). Every local rank calls it.");
+"every rank's header (also TIMEOUT, OUT_OF_STEP). Every local rank calls it.";
 
 int mp_ctx_ready(ShmContext *self) {
     if (self->ctrl) return 1;
@@ -212,7 +150,7 @@ int mp_ctx_ready(ShmContext *self) {
     return 0;
 }
 
-static PyObject *ctx_exchange(ShmContext *self, PyObject *header_obj) {
+PyObject *mp_ctx_exchange(ShmContext *self, PyObject *header_obj) {
     if (!mp_ctx_ready(self)) return NULL;
     int64_t header[MP_HEADER_WORDS];
     if (read_header(header_obj, header) < 0) return NULL;
@@ -224,15 +162,15 @@ static PyObject *ctx_exchange(ShmContext *self, PyObject *header_obj) {
     return mp_ctx_enter(self, &c, header);
 }
 
-PyDoc_STRVAR(allreduce_doc,
+const char mp_ctx_allreduce_doc[] =
 "allreduce(header, src, dst, dtype, op, divisor) -> None or (status, info)\n\n"
 "Reduces every local rank's `src` into its `dst` (may be `src`) in one call that also\n"
 "checks the headers: inline in the control block up to inline_bytes, else sliced (each rank\n"
 "reduces its share for all). `src` may be a list of writable buffers (dst None): reduced in\n"
 "place where they lie. Returns None when done, else (status, info) as exchange. Bad\n"
-"arguments join the handshake with an error header, then raise. Every local rank calls it.");
+"arguments join the handshake with an error header, then raise. Every local rank calls it.";
 
-static PyObject *ctx_allreduce(ShmContext *self, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *mp_ctx_allreduce(ShmContext *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!mp_ctx_ready(self)) return NULL;
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "allreduce takes 6 arguments");
@@ -308,82 +246,4 @@ static PyObject *ctx_allreduce(ShmContext *self, PyObject *const *args, Py_ssize
     if (have_dst) PyBuffer_Release(&dst);
     if (segs) mp_release_segments(seg_views, segs, nsegs);
     return out;
-}
-
-static PyObject *ctx_set_board(ShmContext *self, PyObject *board) {
-    Py_XSETREF(self->board, Py_NewRef(board));
-    Py_RETURN_NONE;
-}
-
-static PyObject *ctx_close(ShmContext *self, PyObject *unused) {
-    __atomic_store_n(&self->closed, 1, __ATOMIC_RELEASE);
-    if (self->ctrl) shm_depart(self->ctrl, self->rank); /* Note [A rank that has shut down] */
-    Py_RETURN_NONE;
-}
-
-static PyObject *ctx_get_closed(ShmContext *self, void *closure) {
-    return PyBool_FromLong(__atomic_load_n(&self->closed, __ATOMIC_ACQUIRE) || self->interrupted);
-}
-
-static PyObject *ctx_get_seq(ShmContext *self, void *closure) {
-    return PyLong_FromUnsignedLongLong(self->seq);
-}
-
-static PyMethodDef ctx_methods[] = {
-    {"exchange", (PyCFunction)ctx_exchange, METH_O, exchange_doc},
-    {"allreduce", (PyCFunction)(void (*)(void))ctx_allreduce, METH_FASTCALL, allreduce_doc},
-    {"allreduce_array", (PyCFunction)(void (*)(void))mp_ctx_allreduce_array, METH_FASTCALL,
-     mp_allreduce_array_doc},
-    {"set_board", (PyCFunction)ctx_set_board, METH_O,
-     "set_board(board): the watchdog's board allreduce_array posts on"},
-    {"close", (PyCFunction)ctx_close, METH_NOARGS,
-     "close(): ends every wait of this context, in any thread, and lets no later call enter\n"
-     "(they answer (SHM_INTERRUPTED, None)); the other ranks' waits for a call this rank\n"
-     "will not enter end with SHM_DEPARTED (Note [A rank that has shut down] in shm.c).\n"
-     "No communication; the control block must still be mapped"},
-    {"set_segments", (PyCFunction)ctx_set_segments, METH_VARARGS,
-     "set_segments(addresses, capacity): every rank's staging segment (window mode)"},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyMemberDef ctx_members[] = {
-    {"nranks", T_INT, offsetof(ShmContext, nranks), READONLY, "local ranks"},
-    {"rank", T_INT, offsetof(ShmContext, rank), READONLY, "this process's local rank"},
-    {"peers", T_INT, offsetof(ShmContext, peers), READONLY, "SHM_PEERS_CMA or SHM_PEERS_WINDOW"},
-    {"inline_bytes", T_PYSSIZET, offsetof(ShmContext, inline_bytes), READONLY,
-     "largest buffer carried in the control block"},
-    {"capacity", T_PYSSIZET, offsetof(ShmContext, capacity), READONLY,
-     "bytes of each staging segment (window mode)"},
-    {"timeout_s", T_DOUBLE, offsetof(ShmContext, timeout_s), 0,
-     "seconds a wait for the other local ranks lasts before its call ends with SHM_TIMEOUT\n"
-     "(read when a call enters; settable: a group's timeout, mpidp.engine.shm)"},
-    {NULL, 0, 0, 0, NULL},
-};
-
-static PyGetSetDef ctx_getset[] = {
-    {"seq", (getter)ctx_get_seq, NULL, "calls that entered the protocol", NULL},
-    {"closed", (getter)ctx_get_closed, NULL,
-     "True after close() or an interrupted call: no call enters any more", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyTypeObject ShmContextType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "mpidp._ext.ShmContext",
-    .tp_doc = "ShmContext(ctrl_addr, nranks, rank, peers, inline_bytes, chunk_bytes, timeout_s)\n\n"
-              "The shared-memory protocol of one node's ranks (Note [Shared-memory protocol]).",
-    .tp_basicsize = sizeof(ShmContext),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
-    .tp_dealloc = (destructor)ctx_dealloc,
-    .tp_init = (initproc)ctx_init,
-    .tp_methods = ctx_methods,
-    .tp_members = ctx_members,
-    .tp_getset = ctx_getset,
-};
-
-int mp_add_shm_context_type(PyObject *m) {
-    if (mp_small_init() < 0) return -1;
-    if (PyType_Ready(&ShmContextType) < 0) return -1;
-    return PyModule_AddObjectRef(m, "ShmContext", (PyObject *)&ShmContextType);
 }

@@ -1,5 +1,6 @@
-/* The ShmContext type shared by csrc/context.c (the type, the protocol's calls) and
- * csrc/small.c (the small all-reduce in one call). */
+/* The ShmContext type shared by csrc/context_type.c (the type and its method table),
+ * csrc/context.c (the protocol's calls) and csrc/small.c (the small all-reduce in one call);
+ * the functions below are context.c's (Note [One direction in C] in module.c). */
 #ifndef MPIDP_CONTEXT_H
 #define MPIDP_CONTEXT_H
 #include "binding.h"
@@ -23,9 +24,10 @@ typedef struct {
 PyObject *mp_ctx_enter(ShmContext *self, shm_call *c, int64_t *header);
 /* 1 for a context __init__ has set up, else 0 with a TypeError. */
 int mp_ctx_ready(ShmContext *self);
-/* Note [Small all-reduce in one call] in small.c */
-PyObject *mp_ctx_allreduce_array(ShmContext *self, PyObject *const *args, Py_ssize_t nargs);
-extern const char mp_allreduce_array_doc[];
-int mp_small_init(void);
+/* ShmContext.exchange(header) and ShmContext.allreduce(header, src, dst, dtype, op, divisor). */
+PyObject *mp_ctx_exchange(ShmContext *self, PyObject *header_obj);
+extern const char mp_ctx_exchange_doc[];
+PyObject *mp_ctx_allreduce(ShmContext *self, PyObject *const *args, Py_ssize_t nargs);
+extern const char mp_ctx_allreduce_doc[];
 
 #endif

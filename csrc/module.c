@@ -1,6 +1,26 @@
 /* mpidp._ext: Python bindings of the host kernels, bucket fusion and the shared-memory protocol.
  * Buffer protocol only (no numpy or torch headers); the GIL is released around every loop;
- * errors set a Python exception and return NULL. */
+ * errors set a Python exception and return NULL. This file is the module's entry: its method
+ * table, its init, and the thin wrappers that parse a kernel's arguments.
+ *
+ * Note [One direction in C]
+ * The extension's files call one way: a file names only files on lower rows.
+ *   module.c                 the entry: method table, init, argument-parsing wrappers
+ *   context_type.c view.c    Python types: ShmContext (what it holds, its methods), HostView
+ *   exchange.c               CheckedContext: the one-call all-reduce across nodes
+ *   small.c                  allreduce_array on one node, and what both one-call paths share
+ *   context.c                ShmContext's calls into the protocol (mp_ctx_enter enters it)
+ *   binding.c                buffers, codes and segments taken from Python objects
+ *   shm.c                    the shared-memory protocol
+ *   cma.c heap.c fusion.c    a peer's memory (kernel copy; node heap, HeapBlock); fusion
+ *   kernels.c                the loops
+ * A type whose methods come from several files has its method table in a file above them
+ * (ShmContext's in context_type.c, over context.c and small.c), so no call returns upward,
+ * and no file calls module.c. tests/unit/test_csrc_layers.py reads the sources (which file
+ * defines which symbol with external linkage, which files name it) and fails on a cycle, on
+ * a call into module.c, or on a call up these rows. The hot paths keep their callees where
+ * they were: allreduce_array calls the one-call helpers in its own file and enters the
+ * protocol in context.c (one call across files, as before this split). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include "fusion.h"
@@ -8,28 +28,7 @@
 #include "shm.h"
 #include "cma.h"
 #include "binding.h"
-
-int mp_get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what) {
-    if (PyObject_GetBuffer(obj, view, writable ? (PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
-                                               : PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s buffer", what,
-                     writable ? " writable" : "");
-        return -1;
-    }
-    return 0;
-}
-
-int mp_check_codes(int dtype, int op) {
-    if (dtype < 0 || dtype >= DT_COUNT) {
-        PyErr_Format(PyExc_ValueError, "unknown dtype code %d", dtype);
-        return -1;
-    }
-    if (op < 0 || op >= OP_COUNT) {
-        PyErr_Format(PyExc_ValueError, "unknown op code %d", op);
-        return -1;
-    }
-    return 0;
-}
+#include "small.h"
 
 PyDoc_STRVAR(reduce_into_doc,
 "reduce_into(dst, src, dtype, op)\n\n"
@@ -108,51 +107,6 @@ static PyObject *py_stream_copy(PyObject *self, PyObject *args) {
     PyBuffer_Release(&dst);
     if (PyErr_Occurred()) return NULL;
     Py_RETURN_NONE;
-}
-
-/* Buffers of every item of `seq`, as segments; on failure releases what it took. */
-Py_ssize_t mp_get_segments(PyObject *seq, int writable, size_t isz, Py_buffer **views,
-                               mp_segment **segs, size_t *total) {
-    PyObject *fast = PySequence_Fast(seq, "expected a sequence of buffers");
-    if (!fast) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), got = 0;
-    *views = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
-    *segs = PyMem_Calloc((size_t)n + 1, sizeof(mp_segment));
-    *total = 0;
-    if (!*views || !*segs) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    for (; got < n; got++) {
-        Py_buffer *v = &(*views)[got];
-        if (mp_get_buffer(PySequence_Fast_GET_ITEM(fast, got), v, writable, "each tensor") < 0)
-            goto fail;
-        if ((size_t)v->len % isz) {
-            PyErr_Format(PyExc_ValueError, "tensor %zd has %zd bytes, not a multiple of the "
-                         "item size %zu", got, v->len, isz);
-            PyBuffer_Release(v);
-            goto fail;
-        }
-        (*segs)[got].ptr = v->buf;
-        (*segs)[got].nbytes = (size_t)v->len;
-        *total += (size_t)v->len;
-    }
-    Py_DECREF(fast);
-    return n;
-fail:
-    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&(*views)[i]);
-    PyMem_Free(*views);
-    PyMem_Free(*segs);
-    *views = NULL;
-    *segs = NULL;
-    Py_DECREF(fast);
-    return -1;
-}
-
-void mp_release_segments(Py_buffer *views, mp_segment *segs, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++) PyBuffer_Release(&views[i]);
-    PyMem_Free(views);
-    PyMem_Free(segs);
 }
 
 PyDoc_STRVAR(pack_doc,
@@ -324,7 +278,7 @@ static struct PyModuleDef moduledef = {
 PyMODINIT_FUNC PyInit__ext(void) {
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
-    if (mp_add_shm_context_type(m) < 0 || mp_add_checked_type(m) < 0 ||
+    if (mp_small_init() < 0 || mp_add_shm_context_type(m) < 0 || mp_add_checked_type(m) < 0 ||
         mp_add_host_view_type(m) < 0 || mp_add_heap_type(m) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -1,10 +1,18 @@
 /* What every one-call small all-reduce shares (csrc/small.c on one node, csrc/exchange.c
  * across nodes): the array's dtype and the op as header codes, the shape's hash as Python
- * computes it, and the watchdog's board (Note [Small all-reduce in one call] in small.c). */
+ * computes it, and the watchdog's board (Note [Small all-reduce in one call] in small.c);
+ * and ShmContext.allreduce_array, the one on one node. */
 #ifndef MPIDP_SMALL_H
 #define MPIDP_SMALL_H
 #include "binding.h"
+#include "context.h"
 #include <stdint.h>
+
+/* The names the helpers below look up, interned once at the module's init; -1 on error. */
+int mp_small_init(void);
+/* ShmContext.allreduce_array(x, op[, stamp]): Note [Small all-reduce in one call]. */
+PyObject *mp_ctx_allreduce_array(ShmContext *self, PyObject *const *args, Py_ssize_t nargs);
+extern const char mp_allreduce_array_doc[];
 
 /* The dtype code of a buffer's format, or -1 for one mpidp does not take. */
 int mp_format_dtype(const Py_buffer *v);
