@@ -138,7 +138,8 @@ def test_a_planted_cycle_is_found():
 def test_the_parser_reads_definitions_calls_and_tables():
     a = ('/* f_b() in a comment */\nstatic int hidden(void) { return 0; }\n'
          'int f_a(int x,\n        int (*cb)(void)) { return f_b("f_c()"); }\n'
-         'const char doc_a[] = "x";\nstatic PyMethodDef t[] = {{"n", (PyCFunction)f_d, 0, doc_a}};\n')
+         'const char doc_a[] = "x";\n'
+         'static PyMethodDef t[] = {{"n", (PyCFunction)f_d, 0, doc_a}};\n')
     b = "#include \"a.h\"\nint f_b(const char *s) { return f_a(1, 0); }\n"
     c = "PyObject *f_c(void) { return NULL; }\nvoid f_d(void) {}\n"
     assert exported(_code(a)) == {"f_a", "doc_a"}
