@@ -10,6 +10,13 @@ ROOT = Path(__file__).parent.parent.parent
 PACKAGE = ROOT / "mpidp"
 
 
+def _passes(code: str) -> None:
+    """``code`` runs in a fresh interpreter, its asserts holding."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_the_root_holds_only_the_public_surface():
     assert sorted(p.name for p in PACKAGE.glob("*.py")) == [
         "__init__.py", "algorithms.py", "config.py", "dist.py", "errors.py", "lazy.py"]
@@ -43,9 +50,7 @@ def test_import_starts_nothing_and_public_names_resolve():
             "assert mpidp.zero.reduce_scatter_hook is zero.reduce_scatter_hook\n"
             "assert mpidp.audit.ReplicaDivergenceError is audit.ReplicaDivergenceError\n"
             "assert 'mpi4py.MPI' not in sys.modules\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _passes(code)
 
 
 def test_the_supervisor_loads_nothing_of_the_engine():
@@ -57,9 +62,7 @@ def test_the_supervisor_loads_nothing_of_the_engine():
             "assert loaded == [], loaded\n"
             "from mpidp import runtime\n"
             "assert runtime.group is sys.modules['mpidp.runtime.world'].group\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _passes(code)
 
 
 def test_the_backends_old_name_is_the_backend():
@@ -77,9 +80,7 @@ def test_the_backends_old_name_is_the_backend():
             "EntryPoint('mpidp', 'mpidp.dist:autoload', 'torch.backends').load()()\n"
             "import torch.distributed as d\n"
             "assert 'MPIDP' in d.Backend._plugins\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _passes(code)
 
 
 def test_no_module_imports_itself_back():
