@@ -105,6 +105,7 @@ def _mpi_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwar
     """Yields (store, rank, world size) of mpidp's group, starting it (Note [Rendezvous over
     MPI]); a rank or world size in ``url`` must be MPI's."""
     from .. import runtime  # deferred for cost, as above
+    from ..runtime import mpi  # deferred for cost, as above
     from .store import MPIStore
     g = runtime.init()
     query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
@@ -112,15 +113,14 @@ def _mpi_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwar
         if name in query and int(query[name]) not in (-1, mine):
             raise ValueError(f"init_process_group: {name}={query[name]} but MPI says "
                              f"{mine}; under an MPI launcher leave rank and world_size out")
-    comm = g.user_comm.Dup()
+    comm = mpi.dup(g.user_comm)
     store = MPIStore(comm, timeout)
 
     def stop(timeout_s: float) -> bool:
-        from mpi4py import MPI  # deferred for cost, as everywhere in mpidp
         _destroy_torch_groups()
         ended = store.close(timeout_s)
-        if ended and comm != MPI.COMM_NULL:
-            comm.Free()
+        if ended:
+            mpi.free(comm)
         return ended
     g.resources.add_user(stop)
     yield store, g.rank, g.size

@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config, runtime
+from ..runtime import mpi
 from ..errors import MpidpError, WaitTimeoutError
 from . import ops, p2p, sparse
 from .thread import CommThread, Work, run_now
@@ -75,8 +76,8 @@ class ProcessGroup(dist.ProcessGroup):
     def __init__(self, g, name: str, timeout: Optional[timedelta] = None, global_ranks=()):
         super().__init__(g.rank, g.size)
         self.g = g
-        self.p2p = g.comm.Dup()  # point-to-point apart from mpidp's own messages
-        self._thread = CommThread(g, name, self.p2p.Free) if g.size > 1 else None
+        self.p2p = mpi.dup(g.comm)  # point-to-point apart from mpidp's own messages
+        self._thread = CommThread(g, name, lambda: mpi.free(self.p2p)) if g.size > 1 else None
         self._group_name: Optional[str] = None  # torch sets both (setGroupName, below)
         self._group_desc = ""
         self._global_ranks = tuple(global_ranks) or tuple(range(g.size))
@@ -120,7 +121,7 @@ class ProcessGroup(dist.ProcessGroup):
         if self._thread is not None:
             self._thread.drain()
         if runtime.free_subgroup(self.g) and self._thread is None:
-            self.p2p.Free()  # with a thread, freed when the thread stops
+            mpi.free(self.p2p)  # with a thread, freed when the thread stops
 
     def _run(self, opts, fn, result, *inputs) -> Optional[Work]:
         """``fn`` (the operation) run in the group's order: on the caller's thread where
@@ -318,8 +319,7 @@ class ProcessGroup(dist.ProcessGroup):
         return p2p.post(self.g, self.p2p, tensors, src, tag, send=False)
 
     def recv_anysource(self, tensors, tag: int):
-        from mpi4py import MPI  # deferred for cost, as everywhere in mpidp
-        return p2p.post(self.g, self.p2p, tensors, MPI.ANY_SOURCE, tag, send=False)
+        return p2p.post(self.g, self.p2p, tensors, p2p.ANY, tag, send=False)
 
 
 def _unsupported(what: str, instead: str) -> NotImplementedError:
@@ -360,11 +360,10 @@ def create(opts, backend_options) -> ProcessGroup:
     """The backend's creator (torch's extended API): the default group and every
     ``new_group`` each on an mpidp group of its own over their ranks (Note [Sub-groups] in
     mpidp/runtime/world.py), mpidp started first. Collective over the group's ranks."""
-    from mpi4py import MPI  # deferred for cost, as above
     g = runtime.init()
-    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+    if runtime.thread_level() != "multiple":
         raise MpidpError(f"the mpidp torch.distributed backend needs MPI_THREAD_MULTIPLE; MPI "
-                         f"was initialised with level {MPI.Query_thread()} (let mpidp or "
+                         f"was initialised with level {runtime.thread_level()} (let mpidp or "
                          "mpi4py start MPI, as they ask for MULTIPLE)")
     ranks = list(opts.global_ranks_in_group)
     if dist.distributed_c10d._world.default_pg is None or not ranks:  # the default group

@@ -16,20 +16,19 @@ exchanges a header (mpidp.engine.header.other_header: the operation's name with 
 root, dtype and element count), so ranks that call different operations, or the same one with
 different sizes, raise a MismatchError on every rank instead of moving wrong bytes or hanging;
 a rank whose own input is bad joins that exchange with an error code (as
-mpidp.comm.collectives.refuse does)."""
+mpidp.comm.collectives.refuse does). The frame and the all-to-all's agreement on split sizes
+are mpidp.comm.operations'; the bytes move in MPI's own calls (mpidp.runtime.mpi)."""
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import numpy as np
 import torch
 
-from ..comm import collectives
-from ..comm.tensor_views import host_format
+from ..comm import collectives, operations
+from ..comm.tensor_views import host_format, tensor_bytes as _bytes
 from ..engine import header, host_ops
-from ..runtime.frame import Frame
-from ..errors import MismatchError
+from ..runtime import mpi
 
 header.binding(__package__)  # a call site is the script's line, not this package's
 
@@ -74,32 +73,19 @@ def _dtype_word(t: torch.Tensor) -> int:
     return header.OTHER_DTYPES.index(name) + 1 if name in header.OTHER_DTYPES else 0
 
 
-@contextlib.contextmanager
 def operation(g, name: str, t=None, count: int = 0, root=None, validate=None):
-    """The body of operation ``name`` as the group's next collective under the watchdog,
-    after the header check (Note [Operations beyond mpidp's collectives]); ``validate()``
-    runs first, and an exception it raises is raised on this rank, a MismatchError on the
-    others. Yields every rank's free word (nothing here)."""
-    with Frame(g, header.OTHER, name) as f:  # Note [The collective frame]
-        try:
-            _dense(name, t)
-            if validate is not None:
-                validate()
-            op = 0 if root is None else int(root) + 1
-        except Exception as exc:  # shown with what it was called with, as far as known
-            shown = isinstance(t, torch.Tensor) and t.layout == torch.strided
-            f.refuse(exc, header.other_header(
-                name, _root_word(root), _dtype_word(t) if shown else 0, count,
-                header.error_code(exc)))
-            raise
-        f.check(header.other_header(name, op, 0 if t is None else _dtype_word(t), count))
-        yield
+    """The body of operation ``name`` on tensor ``t`` (its dtype in the header) as the group's
+    next collective under the watchdog, after the header check (Note [Operations beyond
+    mpidp's collectives]; mpidp.comm.operations.operation); ``t`` dense, then ``validate()``,
+    are checked first, and an exception raised there is raised on this rank, a
+    MismatchError on the others."""
+    shown = isinstance(t, torch.Tensor) and t.layout == torch.strided
 
-
-def _root_word(root) -> int:
-    """An OTHER header's op word for ``root`` (1 + root; 0 for none or not an integer)."""
-    return int(root) + 1 if isinstance(root, int) and not isinstance(root, bool) and \
-        root >= 0 else 0
+    def check():
+        _dense(name, t)
+        if validate is not None:
+            validate()
+    return operations.operation(g, name, count, root, _dtype_word(t) if shown else 0, check)
 
 
 def _dense(what: str, *tensors) -> None:
@@ -118,11 +104,6 @@ def _view(t: torch.Tensor, fmt: str):
     unresizable for good, which torch's backends never do and hooks such as batched PowerSGD
     rely on; DLPack costs more than a small collective)."""
     return host_ops.host_view(t.data_ptr(), t.nbytes, fmt, t.shape, t)
-
-
-def _bytes(t: torch.Tensor) -> np.ndarray:
-    """The bytes of contiguous CPU tensor ``t`` as a numpy array sharing its memory."""
-    return np.asarray(host_ops.host_view(t.data_ptr(), t.nbytes, "B", (t.nbytes,), t))
 
 
 class Staged:
@@ -196,7 +177,7 @@ def _native(kind, t: torch.Tensor) -> bool:
 def _gathered(g, staged: Staged) -> torch.Tensor:
     """Every rank's tensor (the same shape everywhere), stacked in rank order."""
     out = torch.empty((g.size,) + tuple(staged.host.shape), dtype=staged.host.dtype)
-    g.comm.Allgather(staged.bytes, _bytes(out))
+    mpi.allgather_bytes(g.comm, staged.bytes, _bytes(out))
     return out
 
 
@@ -210,10 +191,7 @@ def all_reduce(g, t: torch.Tensor, op) -> None:
     fmt = host_format(t.dtype)
     if name is not None and fmt is not None and t.is_cpu and t.layout is torch.strided \
             and t.is_contiguous() and not (name == "avg" and fmt in "iq"):
-        view = _view(t, fmt)
-        if t.nbytes > g.resources.fast_max_bytes or \
-                not collectives.allreduce_one_call(g, view, name):
-            collectives.allreduce_in(g, np.asarray(view), name, "auto", True)
+        collectives.allreduce_view_(g, _view(t, fmt), name)  # Note [One call or the general path]
         return
     kind, name = _reduction(op)
     kind, op, scaled = _premultiplied(kind, op, t)
@@ -255,7 +233,8 @@ def reduce(g, t: torch.Tensor, root: int, op) -> None:
             return
         everyone = torch.empty((g.size,) + tuple(t.shape), dtype=t.dtype) if g.rank == root \
             else None
-        g.comm.Gather(staged.bytes, None if everyone is None else _bytes(everyone), root=root)
+        mpi.gather_bytes(g.comm, staged.bytes, None if everyone is None else _bytes(everyone),
+                         root)
         if everyone is not None:
             with torch.no_grad():
                 staged.host.copy_(_stacked_reduce(everyone, kind))
@@ -302,7 +281,7 @@ def broadcast(g, t: torch.Tensor, root: int) -> None:
     with operation(g, "broadcast", t, t.numel(), root,
                  validate=lambda: collectives.check_root(root, g.size)):
         staged = Staged(t, read=g.rank == root)
-        g.comm.Bcast(staged.bytes, root=root)
+        mpi.bcast_bytes(g.comm, staged.bytes, root)
         staged.done()
 
 
@@ -318,21 +297,21 @@ def all_gather_into_tensor(g, out: torch.Tensor, x: torch.Tensor) -> None:
 
     with operation(g, "all_gather_into_tensor", x, x.numel(), validate=validate):
         src, dst = Staged(x), Staged(out, read=False)
-        g.comm.Allgather(_send_buffer(src.bytes, dst.bytes, g.rank), dst.bytes)
+        send = _send_buffer(src.bytes, dst.bytes, g.rank)
+        mpi.allgather_bytes(g.comm, send, dst.bytes, in_place=send is None)
         dst.done()
 
 
 def _send_buffer(send: np.ndarray, recv: np.ndarray, rank: int):
-    """What to pass MPI as the send buffer of an all-gather of ``send`` into ``recv``:
-    ``MPI.IN_PLACE`` where ``send`` is this rank's block of ``recv`` (FSDP gathers in place),
-    a copy where it overlaps ``recv`` elsewhere (MPI refuses aliased buffers), else itself."""
-    from mpi4py import MPI  # deferred for cost, as everywhere in mpidp
+    """What to pass MPI as the send buffer of an all-gather of ``send`` into ``recv``: None
+    (in place) where ``send`` is this rank's block of ``recv`` (FSDP gathers in place), a
+    copy where it overlaps ``recv`` elsewhere (MPI refuses aliased buffers), else itself."""
     start, end = send.ctypes.data, send.ctypes.data + send.nbytes
     r_start = recv.ctypes.data
     if send.nbytes == 0 or end <= r_start or start >= r_start + recv.nbytes:
         return send
     if start == r_start + rank * send.nbytes:
-        return MPI.IN_PLACE
+        return None
     return send.copy()
 
 
@@ -397,7 +376,8 @@ def gather(g, outs, x: torch.Tensor, root: int) -> None:
         src = Staged(x)
         everyone = torch.empty((g.size,) + tuple(src.host.shape), dtype=x.dtype) \
             if g.rank == root else None
-        g.comm.Gather(src.bytes, None if everyone is None else _bytes(everyone), root=root)
+        mpi.gather_bytes(g.comm, src.bytes, None if everyone is None else _bytes(everyone),
+                         root)
         if everyone is not None:
             with torch.no_grad():
                 for o, row in zip(outs, everyone):
@@ -415,7 +395,8 @@ def scatter(g, out: torch.Tensor, ins, root: int) -> None:
         dst = Staged(out, read=False)
         send = torch.stack([i.detach().to("cpu").reshape(-1) for i in ins]) \
             if g.rank == root else None
-        g.comm.Scatter(None if send is None else _bytes(send.contiguous()), dst.bytes, root=root)
+        mpi.scatter_bytes(g.comm, None if send is None else _bytes(send.contiguous()),
+                          dst.bytes, root)
         dst.done()
 
 
@@ -462,7 +443,9 @@ def all_to_all_single(g, out: torch.Tensor, x: torch.Tensor, out_splits, in_spli
             rows = list(splits) if splits else [n // g.size] * g.size
             return [r * row_bytes[0] for r in rows]
         send, recv = counts(x, in_splits), counts(out, out_splits)
-        _alltoallv(g, Staged(x), send, Staged(out, read=False), recv)
+        dst = Staged(out, read=False)
+        operations.alltoallv_agreed(g, "all_to_all", Staged(x).bytes, send, dst.bytes, recv)
+        dst.done()
 
 
 def all_to_all(g, outs, ins) -> None:
@@ -479,35 +462,14 @@ def all_to_all(g, outs, ins) -> None:
         src = Staged(torch.cat([t.detach().to("cpu").reshape(-1) for t in ins]))
         dst = Staged(torch.empty(sum(t.numel() for t in outs), dtype=outs[0].dtype),
                       read=False)
-        _alltoallv(g, src, [t.numel() * t.element_size() for t in ins], dst,
-                   [t.numel() * t.element_size() for t in outs])
+        operations.alltoallv_agreed(g, "all_to_all", src.bytes,
+                                    [t.numel() * t.element_size() for t in ins], dst.bytes,
+                                    [t.numel() * t.element_size() for t in outs])
         offset = 0
         with torch.no_grad():
             for o in outs:
                 o.copy_(dst.host[offset:offset + o.numel()].reshape(o.shape))
                 offset += o.numel()
-
-
-def _alltoallv(g, src: Staged, send: list, dst: Staged, recv: list) -> None:
-    """MPI_Alltoallv of bytes after checking that what each rank sends each other is what
-    that one expects (a disagreement raises on every rank, naming the pairs)."""
-    from mpi4py import MPI  # deferred for cost, as everywhere in mpidp
-    sent = np.array(send, np.int64)
-    announced = np.empty_like(sent)
-    g.comm.Alltoall(sent, announced)
-    wrong = [f"rank {j} sends {int(a)} bytes, rank {g.rank} expects {r}"
-             for j, (a, r) in enumerate(zip(announced, recv)) if a != r]
-    if sum(recv) > dst.bytes.nbytes or sum(send) > src.bytes.nbytes:  # cannot pass validate
-        wrong.append(f"rank {g.rank}'s buffers are smaller than its split sizes")
-    count = np.array([len(wrong)], np.int64)
-    g.comm.Allreduce(MPI.IN_PLACE, count, op=MPI.SUM)
-    if count[0]:
-        raise MismatchError(f"rank {g.rank}: all_to_all: the ranks' split sizes do not "
-                            "agree" + (": " + "; ".join(wrong) if wrong else
-                                       " (between other ranks); every rank raises this error"))
-    displs = lambda c: [sum(c[:i]) for i in range(len(c))]  # noqa: E731
-    g.comm.Alltoallv([src.bytes, (send, displs(send))], [dst.bytes, (recv, displs(recv))])
-    dst.done()
 
 
 def barrier(g) -> None:

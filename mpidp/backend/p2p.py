@@ -13,15 +13,18 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives
+from ..runtime import mpi
 from ..errors import CommunicationError
 from . import ops
 
 POLL_S = 0.001
+ANY = None  # the peer of a receive from any source
 
 
 class P2PWork(dist.Work):
     """A send or receive: MPI's request, completed by ``wait`` under the watchdog's
-    one-sided lane; ``finish(status)`` runs after it (a receive's copy and size check)."""
+    one-sided lane; ``finish(source, nbytes)`` runs after it (a receive's copy and size
+    check)."""
 
     def __init__(self, g, request, what: tuple, finish=None):
         super().__init__()
@@ -30,17 +33,15 @@ class P2PWork(dist.Work):
         self._lock = threading.Lock()
 
     def _complete(self) -> None:
-        from mpi4py import MPI  # deferred for cost, as everywhere in mpidp
         with self._lock:
             if self.request is None:
                 return
-            status = MPI.Status()
             with self.g.board.waiting(self.what):
-                self.request.Wait(status)
+                source, nbytes = mpi.wait(self.request)
             self.request = None
-            self.source = status.Get_source()
+            self.source = source
             if self.finish is not None:
-                self.finish(status)
+                self.finish(source, nbytes)
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         self._complete()
@@ -48,7 +49,7 @@ class P2PWork(dist.Work):
 
     def is_completed(self) -> bool:
         with self._lock:
-            return self.request is None or bool(self.request.Test())
+            return self.request is None or mpi.test(self.request)
 
     def is_success(self) -> bool:
         return self.is_completed()
@@ -74,32 +75,30 @@ class P2PWork(dist.Work):
 def tag_limit() -> int:
     """Tags 0 .. tag_limit() - 1 are the user's; the highest MPI tag is the monitored
     barrier's."""
-    from mpi4py import MPI  # deferred for cost, as above
-    return MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+    return mpi.tag_limit()
 
 
 def post(g, comm, tensors, peer: int, tag: int, send: bool) -> P2PWork:
     """A send of ``tensors[0]`` to ``peer`` (or a receive into it from ``peer``, any source
-    with MPI.ANY_SOURCE) with ``tag`` on ``comm``; ValueError for a bad call. This rank
-    only: the peer posts the matching call."""
-    from mpi4py import MPI  # deferred for cost, as above
+    with ``ANY``) with ``tag`` on ``comm``; ValueError for a bad call. This rank only: the
+    peer posts the matching call."""
     if len(tensors) != 1:
         raise ValueError(f"the mpidp backend sends one tensor per call, got {len(tensors)}")
     if not 0 <= tag < tag_limit():
         raise ValueError(f"tag {tag} is out of the backend's range 0..{tag_limit() - 1}")
-    if peer != MPI.ANY_SOURCE:
+    if peer is not ANY:
         collectives.check_root(peer, g.size)
     staged = ops.Staged(tensors[0], read=send)
     if send:
-        request = comm.Isend(staged.bytes, dest=peer, tag=tag)
+        request = mpi.isend_bytes(comm, staged.bytes, peer, tag)
         return P2PWork(g, request, ("send to rank {} (tag {})", peer, tag),
-                       lambda status: staged)  # keeps the staged bytes alive until sent
-    request = comm.Irecv(staged.bytes, source=peer, tag=tag)
+                       lambda *_: staged)  # keeps the staged bytes alive until sent
+    request = mpi.irecv_bytes(comm, staged.bytes, mpi.any_source() if peer is ANY else peer,
+                              tag)
 
-    def finish(status):
-        got = status.Get_count(MPI.BYTE)
+    def finish(source, got):
         if got != staged.bytes.nbytes:
-            raise CommunicationError(g.rank, "recv", f"rank {status.Get_source()} sent {got} "
+            raise CommunicationError(g.rank, "recv", f"rank {source} sent {got} "
                                      f"bytes, the tensor holds {staged.bytes.nbytes}")
         staged.done()
     return P2PWork(g, request, ("receive from rank {} (tag {})", peer, tag), finish)
@@ -118,52 +117,42 @@ def monitored_barrier(g, comm, timeout_s: float, wait_all_ranks: bool) -> None:
     token = np.zeros(1, np.uint8)
     ms = f"{timeout_s * 1000:.0f} ms"
     if g.rank != 0:
-        comm.Isend(token, dest=0, tag=tag).Wait()
-        release = comm.Irecv(token, source=0, tag=tag)
+        mpi.wait(mpi.isend_bytes(comm, token, 0, tag))
+        release = mpi.irecv_bytes(comm, token, 0, tag)
         if not _poll([release], 2 * timeout_s):
-            _cancel([release])
+            mpi.cancel([release])
             raise RuntimeError(f"Rank {g.rank} successfully reached monitoredBarrier, but "
                                "received errors while waiting for send/recv from rank 0: it "
                                f"did not release this rank within twice the timeout of {ms}; "
                                "rank 0's error names the rank that did not come")
         return
     buffers = [np.zeros(1, np.uint8) for _ in range(g.size)]
-    arrivals = [comm.Irecv(buffers[r], source=r, tag=tag) for r in range(1, g.size)]
+    arrivals = [mpi.irecv_bytes(comm, buffers[r], r, tag) for r in range(1, g.size)]
     deadline = time.monotonic() + timeout_s
     for r, arrival in enumerate(arrivals if not wait_all_ranks else [], 1):
         left = deadline - time.monotonic()
         if left < 0:
-            _cancel(arrivals)
+            mpi.cancel(arrivals)
             raise RuntimeError(f"Rank 0 timed out in monitoredBarrier after {ms}: ranks "
                                f"{', '.join(map(str, range(1, r))) or 'none'} had come, "
                                f"rank {r} and after not checked")
         if not _poll([arrival], left):
-            _cancel(arrivals)
+            mpi.cancel(arrivals)
             raise RuntimeError(f"Rank {r} failed to pass monitoredBarrier in {ms}")
     if not _poll(arrivals, max(0.0, deadline - time.monotonic())):
-        missing = [r for r, a in enumerate(arrivals, 1) if not a.Test()]
-        _cancel(arrivals)
+        missing = [r for r, a in enumerate(arrivals, 1) if not mpi.test(a)]
+        mpi.cancel(arrivals)
         raise RuntimeError(f"Ranks {', '.join(map(str, missing))} failed to pass "
                            f"monitoredBarrier in {ms}")
     for r in range(1, g.size):
-        comm.Isend(token, dest=r, tag=tag).Wait()
-
-
-def _cancel(requests: list) -> None:
-    """Cancels the requests not yet complete and completes the cancellation."""
-    from mpi4py import MPI  # deferred for cost, as above
-    for r in requests:
-        if r != MPI.REQUEST_NULL:
-            r.Cancel()
-            r.Wait()
+        mpi.wait(mpi.isend_bytes(comm, token, r, tag))
 
 
 def _poll(requests: list, timeout_s: float) -> bool:
     """True once every request of ``requests`` completed (each then MPI.REQUEST_NULL), False
     after ``timeout_s``."""
-    from mpi4py import MPI  # deferred for cost, as above
     deadline = time.monotonic() + timeout_s
-    while not MPI.Request.Testall(requests):
+    while not mpi.test_all(requests):
         if time.monotonic() > deadline:
             return False
         time.sleep(POLL_S)

@@ -10,6 +10,7 @@ import torch
 
 from ..engine import header
 from ..errors import MismatchError
+from ..runtime import mpi
 from .ops import _NAMES, RED, _bytes, _reduction, operation, reduce_name
 
 NAME = "all_reduce sparse"
@@ -44,7 +45,7 @@ def all_reduce(g, t: torch.Tensor, op) -> None:
         mine[:4] = (c._nnz(), c.sparse_dim(), _DTYPES.index(c.dtype), c.dim())
         mine[4:4 + c.dim()] = c.shape
         every = np.empty((g.size, mine.size), np.int64)
-        g.comm.Allgather(mine, every)
+        mpi.allgather_bytes(g.comm, mine, every)
         differ = [r for r in range(g.size) if not np.array_equal(every[r, 1:], mine[1:])]
         if any(not np.array_equal(every[r, 1:], every[0, 1:]) for r in range(g.size)):
             raise MismatchError(f"{NAME}: rank {g.rank}'s tensor is sparse {tuple(c.shape)} "
@@ -57,15 +58,10 @@ def all_reduce(g, t: torch.Tensor, op) -> None:
         for part, whole in ((c.indices().t().contiguous(), indices),
                             (c.values().contiguous(), values)):
             row = whole[0].numel() * whole.element_size() if total else 0
-            g.comm.Allgatherv(_bytes(part), [_bytes(whole), counts * row,
-                                             np.concatenate(([0], np.cumsum(counts)[:-1]))
-                                             * row, _byte()])
+            mpi.allgatherv_bytes(g.comm, _bytes(part), _bytes(whole), counts * row,
+                                 np.concatenate(([0], np.cumsum(counts)[:-1])) * row)
         summed = torch.sparse_coo_tensor(indices.t(), values, c.shape,
                                          check_invariants=False).coalesce()  # valid parts
         with torch.no_grad():
             t.copy_(summed.to(t.device))
 
-
-def _byte():
-    from mpi4py import MPI  # deferred for cost, as everywhere in mpidp
-    return MPI.BYTE

@@ -39,6 +39,8 @@ from typing import Optional
 import numpy as np
 import torch.distributed as dist
 
+from ..runtime import mpi
+
 (SET, GET, ADD, COMPARE_SET, CHECK, WAIT, DELETE, NUM_KEYS, APPEND, MULTI_GET, MULTI_SET,
  STOP) = range(12)
 CHANGES = (SET, ADD, COMPARE_SET, APPEND, MULTI_SET)  # requests that may answer waiting ones
@@ -75,13 +77,12 @@ class MPIStore(dist.Store):
 
     def __init__(self, comm, timeout: timedelta = timedelta(minutes=5)):
         super().__init__()
-        from mpi4py import MPI  # deferred for cost, as everywhere in mpidp
         self.comm = comm
         self.set_timeout(timeout)  # C++'s (Note [What torch calls on a store written in Python])
-        self._tags = itertools.cycle(range(REQUEST + 1, MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)))
+        self._tags = itertools.cycle(range(REQUEST + 1, mpi.tag_limit()))
         self._lock = threading.Lock()
         self._server = None
-        if comm.Get_rank() == 0:
+        if mpi.rank_size(comm)[0] == 0:
             self._server = threading.Thread(target=_serve, args=(comm,), daemon=True,
                                             name="mpidp-store")
             self._server.start()
@@ -89,20 +90,18 @@ class MPIStore(dist.Store):
     # ---- the client ----------------------------------------------------------------------
 
     def _ask(self, op: int, fields, timeout_s: Optional[float] = None) -> bytes:
-        from mpi4py import MPI  # deferred for cost, as above
         with self._lock:
             tag = next(self._tags)
-        self.comm.Send(_encode(op, tag, fields), dest=0, tag=REQUEST)
+        mpi.send_bytes(self.comm, _encode(op, tag, fields), 0, REQUEST)
         limit = self.timeout.total_seconds() if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
-        status = MPI.Status()
-        while not self.comm.Iprobe(source=0, tag=tag, status=status):
+        while (waiting := mpi.iprobe(self.comm, 0, tag)) is None:
             if time.monotonic() > deadline:
                 raise StoreTimeoutError(f"mpidp store: no answer to {_NAMES[op]} "
                                         f"{[bytes(f) for f in fields][:3]} within {limit:g} s")
             time.sleep(POLL_S)
-        answer = bytearray(status.Get_count(MPI.BYTE))
-        self.comm.Recv([answer, MPI.BYTE], source=0, tag=tag)
+        answer = bytearray(waiting[1])
+        mpi.recv_bytes(self.comm, answer, 0, tag)
         if answer.startswith(ERROR):
             raise ValueError(f"mpidp store: {_NAMES[op]}: "
                              f"{answer[len(ERROR):].decode(errors='replace')}")
@@ -175,7 +174,7 @@ class MPIStore(dist.Store):
         """Ends rank 0's serving thread (this rank only); True once it has ended."""
         if self._server is None:
             return True
-        self.comm.Send(_encode(STOP, 0, []), dest=0, tag=REQUEST)
+        mpi.send_bytes(self.comm, _encode(STOP, 0, []), 0, REQUEST)
         self._server.join(timeout_s)
         return not self._server.is_alive()
 
@@ -201,25 +200,23 @@ def _value(value) -> bytes:
 
 def _serve(comm) -> None:
     """Rank 0's loop: answers requests until STOP (Note [A store over MPI])."""
-    from mpi4py import MPI  # deferred for cost, as above
     keys: dict = {}
     pending: list = []  # (source, reply tag, op, fields) waiting for keys
     sending: list = []  # (request, buffer): an answer whose client may have stopped waiting
-    status = MPI.Status()
 
     def answer_to(source: int, tag: int, answer: bytes) -> None:
         buffer = np.frombuffer(answer, np.uint8)
-        sending.append((comm.Isend([buffer, MPI.BYTE], dest=source, tag=tag), buffer))
+        sending.append((mpi.isend_bytes(comm, buffer, source, tag), buffer))
 
     while True:
-        sending[:] = [s for s in sending if not s[0].Test()]
+        sending[:] = [s for s in sending if not mpi.test(s[0])]
         idle_s = POLL_S
-        while not comm.Iprobe(source=MPI.ANY_SOURCE, tag=REQUEST, status=status):
+        while (waiting := mpi.iprobe(comm, None, REQUEST)) is None:
             time.sleep(idle_s)  # not MPI_Probe: MPICH's blocking calls spin on a core
             idle_s = min(2 * idle_s, SERVER_IDLE_S)
-        message = np.empty(status.Get_count(MPI.BYTE), np.uint8)
-        source = status.Get_source()
-        comm.Recv([message, MPI.BYTE], source=source, tag=REQUEST)
+        source, nbytes = waiting
+        message = np.empty(nbytes, np.uint8)
+        mpi.recv_bytes(comm, message, source, REQUEST)
         op, tag, fields = _decode(message)
         if op == STOP:
             return

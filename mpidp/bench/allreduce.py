@@ -114,7 +114,7 @@ def _runner(algo: str, comm, op: str, dtype: str, gloo):
         return (lambda s, d, sm, dm: mpidp.allreduce(s, op=op, algorithm=algo),
                 lambda b, bm: mpidp.allreduce_(b, op=op, algorithm=algo))
     if algo == "mpi":
-        from mpi4py import MPI
+        from mpidp.runtime import mpi
         from mpidp.engine.host_executor import mpi_op
         from mpidp.engine.dtypes import DTYPE_NAMES, OP_CODES
         code = DTYPE_NAMES.index(dtype)
@@ -125,10 +125,10 @@ def _runner(algo: str, comm, op: str, dtype: str, gloo):
             if op == "avg":
                 b /= n
         def oop(s, d, sm, dm):
-            comm.Allreduce(sm, dm, op=mop)
+            mpi.allreduce_op(comm, sm, dm, mop)
             finish(d)
         def ip(b, bm):
-            comm.Allreduce(MPI.IN_PLACE, bm, op=mop)
+            mpi.allreduce_op(comm, None, bm, mop)
             finish(b)
         return oop, ip
     if algo == "gloo":

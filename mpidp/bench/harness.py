@@ -8,6 +8,8 @@ from typing import Optional, Callable, List, Sequence
 
 import numpy as np
 
+from ..runtime import mpi
+
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
           "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 
@@ -112,7 +114,6 @@ def link_ceiling(g, nbytes: int = 16 << 20, iters: int = 5, piece: int = 32 << 1
     many eager pieces faster than one large message: the link is at least the faster).
     Across nodes the link, not memory, bounds an all-reduce: nccl-tests' busbw is then at
     most this. Collective."""
-    from mpi4py import MPI  # deferred for cost: import mpidp starts no MPI
     comm = g.comm
     leaders = [g.node_of.index(k) for k in (0, 1)]
     peer = {leaders[0]: leaders[1], leaders[1]: leaders[0]}.get(g.rank)
@@ -121,12 +122,12 @@ def link_ceiling(g, nbytes: int = 16 << 20, iters: int = 5, piece: int = 32 << 1
     def stream(i):
         reqs = []
         for at in range(0, nbytes, piece):
-            reqs.append(comm.Irecv(b[at:at + piece], peer, 78))
-            reqs.append(comm.Isend(a[at:at + piece], peer, 78))
-        MPI.Request.Waitall(reqs)
+            reqs.append(mpi.irecv_bytes(comm, b[at:at + piece], peer, 78))
+            reqs.append(mpi.isend_bytes(comm, a[at:at + piece], peer, 78))
+        mpi.wait_all(reqs)
 
     rates = []
-    for call in (lambda i: comm.Sendrecv(a, peer, 77, b, peer, 77), stream):
+    for call in (lambda i: mpi.sendrecv_bytes(comm, a, peer, b, peer, 77), stream):
         t = time_per_call(comm, call if peer is not None else (lambda i: None), iters, 1)
         rates.append(nbytes / max(t[leaders[0]], t[leaders[1]]) / 1e9)
     link = max(rates)

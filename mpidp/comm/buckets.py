@@ -46,15 +46,17 @@ class BucketBase:
         return None
 
     def reduce_(self, sources: Sequence[Any], destinations: Sequence[Any], op: str,
-                algorithm: str) -> None:
+                algorithm: str, g=None) -> None:
         """All-reduces this bucket's tensors: ``sources`` in (None packs zeros), results into
         ``destinations`` (None skips; the same tensors as ``sources`` for in place). ``op``:
         sum, avg, min, max. Planned once (mpidp.engine.planner.plan_bucket): in place on one node
         the tensors are reduced where they lie (Note [Zero-copy buckets]); otherwise packed,
         reduced and unpacked, the average's division fused into the unpack where the
         algorithm does not divide itself. Collective: every rank calls it for the same
-        bucket, and every rank sends the same op whichever path it takes."""
-        g = runtime.group()
+        bucket, and every rank sends the same op whichever path it takes. ``g``: the group
+        (Note [Group-explicit collectives] in mpidp/comm/collectives.py; None: the calling
+        context's, for callers that have none to hand)."""
+        g = runtime.group() if g is None else g
         views = self._zero_copy_views(sources, destinations)
         p = plan_bucket(self.where, algorithm, collectives.facts(g, self.where == DEVICE),
                         self.nbytes, len(self.indices), views is not None, op)
@@ -63,19 +65,20 @@ class BucketBase:
             return
         self.divisor = g.size if p.divide_in_unpack else 1
         self.pack(sources)
-        self.allreduce_("sum" if p.divide_in_unpack else op, p.algorithm.name)
+        self.allreduce_("sum" if p.divide_in_unpack else op, p.algorithm.name, g)
         self.unpack(destinations, self.divisor)
 
 
-    def reduce_scatter_(self, sources: Sequence[Any], algorithm: str, dtype: Any) -> None:
+    def reduce_scatter_(self, sources: Sequence[Any], algorithm: str, dtype: Any,
+                        g=None) -> None:
         """``sources`` packed (None: zeros; own slots stay), reduce-scattered, and this rank's
         block of the average written back where it came from: into the bucket and the
         sources (Note [ZeRO] in mpidp/ddp/zero.py); the rest keeps this rank's own values.
-        ``dtype``: the bucket's torch dtype. Collective."""
+        ``dtype``: the bucket's torch dtype; ``g``: as ``reduce_``'s. Collective."""
         with self.stream_context():
             self.pack(sources, skip_own_slots=True)
             flat = self.torch_flat(dtype)
-            g = runtime.group()
+            g = runtime.group() if g is None else g
             block = collectives.reduce_scatter_in(g, flat, "avg", algorithm if algorithm in
                                                   ("ring", "mpi") else "auto")
             lo, n = partition(len(flat), g.size)[g.rank]
@@ -116,12 +119,13 @@ class Bucket(BucketBase):
 
     @timeline.traced("cast, all-reduce, cast back")
     def reduce_cast_(self, sources: Sequence[Any], destinations: Optional[Sequence[Any]],
-                     wire: int, algorithm: str) -> None:
+                     wire: int, algorithm: str, g=None) -> None:
         """Averages this float32 bucket's tensors over a 16-bit wire (``wire``: F16 or BF16)
         as Note [Compressed buckets] in mpidp/ddp/compression.py defines it: ``sources`` (None:
         zeros) cast into the wire bucket, all-reduced (sum), cast back into
-        ``destinations`` (None, or a None entry: this bucket's own slots). Collective."""
-        g = runtime.group()
+        ``destinations`` (None, or a None entry: this bucket's own slots); ``g``: as
+        ``reduce_``'s. Collective."""
+        g = runtime.group() if g is None else g
         if self.wire is None:
             self.wire = np.empty(len(self.flat), np.uint16)
         before, after = (g.size, 1) if wire == F16 else (1, g.size)
@@ -139,9 +143,10 @@ class Bucket(BucketBase):
                 write_back(a)
         self.divisor = 1  # unpack_one of a parameter unused here reads its averaged slot
 
-    def allreduce_(self, op: str, algorithm: str) -> None:
-        """All-reduces the bucket's buffer in place (collective)."""
-        collectives.allreduce_in(runtime.group(), self.buffer, op, algorithm, True)
+    def allreduce_(self, op: str, algorithm: str, g=None) -> None:
+        """All-reduces the bucket's buffer in place over ``g`` (as ``reduce_``'s). Collective."""
+        collectives.allreduce_in(runtime.group() if g is None else g, self.buffer, op,
+                                 algorithm, True)
 
     def capture_stream(self) -> None:
         """Host buffers have no stream to order by (DeviceBucket's capture one)."""

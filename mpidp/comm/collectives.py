@@ -17,7 +17,7 @@ Every function here is a synchronisation point: every rank of the group must cal
 same order, all with host arrays or all with device arrays."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -27,99 +27,16 @@ from ..runtime import timeline
 from ..runtime.frame import Frame
 from ..engine.gpu import executor as gpu_executor  # imports no CuPy until a device array arrives
 from ..algorithms import DEVICE, HOST, TABLE, check_name, choose
-from ..engine.dtypes import FLOATING, OP_CODES, OPS, as_host_array, empty_like, write_back
+from ..engine.dtypes import OP_CODES, as_host_array, empty_like
 from ..engine.gpu import is_device_array
 from ..engine.header import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, op_word
 from ..errors import MismatchError
 from ..engine.blocks import partition
+from .checks import (agree_on_nothing, bump_version, check_algorithm, check_root,  # noqa: F401
+                     check_writable, facts, op_codes, refusal, refuse, wrote)
 from .tensor_views import bump_version as bump_tensor_version, tensor_view
 
 _HOST_CODES = {a.name: a.code for a in TABLE if a.where == HOST}
-
-
-def _op_codes(op: Any, dtype: int) -> tuple:
-    codes = OP_CODES.get(op) if isinstance(op, str) else None
-    if codes is None:
-        raise ValueError(f"unknown op {op!r}; accepted: {', '.join(OPS)}")
-    if codes[1] and dtype not in FLOATING:
-        raise ValueError("op 'avg' needs a floating dtype (float16, bfloat16, float32, "
-                         "float64); use 'sum' for integers and divide as you need")
-    return codes
-
-
-def check_root(root: Any, size: int) -> None:
-    """ValueError unless ``root`` is a rank of a group of ``size``."""
-    if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < size:
-        raise ValueError(f"root {root!r} is not a rank of this group (0..{size - 1})")
-
-
-def check_algorithm(algorithm: Any, on_device: bool) -> str:
-    """``algorithm`` if it names an all-reduce algorithm for host (or device) arrays, else
-    ValueError listing the accepted names."""
-    return check_name(algorithm, DEVICE if on_device else HOST)
-
-
-def facts(g, on_device: bool):
-    """What the algorithm choices read for group ``g`` (mpidp.algorithms.Facts), with the
-    device's facts for device arrays."""
-    return gpu_executor.facts(g.resources.links, g.resources.facts) if on_device else \
-        g.resources.facts
-
-
-def check_writable(a) -> None:
-    """ValueError for an in-place call on an array the result cannot be written into."""
-    original = a.original
-    if isinstance(original, np.ndarray) and not original.flags.writeable:
-        raise ValueError("x is read-only (numpy flag writeable=False); an in-place collective "
-                         "writes its result into x: pass a writable array or use the "
-                         "out-of-place call")
-
-
-def _wrote(a) -> None:
-    """The result is in host array ``a``'s flat view: copied back into a non-contiguous
-    original, and counted (``bump_version``)."""
-    write_back(a)
-    bump_version(a)
-
-
-def bump_version(a) -> None:
-    """An in-place call on a torch tensor (host or device) counts as torch's in-place ops
-    count: autograd then refuses a tensor it saved for backward instead of computing wrong
-    gradients."""
-    if a.is_torch:
-        bump_tensor_version(a.original)
-
-
-def refusal(kind: int, exc: BaseException, a=None, op: Any = None, root: Any = None) -> tuple:
-    """The header refusing ``exc`` for collective ``kind`` that shows what this rank was called
-    with, as far as it knows: host array ``a``'s dtype and count, op name ``op`` or ``root``
-    (Note [Agreement before refusal] in mpidp/comm/agreement.py)."""
-    word = header.UNKNOWN
-    if isinstance(op, str) and op in OP_CODES:
-        word = op_word(*OP_CODES[op])
-    elif isinstance(root, (int, np.integer)) and not isinstance(root, bool):
-        word = int(root)
-    return header.refusal(kind, exc, word, header.UNKNOWN if a is None else a.dtype,
-                          header.UNKNOWN if a is None else len(a.flat))
-
-
-def refuse(g, kind: int, exc: BaseException, hdr: Optional[tuple] = None) -> None:
-    """This rank's input to collective ``kind`` is bad (``exc``): the collective's frame
-    refuses it (Note [The collective frame] in mpidp/runtime/frame.py) with header ``hdr``
-    (header.refusal, naming the values this rank was called with: Note [Agreement before
-    refusal] in mpidp/comm/agreement.py; None: the plain error header), which raises on every
-    rank (``exc`` here, a MismatchError elsewhere). Alone, returns (the caller raises)."""
-    with Frame(g, kind) as f:
-        f.refuse(exc, hdr)
-
-
-def agree_on_nothing(g, kind: int) -> None:
-    """Exchanges the header of a ``kind`` collective of no elements on ``g`` (a group of no
-    tensors whose layout must still meet the others': Note [A group's layout] in
-    mpidp/comm/fusion.py); raises on every rank where the others called something else.
-    Collective."""
-    with Frame(g, kind) as f:
-        f.check(header.header(kind, 0, 0, 0, 0, ()))
 
 
 def allreduce(x: Any, op: str = "sum", algorithm: str = "auto"):
@@ -143,7 +60,10 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto"):
 # is handed down, never looked up again.
 
 def allreduce_in(g, x: Any, op: str = "sum", algorithm: str = "auto", inplace: bool = False):
-    """``allreduce`` (``allreduce_`` with ``inplace``) over group ``g``."""
+    """``allreduce`` (``allreduce_`` with ``inplace``) over group ``g``. Note [One call or the
+    general path]: with ``algorithm`` auto, an in-place call on a numpy array or a CPU
+    tensor's view, or an out-of-place one on a small numpy array, tries the one C call
+    first."""
     try:
         if algorithm == "auto":
             fast = g.resources.fast_allreduce  # one C call: csrc/small.c, csrc/exchange.c
@@ -161,9 +81,39 @@ def allreduce_in(g, x: Any, op: str = "sum", algorithm: str = "auto", inplace: b
                     return y
         return _allreduce(g, x, op, algorithm, inplace)
     except MismatchError as exc:
-        if header.for_joined(getattr(exc, "headers", ())) is None:
-            raise
-    return with_joined(g, x, op, algorithm, inplace)
+        return _again_if_joined(g, exc, lambda: with_joined(g, x, op, algorithm, inplace))
+
+
+# Note [One call or the general path]
+# Which all-reduces take the one C call (Note [Small all-reduce in one call] in csrc/small.c)
+# is decided here only: ``allreduce_in`` for arrays and tensors, ``allreduce_view_`` for a
+# buffer view the torch.distributed backend made, ``allreduce_tensor_`` for the drop-in
+# bindings; what the one call declines goes to the general path (``_allreduce``) directly,
+# never to a second try. A MismatchError that says ranks have joined is retried once, with
+# their zeros, by ``_again_if_joined`` (Note [Joined ranks] in mpidp/engine/header.py).
+
+def allreduce_view_(g, view, op: str) -> None:
+    """The in-place all-reduce over group ``g`` of ``view``, a writable C-contiguous buffer
+    (mpidp.engine.host_ops.host_view's, over a CPU tensor) of a dtype ``op`` can reduce: the
+    one C call where the group has it, else the general path (Note [One call or the general
+    path]); raises on every rank when the ranks' inputs disagree. Every rank of ``g`` calls
+    it."""
+    try:
+        if g.resources.fast_allreduce is None or not _one_call(g, view, op):
+            _allreduce(g, np.asarray(view), op, "auto", True)
+    except MismatchError as exc:
+        _again_if_joined(g, exc, lambda: with_joined(g, np.asarray(view), op, "auto", True))
+
+
+def _again_if_joined(g, exc: MismatchError, again, stamp: int = 0):
+    """The retry for joined ranks, the one place: ``exc`` raised again unless its headers say
+    ranks have joined (Note [Joined ranks] in mpidp/engine/header.py); else ``again()`` (the
+    all-reduce once more, with their zeros: ``with_joined``), its headers carrying ``stamp``
+    (0: none), and its result returned."""
+    if header.for_joined(getattr(exc, "headers", ())) is None:
+        raise exc
+    with g.resources.stamped(stamp or None):
+        return again()
 
 
 def with_joined(g, x, op: str, algorithm: str, inplace: bool):
@@ -179,15 +129,6 @@ def with_joined(g, x, op: str, algorithm: str, inplace: bool):
     if not (x.is_contiguous() if hasattr(x, "is_contiguous") else x.flags.c_contiguous):
         x[...] = flat.reshape(shape)
     return x
-
-
-def allreduce_one_call(g, view, op: str) -> bool:
-    """The in-place all-reduce of ``view`` (a numpy array, or any writable C-contiguous
-    buffer such as mpidp.engine.host_ops.host_view's) over group ``g`` as one C call where
-    the group has it (csrc/small.c on one node, csrc/exchange.c across nodes): True when
-    done, False when it declined (nothing done: the caller takes ``allreduce_in``); raises on
-    every rank when the ranks' inputs disagree. Every rank of ``g`` calls it."""
-    return g.resources.fast_allreduce is not None and _one_call(g, view, op)
 
 
 def allreduce_tensor_(g, x, op: str, stamp: int = 0) -> bool:
@@ -207,10 +148,7 @@ def allreduce_tensor_(g, x, op: str, stamp: int = 0) -> bool:
         if not _one_call(g, view, op, stamp):
             return False
     except MismatchError as exc:
-        if header.for_joined(getattr(exc, "headers", ())) is None:
-            raise
-        with g.resources.stamped(stamp or None):
-            with_joined(g, x, op, "auto", True)
+        _again_if_joined(g, exc, lambda: with_joined(g, x, op, "auto", True), stamp)
         return True
     bump_tensor_version(x)
     return True
@@ -251,7 +189,7 @@ def _allreduce(g, x, op, algorithm, inplace):
         a = None
         try:
             a = as_host_array(x)
-            opc, avg = _op_codes(op, a.dtype)
+            opc, avg = op_codes(op, a.dtype)
             name = choose(HOST, algorithm, g.resources.facts, a.flat.nbytes).name
             if inplace:
                 check_writable(a)
@@ -269,7 +207,7 @@ def _allreduce(g, x, op, algorithm, inplace):
             host_executor.allreduce(f.links(), name, hdr, src, dst, a.dtype, opc,
                                     g.size if avg else 1)
         if inplace:
-            _wrote(a)
+            wrote(a)
         return out
 
 
@@ -281,24 +219,23 @@ def allreduce_segments_(g, flats: list, dtype: int, op: str) -> None:
     ``g``: the group."""
     opc, avg = OP_CODES[op]
     count = sum(len(f) for f in flats)
-    for again in (False, True):  # again where ranks joined (Note [Joined ranks], header.py)
-        try:
-            with Frame(g, ALLREDUCE) as f, timeline.span("allreduce"):
-                hdr = f.publish(header.header(ALLREDUCE, _HOST_CODES["shm"],
-                                              op_word(opc, avg), dtype, count, (count,)))
-                host_executor.allreduce_segments(f.links(), hdr, flats, dtype, opc,
-                                                 g.size if avg else 1)
-            return
-        except MismatchError as exc:
-            if again or header.for_joined(getattr(exc, "headers", ())) is None:
-                raise
+    def run():
+        with Frame(g, ALLREDUCE) as f, timeline.span("allreduce"):
+            hdr = f.publish(header.header(ALLREDUCE, _HOST_CODES["shm"], op_word(opc, avg),
+                                          dtype, count, (count,)))
+            host_executor.allreduce_segments(f.links(), hdr, flats, dtype, opc,
+                                             g.size if avg else 1)
+    try:
+        run()
+    except MismatchError as exc:
+        _again_if_joined(g, exc, run)
 
 
 def _device_allreduce(g, x, op, algorithm, inplace):
     dev = gpu_executor
     try:
         a = dev.view(x)
-        opc, avg = _op_codes(op, a.dtype)
+        opc, avg = op_codes(op, a.dtype)
         row = choose(DEVICE, check_name(algorithm, DEVICE), facts(g, True), a.flat.nbytes)
         prepared = None if row.name == "staged" else dev.prepare(a, inplace)
     except Exception as exc:  # ImportError too: CuPy or NCCL missing on this rank
@@ -367,7 +304,7 @@ def broadcast_in(g, x: Any, root: int = 0, inplace: bool = False):
                                           a.shape))
             host_executor.broadcast(f.links(), hdr, flat, int(root))
         if inplace:
-            _wrote(a)
+            wrote(a)
         return out
 
 
@@ -387,7 +324,7 @@ def reduce_in(g, x: Any, root: int = 0, op: str = "sum"):
         try:
             a = as_host_array(x)
             check_root(root, g.size)
-            opc, avg = _op_codes(op, a.dtype)
+            opc, avg = op_codes(op, a.dtype)
             if g.rank == root:
                 check_writable(a)
         except Exception as exc:
@@ -400,7 +337,7 @@ def reduce_in(g, x: Any, root: int = 0, op: str = "sum"):
             host_executor.reduce(f.links(), hdr, a.flat, a.dtype, opc, g.size if avg else 1,
                                  root)
         if g.rank == root:
-            _wrote(a)
+            wrote(a)
         return a.original
 
 
@@ -458,7 +395,7 @@ def reduce_scatter_in(g, x: Any, op: str = "sum", algorithm: str = "auto"):
             if len(a.shape) == 0:
                 raise ValueError("reduce_scatter needs at least one dimension (it splits "
                                  "along 0)")
-            opc, avg = _op_codes(op, a.dtype)
+            opc, avg = op_codes(op, a.dtype)
             if algorithm not in ("auto", "ring", "mpi"):
                 raise ValueError(f"unknown reduce_scatter algorithm {algorithm!r}; accepted: "
                                  "auto, ring, mpi")

@@ -68,25 +68,27 @@ class DeviceBucket(BucketBase):
         return DeviceOps(self._stream(next((a for a in arrays if a is not None), None)))
 
     def reduce_(self, sources: Sequence[Any], destinations: Sequence[Any], op: str,
-                algorithm: str) -> None:
+                algorithm: str, g=None) -> None:
         """BucketBase.reduce_ with the pack, the all-reduce and the unpack on one stream: the
         captured one, else the first source's producer for this call. (The all-reduce alone
         sees no tensor: on CuPy's current stream it would not wait for a pack on a torch side
         stream, which CUDA does not order against the legacy default stream.)"""
         if self.stream is not None:
-            super().reduce_(sources, destinations, op, algorithm)
+            super().reduce_(sources, destinations, op, algorithm, g)
             return
         first = next((s for s in sources if s is not None), None)
         self.stream = self._stream(None if first is None else as_device_array(first))
         try:
-            super().reduce_(sources, destinations, op, algorithm)
+            super().reduce_(sources, destinations, op, algorithm, g)
         finally:
             self.stream = None
 
-    def allreduce_(self, op: str, algorithm: str) -> None:
-        """All-reduces the bucket in place, in its stream's order."""
+    def allreduce_(self, op: str, algorithm: str, g=None) -> None:
+        """All-reduces the bucket in place over ``g`` (BucketBase.reduce_'s), in its
+        stream's order."""
         with cupy().cuda.Device(self.device), self._ops([]).stream:
-            collectives.allreduce_in(runtime.group(), self.buffer, op, algorithm, True)
+            collectives.allreduce_in(runtime.group() if g is None else g, self.buffer, op,
+                                     algorithm, True)
 
     def pack(self, sources: Sequence[Any], skip_own_slots: bool = False) -> None:
         """Copies ``sources`` (None packs zeros) into the bucket in one launch; with
@@ -111,12 +113,12 @@ class DeviceBucket(BucketBase):
         ops.pack(self.flat, views)
 
     def reduce_cast_(self, sources: Sequence[Any], destinations: Optional[Sequence[Any]],
-                     wire: int, algorithm: str) -> None:
+                     wire: int, algorithm: str, g=None) -> None:
         """Bucket.reduce_cast_ on the device: the casts are one launch each
         (Note [Compressed buckets] in mpidp/ddp/compression.py). Collective."""
         cp = cupy()
         with cp.cuda.Device(self.device):
-            g = runtime.group()
+            g = runtime.group() if g is None else g
             size = g.size
             before, after = (size, 1) if wire == F16 else (1, size)
             arrays = [None if s is None else as_device_array(s) for s in sources]

@@ -236,7 +236,7 @@ def _grouped(tensors, in_place: bool, op, algorithm, bucket_cap_mb):
         try:
             with agreed(g, layout) if k == 0 and changed else _NOTHING:
                 bucket.reduce_([arrays[i] for i in bucket.indices],
-                               [results[i] for i in bucket.indices], op, algorithm)
+                               [results[i] for i in bucket.indices], op, algorithm, g)
         except MismatchError as exc:
             if k or layout in str(exc):
                 raise

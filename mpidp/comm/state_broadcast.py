@@ -20,6 +20,7 @@ from ..engine.dtypes import I64, flat_host_array
 from ..engine.header import BROADCAST
 from .fusion import assign_buckets, tensor_list, writable_view
 from ..engine.gpu import is_device_array
+from ..runtime import mpi
 from ..runtime.frame import collective
 from . import objects
 
@@ -72,7 +73,7 @@ def gather_bytes(tensors: Sequence[Any], what: str, root: int = 0) -> Optional[n
     mine = np.concatenate(parts) if parts else np.empty(0, np.uint8)
     every = np.empty((g.size, mine.size), np.uint8) if g.rank == root else None
     with collective(g, what):
-        g.comm.Gather(mine, every, root=root)
+        mpi.gather_bytes(g.comm, mine, every, root)
     return every
 
 

@@ -7,6 +7,8 @@ import struct
 import sys
 from typing import Any, Optional
 
+import numpy as np
+
 from ..engine import host_ops
 
 # Note [Views of torch tensors]
@@ -63,3 +65,9 @@ def _first_increment(tensors) -> None:
 
 
 _increment = [_first_increment]
+
+
+def tensor_bytes(t):
+    """The bytes of contiguous CPU tensor ``t`` as a numpy uint8 array sharing its memory (a
+    host view: Note [Views of torch tensors]), holding ``t``."""
+    return np.asarray(host_ops.host_view(t.data_ptr(), t.nbytes, "B", (t.nbytes,), t))

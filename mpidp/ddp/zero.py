@@ -41,6 +41,7 @@ import torch
 
 from ..comm import collectives
 from .. import runtime
+from ..runtime import mpi
 from ..comm import objects
 from ..comm.fingerprint import check_same
 from ..engine.blocks import partition
@@ -285,7 +286,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         counts = [c for _, c in gathered] if g.rank == to else None
         data = np.empty(sum(counts), np.uint8) if g.rank == to else None
         if g.size > 1:
-            g.comm.Gatherv(mine, (data, counts) if g.rank == to else None, root=to)
+            mpi.gatherv_bytes(g.comm, mine, data, counts, to)
         else:
             data = mine
         self._consolidated = None

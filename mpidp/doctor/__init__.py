@@ -17,7 +17,7 @@ import importlib.metadata
 import sys
 import threading
 
-from ..runtime import launcher
+from ..runtime import launcher, mpi
 from ..runtime.helpformat import Parser
 from ..runtime.abort import abort_job
 from . import leftovers, probes, verdicts
@@ -33,7 +33,7 @@ from .findings import (
     summary_line)
 
 CHECKS = (
-    ("MPI", probes.mpi, verdicts.verdict_mpi),
+    ("MPI", probes.mpi_library, verdicts.verdict_mpi),
     ("Ranks", probes.ranks, verdicts.verdict_ranks),
     ("mpidp", probes.setup, verdicts.verdict_mpidp),
     ("Shared memory", probes.shared_memory, verdicts.verdict_shm),
@@ -111,8 +111,7 @@ def main(argv=None) -> int:
         return 0
     try:
         launcher.prepare_mpi_start()
-        from mpi4py import MPI
-        world = MPI.COMM_WORLD
+        world = mpi.world()
     except Exception as exc:
         print(format_report(_title(1), [("MPI", [Finding(
             FAIL, f"mpi4py cannot start MPI: {type(exc).__name__}: {exc}",
@@ -125,13 +124,13 @@ def main(argv=None) -> int:
     sections = []
     for name, probe, verdict in CHECKS:
         with deadline(name, args.timeout_s, ctx.rank):
-            values = world.gather(probe_value(probe, ctx), root=0)
+            values = mpi.gather_objects(world, probe_value(probe, ctx), 0)
         if ctx.rank == 0:
             findings = judge(verdict, values)
             sections.append((name, findings))
             if printing:
                 print("\n".join([name] + format_findings(findings)), flush=True)
-    code = world.bcast(exit_code(sections) if ctx.rank == 0 else None, root=0)
+    code = mpi.bcast_object(world, exit_code(sections) if ctx.rank == 0 else None, 0)
     if printing:
         print(summary_line(sections), flush=True)
     return code

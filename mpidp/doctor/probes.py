@@ -13,8 +13,9 @@ import warnings
 
 import numpy as np
 
-from ..runtime import launcher
+from ..runtime import launcher, mpi
 from ..engine.gpu.device import torch_gpu
+from ..runtime.windows import Window, layout, shared_slots_sum
 from . import leftovers, verdicts
 
 ALLREDUCE_COUNTS = (5, 1 << 16)  # float32: 20 B (inline in shm) and 256 KiB (sliced)
@@ -34,7 +35,7 @@ class Context:
 
     def __init__(self, world):
         self.world = world
-        self.rank, self.size = world.Get_rank(), world.Get_size()
+        self.rank, self.size = mpi.rank_size(world)
         self.group = None
         self.group_problem = "mpidp.init() was not reached"
 
@@ -63,16 +64,10 @@ def prints_report(size: int) -> bool:
 
 # ---- MPI and the job ------------------------------------------------------------------------
 
-def mpi(ctx) -> dict:
-    import mpi4py
-    from mpi4py import MPI
-    first = MPI.Get_library_version().strip().splitlines()[0]
-    levels = [MPI.THREAD_SINGLE, MPI.THREAD_FUNNELED, MPI.THREAD_SERIALIZED,
-              MPI.THREAD_MULTIPLE]  # the standard orders them; their values are the library's
-    level = MPI.Query_thread()
-    return {"library": " ".join(first.split()), "standard": MPI.Get_version(),
-            "thread": levels.index(level) if level in levels else -1,
-            "mpi4py": mpi4py.__version__}
+def mpi_library(ctx) -> dict:
+    """The MPI library, its standard, the thread level and mpi4py's version
+    (mpidp.runtime.mpi.library)."""
+    return mpi.library()
 
 
 @functools.lru_cache(maxsize=1)
@@ -101,14 +96,8 @@ def gpu_info() -> dict:
 
 
 def ranks(ctx) -> dict:
-    from mpi4py import MPI
-    w = ctx.world
-    node = w.Split_type(MPI.COMM_TYPE_SHARED, ctx.rank)
-    try:
-        local_rank, local_size = node.Get_rank(), node.Get_size()
-    finally:
-        node.Free()
-    node_count = w.allreduce(1 if local_rank == 0 else 0)
+    local_rank, local_size = mpi.node_rank(ctx.world)
+    node_count = mpi.allreduce_int(ctx.world, 1 if local_rank == 0 else 0)
     view = _launcher_view(ctx.size)
     problems = launcher.disagreements(view, ctx.rank, ctx.size, local_rank, local_size)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -124,7 +113,6 @@ def setup(ctx) -> dict:
     import dataclasses
 
     import mpidp
-    from mpi4py import MPI
     out: dict = {"version": mpidp.__version__, "init": None}
     try:
         from .. import config
@@ -153,7 +141,7 @@ def setup(ctx) -> dict:
             ctx.group = runtime.init()
     except Exception as exc:
         out["init"] = f"{type(exc).__name__}: {exc}"
-    everywhere = ctx.world.allreduce(int(ctx.group is not None), op=MPI.MIN)
+    everywhere = mpi.allreduce_int(ctx.world, int(ctx.group is not None), "min")
     if not everywhere:
         ctx.group_problem = "it failed on some rank"
         ctx.group = None
@@ -166,22 +154,8 @@ def shared_memory(ctx) -> dict:
     """Every rank of a node writes its slot of an ``MPI.Win.Allocate_shared`` window and
     reads every peer's; then mpidp's shm context is built (collective)."""
     g = ctx.need_group()
-    from mpi4py import MPI
-
     from .. import config
-    node = g.node_comm
-    win = MPI.Win.Allocate_shared(8, 8, comm=node)
-    try:
-        win.Lock_all()
-        np.frombuffer(win.Shared_query(g.local_rank)[0], np.int64)[0] = g.local_rank + 1
-        win.Sync()
-        node.Barrier()
-        win.Sync()
-        got = sum(int(np.frombuffer(win.Shared_query(q)[0], np.int64)[0])
-                  for q in range(g.local_size))
-        win.Unlock_all()
-    finally:
-        win.Free()
+    got = shared_slots_sum(g.node_comm, g.local_rank, g.local_rank + 1, g.local_size)
     try:
         st = os.statvfs("/dev/shm")
         free = st.f_bavail * st.f_frsize
@@ -199,11 +173,9 @@ def _node_memory(g) -> str:
     the peers loaded and stored this rank's block in a one-node shm all-reduce of it,
     "kernel" where they went through cross-memory attach, "wrong" for a wrong sum, "not
     offered", or "untested" (several nodes, or one rank). Collective."""
-    from mpi4py import MPI
-
     from ..comm import collectives, node_memory
     from ..engine import host_ops
-    offered = g.comm.allreduce(int(node_memory.offered()), op=MPI.MIN)
+    offered = mpi.allreduce_int(g.comm, int(node_memory.offered()), "min")
     if not offered:
         return "not offered"
     if not g.single_node or g.size == 1:
@@ -232,12 +204,7 @@ def leftover_files(ctx):
     """Files of dead MPI jobs on this rank's node (Note [Leftover files]): {host, files:
     [(path, size_bytes, pattern)]} from the node's local rank 0, None from the other ranks
     (one scan per node). Collective over COMM_WORLD (the node split); needs no mpidp.init()."""
-    from mpi4py import MPI
-    node = ctx.world.Split_type(MPI.COMM_TYPE_SHARED, ctx.rank)
-    try:
-        local_rank = node.Get_rank()
-    finally:
-        node.Free()
+    local_rank, _ = mpi.node_rank(ctx.world)
     if local_rank:
         return None
     return {"host": socket.gethostname(),
@@ -248,16 +215,15 @@ def one_sided(ctx) -> dict:
     """Every rank adds rank+1 to every rank's counter (Fetch_and_op) and vector
     (Accumulate) in an ``MPI.Win.Allocate`` window, as the parameter server does."""
     g = ctx.need_group()
-    from ..modes.windows import Window, layout
     counter, vector, nbytes = layout((1, np.int64), (4, np.float64))
     win = Window(g.comm, nbytes)
     try:
-        g.comm.Barrier()  # every window zeroed before anyone adds
+        mpi.barrier(g.comm)  # every window zeroed before anyone adds
         for target in range(g.size):
             with win.locked(target):
                 win.fetch_add(target, counter, 0, g.rank + 1)
                 win.accumulate(np.full(4, g.rank + 1.0), target, vector)
-        g.comm.Barrier()
+        mpi.barrier(g.comm)
         with win.locked(g.rank, exclusive=True):
             got = int(win.local(counter)[0])
             vec = [float(x) for x in win.local(vector)]

@@ -1,14 +1,16 @@
 """Horovod's ``alltoall``: rank r's block j of the tensor (rows ``splits[j]`` of dimension 0,
-equal blocks without splits) becomes block r of rank j's result, on the torch.distributed
-backend's all-to-all (mpidp.backend.ops: split sizes agreed or a MismatchError on every rank).
+equal blocks without splits) becomes block r of rank j's result, on mpidp.comm's all-to-all
+(mpidp.comm.operations.alltoallv: split sizes agreed or a MismatchError on every rank).
 With ``splits`` it also returns the rows received from each rank, as Horovod does; the
 gradient goes back the way the rows came."""
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..comm import collectives
-from ..backend import ops as dist_ops
+from ..comm import collectives, operations
+from ..comm.tensor_views import tensor_bytes
 from ..engine.header import ALLGATHER
 from .arguments import check_tensor, named, refuse
 from . import handles
@@ -43,10 +45,12 @@ def _exchange(tensor: torch.Tensor, splits, g) -> tuple:
         collectives.refuse(g, ALLGATHER, exc)
         raise
     received = _received(g, splits)
-    x = tensor.detach().contiguous()
+    x = tensor.detach().to("cpu").contiguous()
     out = x.new_empty((sum(received), *x.shape[1:]))
-    dist_ops.all_to_all_single(g, out, x, received, splits)
-    return out, received
+    row = math.prod(x.shape[1:]) * x.element_size()  # bytes of a row
+    operations.alltoallv(g, "alltoall", tensor_bytes(x), [k * row for k in splits],
+                         tensor_bytes(out), [k * row for k in received])
+    return out.to(tensor.device), received
 
 
 class _Alltoall(torch.autograd.Function):

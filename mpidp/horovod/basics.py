@@ -150,8 +150,7 @@ def mpi_enabled() -> bool:
 
 
 def mpi_threads_supported() -> bool:
-    from mpi4py import MPI  # deferred for cost
-    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+    return runtime.thread_level() == "multiple"
 
 
 def gloo_built(verbose: bool = False) -> bool:

@@ -33,11 +33,12 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .. import runtime
-from ..runtime import timeline
+from ..runtime import mpi, timeline
 from ..engine.blocks import partition
+from ..comm import objects
 from ..runtime.frame import collective
 from ..runtime.watchdog import board_of
-from .windows import Window, layout
+from ..runtime.windows import Window, layout
 
 # control words of every server's window, then per-worker pending[W], applied[W], done[W]
 VERSION, FINISHED, NEXT_BATCH, CONTROL_WORDS = 0, 1, 2, 3
@@ -91,11 +92,11 @@ class ParameterServer:
 
     def __init__(self, comm, num_servers: int, counts: Sequence[int],
                  initial_flat: Optional[np.ndarray] = None):
-        size = comm.Get_size()
+        rank, size = mpi.rank_size(comm)
         if not 1 <= num_servers < size:
             raise ValueError(f"num_servers must be between 1 and the number of ranks - 1 "
                              f"({size - 1}), got {num_servers}")
-        self.comm, self.rank = comm, comm.Get_rank()
+        self.comm, self.rank = comm, rank
         g = runtime.group() if runtime.is_initialized() else None
         self.group = g if g is not None and g.comm == comm else None  # watched collectives
         self.board = board_of(g)
@@ -117,8 +118,7 @@ class ParameterServer:
 
     def barrier(self, name: str) -> None:
         """A barrier over ``comm`` named ``name`` under the watchdog. Collective."""
-        with collective(self.group, name):
-            self.comm.Barrier()
+        objects.barrier(self.group, name, comm=self.comm)
 
     # ---- flat vector <-> shards --------------------------------------------------------
 

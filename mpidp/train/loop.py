@@ -195,11 +195,10 @@ class _Run:
                  checkpoint.cursor_of(state, self.settings.batch_size),
                  setup.resume_lines(state, self.settings, g.size, self.lr_ranks,
                                     len(self.train_data))) if state else None
-        with collective(g, "resume: scattering the checkpoint's RNG states"):
-            self.checkpoint, epoch, step, self.global_step, cursor, changes = \
-                g.comm.bcast(where, root=0) if g.size > 1 else where
-            rngs = checkpoint.rng_states_for(state["rng"], g.size) if state else None
-            rng = g.comm.scatter(rngs, root=0) if g.size > 1 else rngs[0]
+        self.checkpoint, epoch, step, self.global_step, cursor, changes = objects.bcast(
+            g, where, "resume: broadcasting the checkpoint's position")
+        rngs = checkpoint.rng_states_for(state["rng"], g.size) if state else None
+        rng = objects.scatter(g, rngs, "resume: scattering the checkpoint's RNG states")
         if rng is not None:  # None: a rank the checkpoint had not; its seeded stream stays
             checkpoint.set_rng_state(rng)
         self.resumed_from = self.checkpoint
@@ -360,11 +359,11 @@ class _Run:
         rank sends its RNG state, rank 0 writes (and keeps its path in ``checkpoint``; others
         keep None)."""
         s, g = self.settings, self.g
-        with collective(g, "checkpoint: gathering every rank's RNG state"):
-            if g.size > 1:
+        if g.size > 1:
+            with collective(g, "checkpoint: every rank arriving"):
                 arrive(g.comm)
-            rng = g.comm.gather(checkpoint.rng_state(), root=0) if g.size > 1 \
-                else [checkpoint.rng_state()]
+        rng = objects.gather(g, checkpoint.rng_state(),
+                             "checkpoint: gathering every rank's RNG state")
         optimizer = self.strategy.optimizer_state()  # collective for ps (servers hold it)
         hook = self.strategy.comm_state()  # collective
         scaler = self.strategy.scaler.state_dict() if self.strategy.scaler else None

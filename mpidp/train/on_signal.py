@@ -8,6 +8,8 @@ import signal
 import time
 from typing import Iterator, Optional
 
+from ..runtime import mpi
+
 # Note [Checkpoint on signal]
 # With --checkpoint-on-signal, SIGTERM and SIGUSR1 (what Slurm sends before a time limit, e.g.
 # `#SBATCH --signal=USR1@120`; Hydra's mpiexec forwards both to every rank) do not end the run
@@ -77,8 +79,8 @@ def arrive(comm) -> None:
     cli.py). A blocking MPI call would hold the signal until the others came, and they may be
     ending on the same signal: the job would then end with another rank's line, rank 0's
     withheld (seen in CI: rank 0 in the checkpoint's MPI_Gather, rank 1 already stopped)."""
-    request = comm.Ibarrier()
-    while not request.Test():
+    request = mpi.ibarrier(comm)
+    while not mpi.test(request):
         time.sleep(0.0002)
 
 

@@ -15,7 +15,7 @@ from ..workloads.data import ShardSampler, batches
 from ..comm.fingerprint import check_same_model
 from ..comm.state_broadcast import broadcast_tensors_
 from ..modes.ps import ParameterServer, Server, Worker
-from ..runtime.frame import collective
+from ..comm import objects
 from .settings import scaled_lr
 from .ps_state import reshard_optimizer_states
 from .setup import SetupError
@@ -182,8 +182,9 @@ class ParameterServerStrategy(Strategy):
     def optimizer_state(self) -> Optional[list]:
         """Collective: every server's optimizer state, gathered on rank 0 (by rank)."""
         mine = self.optimizer.state_dict() if self.optimizer is not None else None
-        with collective(self.ps.group, "checkpoint: gathering the servers' optimizer state"):
-            return self.ps.comm.gather(mine, root=0)
+        return objects.gather(self.ps.group, mine,
+                              "checkpoint: gathering the servers' optimizer state",
+                              comm=self.ps.comm)
 
     def load_optimizer(self, state: Optional[list]) -> None:
         """Rank 0 passes the checkpoint's per-server states, re-cut when it had another
@@ -191,19 +192,22 @@ class ParameterServerStrategy(Strategy):
         if state is not None:
             state = [None] * self.ps.num_workers + reshard_optimizer_states(  # servers last
                 state, len(self.ps.shards), len(self.flat))
-        with collective(self.ps.group, "resume: scattering the servers' optimizer state"):
-            mine = self.ps.comm.scatter(state, root=0)
+        mine = objects.scatter(self.ps.group, state,
+                               "resume: scattering the servers' optimizer state",
+                               comm=self.ps.comm)
         if self.optimizer is not None and mine is not None:
             self.optimizer.load_state_dict(mine)
 
     def report(self, total_s: float) -> dict:
         """Collective: the staleness histogram and the servers' counts and rates, on every
         rank."""
-        with collective(self.ps.group, "summary: gathering the ps figures"):
-            seen = self.ps.comm.allgather(None if self.is_server else
-                                          self.worker.staleness_seen)
-            served = self.ps.comm.allgather((self.server.applies, self.server.pushes,
-                                             self.server.busy_s) if self.is_server else None)
+        seen = objects.allgather(self.ps.group, None if self.is_server else
+                                 self.worker.staleness_seen,
+                                 "summary: gathering the ps staleness", comm=self.ps.comm)
+        served = objects.allgather(self.ps.group, (self.server.applies, self.server.pushes,
+                                                   self.server.busy_s)
+                                   if self.is_server else None,
+                                   "summary: gathering the ps figures", comm=self.ps.comm)
         values = [v for lst in seen if lst for v in lst]
         histogram = {str(k): int(c) for k, c in zip(*np.unique(values, return_counts=True))} \
             if values else {}

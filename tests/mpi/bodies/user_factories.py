@@ -256,7 +256,8 @@ def ps_faulty_digits():
 
 
 def _arm_ps_fault(kind, at, epoch):
-    from mpidp.modes import ps, windows
+    from mpidp.modes import ps
+    from mpidp.runtime import windows
     state = {"epoch": 0, "pushing": False}
     finish, push, serve = ps.Worker.finish_epoch, ps.Worker.push, ps.Server.serve_epoch
     accumulate = windows.Window.accumulate

@@ -1,13 +1,17 @@
 """MPI one-sided windows, owned: allocated with ``Win.Allocate`` by the owner (measured 3–7×
 faster than ``Win.Create`` with MPICH), locked in a ``with``, freed explicitly; and typed
 regions inside them that peers read with ``Get``, add to with ``Accumulate`` and count with
-``Fetch_and_op``."""
+``Fetch_and_op`` — the parameter server's (mpidp.modes.ps) — and the doctor's probe of a
+node's shared window. Below the line of Note [MPI below one line] (mpidp/runtime/__init__.py).
+"""
 from __future__ import annotations
 
 import contextlib
 from typing import Any
 
 import numpy as np
+
+from .mpi import _mpi
 
 _ALIGN = 8  # every region starts on an 8-byte boundary
 
@@ -25,7 +29,7 @@ class Region:
         return self.count * self.dtype.itemsize
 
     def mpi_type(self):
-        from mpi4py import MPI
+        MPI = _mpi()
         return {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
                 np.dtype(np.int64): MPI.INT64_T}[self.dtype]
 
@@ -46,7 +50,7 @@ class Window:
     access others'). Collective to create and to ``free``."""
 
     def __init__(self, comm: Any, nbytes: int):
-        from mpi4py import MPI
+        MPI = _mpi()
         self._MPI = MPI
         self.comm = comm
         self.win = MPI.Win.Allocate(nbytes, 1, comm=comm)
@@ -103,3 +107,22 @@ class Window:
             self.memory = np.zeros(0, np.uint8)
             self.win.Free()
             self.win = None
+
+
+def shared_slots_sum(node, slot: int, value: int, slots: int) -> int:
+    """Each rank of node communicator ``node`` writes ``value`` into its ``slot`` of an
+    ``MPI.Win.Allocate_shared`` window, and reads every slot back (``slots`` of them): their
+    sum, as loads and stores through the shared memory see it. Collective over ``node``."""
+    win = _mpi().Win.Allocate_shared(8, 8, comm=node)
+    try:
+        win.Lock_all()
+        np.frombuffer(win.Shared_query(slot)[0], np.int64)[0] = value
+        win.Sync()
+        node.Barrier()
+        win.Sync()
+        got = sum(int(np.frombuffer(win.Shared_query(q)[0], np.int64)[0])
+                  for q in range(slots))
+        win.Unlock_all()
+    finally:
+        win.Free()
+    return got

@@ -1,0 +1,238 @@
+"""MPI's own calls for the layers above this line (Note [MPI below one line] in
+mpidp/runtime/__init__.py): the object and byte collectives, point-to-point messages and
+requests, communicators and the library's facts, each one MPI call (or a few) on a
+communicator handed in. Collectives here run inside their caller's frame (Note [The
+collective frame] in mpidp/runtime/frame.py: mpidp.comm.objects and mpidp.comm.blocks give
+them theirs); none checks its arguments beyond what MPI does."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+
+def _mpi():
+    """mpi4py's MPI module. Imported at first use (deferred for cost: importing it starts
+    MPI, and ``import mpidp`` starts none); every function here takes it from this one."""
+    from mpi4py import MPI
+    return MPI
+
+
+# ---- the library and its communicators ----------------------------------------------------
+
+def world():
+    """MPI's COMM_WORLD (starting MPI where nothing has yet)."""
+    return _mpi().COMM_WORLD
+
+
+def library() -> dict:
+    """{library: the first line of its version, standard: (major, minor), thread: the
+    initialised level's index in MPI's order (-1: unknown), mpi4py: its version}."""
+    import mpi4py
+    MPI = _mpi()
+    first = MPI.Get_library_version().strip().splitlines()[0]
+    levels = [MPI.THREAD_SINGLE, MPI.THREAD_FUNNELED, MPI.THREAD_SERIALIZED,
+              MPI.THREAD_MULTIPLE]  # the standard orders them; their values are the library's
+    level = MPI.Query_thread()
+    return {"library": " ".join(first.split()), "standard": MPI.Get_version(),
+            "thread": levels.index(level) if level in levels else -1,
+            "mpi4py": mpi4py.__version__}
+
+
+def tag_limit() -> int:
+    """MPI_TAG_UB: the highest tag this library carries."""
+    MPI = _mpi()
+    return MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+
+
+def any_source() -> int:
+    """MPI_ANY_SOURCE, for ``irecv``."""
+    return _mpi().ANY_SOURCE
+
+
+def rank_size(comm) -> tuple:
+    """(this process's rank, the number of ranks) of ``comm``."""
+    return comm.Get_rank(), comm.Get_size()
+
+
+def dup(comm):
+    """A duplicate of ``comm`` (collective over it)."""
+    return comm.Dup()
+
+
+def free(comm) -> None:
+    """Frees communicator ``comm`` unless it is null or MPI has finalised (collective)."""
+    MPI = _mpi()
+    if not MPI.Is_finalized() and comm != MPI.COMM_NULL:
+        comm.Free()
+
+
+def node_rank(comm) -> tuple:
+    """(rank, size) of this process among the ranks of ``comm`` on its node (a
+    COMM_TYPE_SHARED split, freed again). Collective over ``comm``."""
+    MPI = _mpi()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, comm.Get_rank())
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
+
+
+# ---- object collectives (mpidp's own objects, pickled: Note [Object collectives]) ---------
+
+def allgather_objects(comm, mine: Any) -> list:
+    return comm.allgather(mine)
+
+
+def bcast_object(comm, value: Any, root: int) -> Any:
+    return comm.bcast(value, root=root)
+
+
+def gather_objects(comm, mine: Any, root: int) -> Optional[list]:
+    return comm.gather(mine, root=root)
+
+
+def scatter_objects(comm, values: Optional[Sequence], root: int) -> Any:
+    return comm.scatter(values, root=root)
+
+
+def allreduce_int(comm, value: int, op: str = "sum") -> int:
+    """The sum (``op`` "sum") or minimum ("min") of every rank's integer ``value``."""
+    MPI = _mpi()
+    return comm.allreduce(int(value), op={"sum": MPI.SUM, "min": MPI.MIN}[op])
+
+
+def barrier(comm) -> None:
+    comm.Barrier()
+
+
+def ibarrier(comm):
+    """A non-blocking barrier's request (``test``, ``wait_all``)."""
+    return comm.Ibarrier()
+
+
+# ---- byte collectives: numpy arrays (or buffers) moved as they are, never pickled ----------
+
+def bcast_bytes(comm, buf, root: int) -> None:
+    comm.Bcast(buf, root=root)
+
+
+def allgather_bytes(comm, send, recv, in_place: bool = False) -> None:
+    """Every rank's ``send`` back to back in rank order into ``recv``; ``in_place``: this
+    rank's block of ``recv`` holds its part already (MPI_IN_PLACE)."""
+    comm.Allgather(_mpi().IN_PLACE if in_place else send, recv)
+
+
+def allgatherv_bytes(comm, send, recv, counts, displs) -> None:
+    """Rank r's ``send`` (``counts[r]`` bytes) at byte ``displs[r]`` of every rank's
+    ``recv``."""
+    comm.Allgatherv(send, [recv, counts, displs, _mpi().BYTE])
+
+
+def gather_bytes(comm, send, recv, root: int) -> None:
+    """Every rank's ``send`` (as many bytes each) back to back into root's ``recv`` (None
+    elsewhere)."""
+    comm.Gather(send, recv, root=root)
+
+
+def gatherv_bytes(comm, send, recv, counts, root: int) -> None:
+    """Rank r's ``send`` (``counts[r]`` bytes) back to back into root's ``recv``; ``recv`` and
+    ``counts`` None elsewhere."""
+    comm.Gatherv(send, (recv, counts) if recv is not None else None, root=root)
+
+
+def scatter_bytes(comm, send, recv, root: int) -> None:
+    """Block r of root's ``send`` (None elsewhere) into rank r's ``recv``."""
+    comm.Scatter(send, recv, root=root)
+
+
+def alltoall_bytes(comm, send, recv) -> None:
+    """Block j of every rank's ``send`` into block r (the sender's rank) of rank j's
+    ``recv``; blocks of equal size."""
+    comm.Alltoall(send, recv)
+
+
+def alltoallv_bytes(comm, send, send_counts: list, recv, recv_counts: list) -> None:
+    """``send_counts[j]`` bytes of ``send`` (back to back) to rank j, ``recv_counts[j]``
+    from rank j into ``recv`` (back to back)."""
+    displs = lambda c: [sum(c[:i]) for i in range(len(c))]  # noqa: E731
+    comm.Alltoallv([send, (send_counts, displs(send_counts))],
+                   [recv, (recv_counts, displs(recv_counts))])
+
+
+def allreduce_sum_(comm, array: np.ndarray) -> None:
+    """MPI_Allreduce of ``array`` in place with MPI_SUM."""
+    comm.Allreduce(_mpi().IN_PLACE, array, op=_mpi().SUM)
+
+
+def allreduce_op(comm, send, recv, op) -> None:
+    """MPI_Allreduce of ``send`` into ``recv`` (``send`` None: in place) with MPI op ``op``
+    (mpidp.engine.host_executor.mpi_op): MPI's own all-reduce, as a user of mpi4py calls it."""
+    comm.Allreduce(_mpi().IN_PLACE if send is None else send, recv, op=op)
+
+
+# ---- point-to-point and requests ---------------------------------------------------------
+
+def send_bytes(comm, buf, dest: int, tag: int) -> None:
+    comm.Send([buf, _mpi().BYTE], dest=dest, tag=tag)
+
+
+def isend_bytes(comm, buf, dest: int, tag: int):
+    """A send's request (``wait``, ``test``)."""
+    return comm.Isend([buf, _mpi().BYTE], dest=dest, tag=tag)
+
+
+def irecv_bytes(comm, buf, source: int, tag: int):
+    """A receive's request (``wait``, ``test``); ``source`` may be ``any_source()``."""
+    return comm.Irecv([buf, _mpi().BYTE], source=source, tag=tag)
+
+
+def recv_bytes(comm, buf, source: int, tag: int) -> None:
+    comm.Recv([buf, _mpi().BYTE], source=source, tag=tag)
+
+
+def sendrecv_bytes(comm, send, dest: int, recv, source: int, tag: int) -> None:
+    comm.Sendrecv(send, dest, tag, recv, source, tag)
+
+
+def iprobe(comm, source: Optional[int], tag: int) -> Optional[tuple]:
+    """(source, bytes) of a message waiting with ``tag`` from ``source`` (None: any), else
+    None."""
+    MPI = _mpi()
+    status = MPI.Status()
+    if not comm.Iprobe(source=MPI.ANY_SOURCE if source is None else source, tag=tag,
+                       status=status):
+        return None
+    return status.Get_source(), status.Get_count(MPI.BYTE)
+
+
+def wait(request) -> tuple:
+    """Completes ``request``: (source, bytes) of what it received (a send's are MPI's
+    values for none)."""
+    MPI = _mpi()
+    status = MPI.Status()
+    request.Wait(status)
+    return status.Get_source(), status.Get_count(MPI.BYTE)
+
+
+def test(request) -> bool:
+    """True once ``request`` is complete."""
+    return bool(request.Test())
+
+
+def test_all(requests: list) -> bool:
+    """True once every request of ``requests`` is complete."""
+    return bool(_mpi().Request.Testall(requests))
+
+
+def wait_all(requests: list) -> None:
+    _mpi().Request.Waitall(requests)
+
+
+def cancel(requests: list) -> None:
+    """Cancels the requests not yet complete and completes the cancellation."""
+    MPI = _mpi()
+    for r in requests:
+        if r != MPI.REQUEST_NULL:
+            r.Cancel()
+            r.Wait()
