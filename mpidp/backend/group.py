@@ -135,8 +135,8 @@ class ProcessGroup(dist.ProcessGroup):
         in mpidp/comm/scheduler.py): a Work that completes with ``result`` (the output
         tensors). CUDA tensors among ``result`` and ``inputs``: the caller's stream is
         synchronised first (the inputs are ready before the operation reads them) and the
-        device after (the outputs are ready when the Work completes). Once an operation of the group timed out, every later
-        one raises (Note [A group's timeout])."""
+        device after (the outputs are ready when the Work completes). Once an operation of
+        the group timed out, every later one raises (Note [A group's timeout])."""
         devices = _cuda_devices(result, inputs) if _CUDA_BUILT else None
         if devices:
             for d in devices:
@@ -150,11 +150,14 @@ class ProcessGroup(dist.ProcessGroup):
         if self._thread is None:  # one rank: nothing to wait for
             with runtime.using(self.g):
                 return run_now(fn, result)
-        if getattr(opts, "asyncOp", True) is False and \
-                self._thread.run_inline(self._watched, fn):
+        s = self._thread
+        if getattr(opts, "asyncOp", True) is False and s.begin_inline():
+            try:  # here, in the group's order
+                self._watched(fn)
+            finally:
+                s.running.release()
             return None
-        return thread.submit(self._thread, self.g.board, functools.partial(self._watched, fn),
-                             result)
+        return thread.submit(s, self.g.board, functools.partial(self._watched, fn), result)
 
     def _watched(self, fn) -> None:
         """Runs operation ``fn`` unless the group timed out before; a timeout makes the group

@@ -41,7 +41,7 @@ for ``dist.all_reduce(t)``, True by default: torch 2.1-2.6 have no such field, a
 C++ — DDP's reducer, the functional collectives — leaves the default) and, for a synchronous
 call, waits on the Work at once. Queueing such a call to the thread and waiting for it costs
 two wake-ups (~100 µs on a loaded machine, 40x the all-reduce of 8 bytes), so a call with
-``asyncOp`` False runs on the caller's thread where the group is idle (``run_inline``):
+``asyncOp`` False runs on the caller's thread where the group is idle (``begin_inline``):
 nothing queued and nothing running (``finished == queued``, read under the ``running`` lock
 that the thread holds for each task it runs — and for the delivery of its outcome, so that a
 synchronous call woken by it finds the count already done — and a caller holds for one it
@@ -148,15 +148,15 @@ class Scheduler:
                 return
         deliver((_stopped(), 0.0))
 
-    def run_inline(self, run: Callable, fn: Callable[[], None]) -> bool:
-        """Runs ``run(fn)`` on the caller's thread where the group is idle and returns True
-        (what it raises, raised), else False, running nothing (Note [Synchronous calls on the
-        caller's thread])."""
+    def begin_inline(self) -> bool:
+        """True where the group is idle and this is not its thread: the caller then holds
+        ``running``, runs its operation on its own thread and calls ``running.release()``
+        (Note [Synchronous calls on the caller's thread]); else False, holding nothing."""
         if self.finished == self.queued and _get_ident() != self.ident:
-            with self.running:
-                if self.finished == self.queued and not self.stopped:
-                    run(fn)
-                    return True
+            self.running.acquire()
+            if self.finished == self.queued and not self.stopped:
+                return True
+            self.running.release()
         return False
 
     def here(self) -> bool:
@@ -268,60 +268,54 @@ _NOTHING = (None, 0.0)
 
 class BucketLaunch:
     """The launch of one model's gradient buckets, bucket k holding ``sizes[k]`` parameters
-    (``bucket_of[i]``: parameter i's bucket): ``ready(i)`` as parameter i's gradient is final
-    counts its bucket down, and buckets launch strictly in index order, a full bucket waiting
-    for the ones before it, so every rank queues the same all-reduces in the same order
-    whatever its timing (Note [Bucket order] in mpidp/ddp/distributed.py); ``launch_rest``
-    launches what is left, ``wait`` waits for every bucket launched. ``task(k)``, called on
-    the launching thread, returns the function that reduces bucket k on the scheduler's
-    thread, or None where there is nothing to do; ``what`` (a format of k + 1 and the number
-    of buckets) names it on the watchdog's board. Not thread-safe: one launching thread at a
-    time."""
+    (``bucket_of[i]``: parameter i's bucket), strictly in index order: ``ready(i)``, as
+    parameter i's gradient is final, counts its bucket down and returns the buckets that may
+    launch now — a full bucket waits for the ones before it — so every rank queues the same
+    all-reduces in the same order whatever its timing (Note [Bucket order] in
+    mpidp/ddp/distributed.py); ``rest()`` returns those left. The binding builds each one's
+    work and ``submit``s it to ``scheduler``; ``wait`` waits for every bucket submitted.
+    ``what`` (a format of k + 1 and the number of buckets) names a bucket on the watchdog's
+    board. One launching thread at a time."""
 
-    def __init__(self, sizes: Sequence[int], bucket_of: Sequence[int], what: str,
-                 task: Callable[[int], Optional[Callable[[], None]]],
-                 scheduler_of: Callable[[], Scheduler]):
-        self.sizes, self.bucket_of, self.what, self.task = tuple(sizes), bucket_of, what, task
-        self.scheduler_of = scheduler_of  # asked at a pass's first launch unless begin got one
+    def __init__(self, sizes: Sequence[int], bucket_of: Sequence[int], what: str):
+        self.sizes, self.bucket_of, self.what = tuple(sizes), bucket_of, what
         self.results: queue.SimpleQueue = queue.SimpleQueue()
-        self.queued = 0  # launched and not waited for
+        self.queued = 0  # submitted and not waited for
         self.begin(None)
 
     def begin(self, scheduler: Optional[Scheduler]) -> None:
-        """A new pass, its buckets queued to ``scheduler`` (None: ``scheduler_of()``'s, at
-        the first launch); the buckets of a pass that was not waited for are waited for
+        """A new pass, its buckets to go to ``scheduler`` (None: set ``scheduler`` before the
+        first ``submit``); the buckets of a pass that was not waited for are waited for
         first."""
         if self.queued:
             self.wait()
         self.pending = list(self.sizes)
-        self.next = 0  # the next bucket to launch
+        self.next = 0  # the first bucket not launched yet
         self.scheduler = scheduler
 
-    def ready(self, i: int) -> None:
+    def ready(self, i: int) -> range:
         pending = self.pending
         pending[self.bucket_of[i]] -= 1
-        while self.next < len(pending) and pending[self.next] == 0:
-            self._launch()
+        first = k = self.next
+        while k < len(pending) and pending[k] == 0:
+            k += 1
+        self.next = k
+        return range(first, k)
 
-    def launch_rest(self) -> None:
-        while self.next < len(self.pending):
-            self._launch()
+    def rest(self) -> range:
+        first, self.next = self.next, len(self.pending)
+        return range(first, self.next)
 
-    def _launch(self) -> None:
-        k = self.next
-        fn = self.task(k)
-        self.next = k + 1
+    def submit(self, k: int, fn: Optional[Callable[[], None]]) -> None:
+        """Queues bucket ``k``'s work ``fn`` (None: nothing to do, done at once)."""
         self.queued += 1
         if fn is None:
             self.results.put(_NOTHING)
             return
-        s = self.scheduler
-        if s is None:
-            s = self.scheduler = self.scheduler_of()
-        s.submit((self.what, k + 1, len(self.pending)), fn, self.results.put)
+        self.scheduler.submit((self.what, k + 1, len(self.pending)), fn, self.results.put)
 
     def wait(self) -> tuple:
-        """Waits for every bucket launched: (the first error a bucket met, or None; the
+        """Waits for every bucket submitted: (the first error a bucket met, or None; the
         seconds they ran on the thread)."""
         error, seconds, get = None, 0.0, self.results.get
         while self.queued:

@@ -137,8 +137,7 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
                 if self.gradient_as_bucket_view:
                     self._slots[i] = bucket.torch_view(pos, self._params[i])
         self._bucket_launch = BucketLaunch([len(b.indices) for b in self._buckets],
-                                           self._bucket_of, "DDP gradient bucket {} of {}",
-                                           self._bucket_task, self._scheduler_of)
+                                           self._bucket_of, "DDP gradient bucket {} of {}")
 
     @property
     def bucket_indices(self) -> tuple:
@@ -208,7 +207,8 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         self._ready = [False] * len(self._params)
         self._order: list = []
         if self._scheduler is None or self._scheduler.stopped:
-            self._scheduler = self._scheduler_of()
+            # Note [One communication thread per group] in mpidp/comm/scheduler.py
+            self._scheduler = scheduler.of(runtime.group(), "mpidp-ddp-comm")
         self._bucket_launch.begin(self._scheduler)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         if not self._hook_agreed:  # after the thread started: a wait here is a bucket's wait
@@ -217,12 +217,6 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
             except BaseException:
                 self._in_backward = False
                 raise
-
-    @staticmethod
-    def _scheduler_of() -> scheduler.Scheduler:
-        """The group's communication thread (Note [One communication thread per group] in
-        mpidp/comm/scheduler.py)."""
-        return scheduler.of(runtime.group(), "mpidp-ddp-comm")
 
     def _reduce_in_order(self, t: torch.Tensor) -> None:
         """A SyncBatchNorm layer's all-reduce (sum, in place): during backward after the
@@ -250,10 +244,13 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         self._ready[i] = True
         if not self._rebuilt:
             self._order.append(i)  # Note [Bucket order]
-        self._bucket_launch.ready(i)
+        launch = self._bucket_launch
+        for k in launch.ready(i):
+            launch.submit(k, self._bucket_task(k))
 
     def _bucket_task(self, k: int) -> Optional[Callable[[], None]]:
-        """Bucket ``k``'s reduction, to run on the communication thread (BucketLaunch)."""
+        """Bucket ``k``'s reduction, to run on the communication thread (BucketLaunch); None
+        where there is nothing to do."""
         bucket = self._buckets[k]
         if timeline.ON:
             timeline.instant("bucket ready", {"bucket": k, "bytes": bucket.nbytes})
@@ -266,38 +263,45 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         dests = None if self.gradient_as_bucket_view else \
             [p.grad if self._ready[i] else None for i, p in zip(bucket.indices, params)]
         bucket.capture_stream()  # on a GPU: the stream these gradients were produced on
-        return functools.partial(self._reduce, bucket, sources, dests)
+        return self._reduction(bucket, sources, dests)
 
     def _reduce(self, bucket: BucketBase, sources: list, destinations) -> None:
-        """Averages one bucket (collective): mpidp's all-reduce, or the communication hook
-        (Note [Communication hooks] in mpidp/ddp/hooks.py)."""
-        if self._hook is None:
-            _reduce_bucket(bucket, sources, destinations, self.algorithm)
-            return
-        if reduce_scatters(self._hook[1]):  # Note [ZeRO] in mpidp/ddp/zero.py
-            if not self._rebuilt:
-                _reduce_bucket(bucket, sources, destinations, self.algorithm)
-                return
-            bucket.reduce_scatter_(sources, self.algorithm,
-                                   self._params[bucket.indices[0]].dtype)
-            return
-        wire = fused_wire(self._hook[1], bucket)
+        """Averages one bucket (collective): ``_reduction``'s, run here."""
+        self._reduction(bucket, sources, destinations)()
+
+    def _reduction(self, bucket: BucketBase, sources: list, destinations) -> Callable:
+        """The averaging of one bucket, to call (collective): mpidp's all-reduce — the
+        bucket's own method where it is one, so that the communication thread calls down
+        only — or the communication hook (Note [Communication hooks] in
+        mpidp/ddp/hooks.py)."""
+        hook = self._hook
+        if hook is None or (reduce_scatters(hook[1]) and not self._rebuilt):
+            if destinations is None:  # Note [Gradients as bucket views]
+                return functools.partial(_average_in_place, bucket, sources, self.algorithm)
+            return functools.partial(bucket.reduce_, sources, destinations, "avg",
+                                     self.algorithm)
+        if reduce_scatters(hook[1]):  # Note [ZeRO] in mpidp/ddp/zero.py
+            return functools.partial(bucket.reduce_scatter_, sources, self.algorithm,
+                                     self._params[bucket.indices[0]].dtype)
+        wire = fused_wire(hook[1], bucket)
         if wire is not None:  # Note [Compressed buckets] in mpidp/ddp/compression.py
-            bucket.reduce_cast_(sources, destinations, wire, self.algorithm)
-            return
+            return functools.partial(bucket.reduce_cast_, sources, destinations, wire,
+                                     self.algorithm)
         k = self._bucket_index[id(bucket)]
-        run_hook(*self._hook, bucket, sources, destinations,
-                 [self._params[i] for i in bucket.indices], k, k == len(self._buckets) - 1,
-                 self._hook_buffers)
+        return functools.partial(run_hook, *hook, bucket, sources, destinations,
+                                 [self._params[i] for i in bucket.indices], k,
+                                 k == len(self._buckets) - 1, self._hook_buffers)
 
     @timeline.traced("wait for buckets")
     def _finish_backward(self) -> None:
         """Runs when autograd finishes: every bucket reduced and unpacked, unused parameters
         settled, buckets rebuilt after the first iteration."""
         try:
-            self._bucket_launch.launch_rest()  # those holding a parameter without a gradient
+            launch = self._bucket_launch
+            for k in launch.rest():  # those holding a parameter without a gradient
+                launch.submit(k, self._bucket_task(k))
             t0 = time.perf_counter()
-            error, comm_s = self._bucket_launch.wait()
+            error, comm_s = launch.wait()
             for bucket in self._buckets:
                 bucket.join_stream()  # on a GPU: the optimizer's stream after the unpacks
             self.comm_stats["wait_s"] += time.perf_counter() - t0
@@ -384,13 +388,8 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         self._rebuilt = True
 
 
-def _reduce_bucket(bucket: BucketBase, sources: list, destinations: Optional[list],
-                   algorithm: str) -> None:
-    """Averages ``bucket`` over the ranks: ``sources`` packed (None: zeros) and the results
-    unpacked into ``destinations``, or with ``destinations`` None (gradients are bucket
-    views: Note [Gradients as bucket views]) in place in the bucket. Collective."""
-    if destinations is None:
-        bucket.pack(sources, skip_own_slots=True)
-        bucket.allreduce_("avg", algorithm)
-    else:
-        bucket.reduce_(sources, destinations, "avg", algorithm)
+def _average_in_place(bucket: BucketBase, sources: list, algorithm: str) -> None:
+    """Averages ``bucket`` over the ranks in place, ``sources`` packed first where they are
+    not its views already (None: zeros; Note [Gradients as bucket views]). Collective."""
+    bucket.pack(sources, skip_own_slots=True)
+    bucket.allreduce_("avg", algorithm)

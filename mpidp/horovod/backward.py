@@ -173,30 +173,32 @@ class Buckets:
         self.serial, self._ref = next(_serials), weakref.ref(self)
         self._launch = BucketLaunch([len(b) for b in buckets],
                                     {i: k for k, b in enumerate(buckets) for i in b},
-                                    "DistributedOptimizer gradient bucket {} of {}",
-                                    self._bucket_task, _scheduler)
+                                    "DistributedOptimizer gradient bucket {} of {}")
         self.stats = {"steps": 0, "buckets": 0, "launched_in_backward": 0}
         self._streams: list = []
 
     def ready(self, i: int) -> None:
         with _lock:
             active[self.serial] = self._ref
-            before = self._launch.next
-            self._launch.ready(i)
-            self.stats["launched_in_backward"] += self._launch.next - before
+            for k in self._launch.ready(i):
+                self._submit(k)
+                self.stats["launched_in_backward"] += 1
 
     def launch_rest(self) -> None:
         with _lock:
-            self._launch.launch_rest()
+            for k in self._launch.rest():
+                self._submit(k)
 
-    def _bucket_task(self, k: int) -> Callable[[], None]:
+    def _submit(self, k: int) -> None:
         members = [self.params[i] for i in self.buckets[k]]
         fn = self._task(members, k)
         if members[0].is_cuda:  # the stream the gradients were produced on
             stream = torch.cuda.current_stream(members[0].device)
             self._streams.append(stream)
             fn = functools.partial(_on_stream, stream, fn)
-        return fn
+        if self._launch.scheduler is None:  # this pass's first bucket
+            self._launch.scheduler = _scheduler()
+        self._launch.submit(k, fn)
 
     def finish(self) -> None:
         """Launches the buckets not launched yet, waits for every one, and raises the first

@@ -162,23 +162,27 @@ def test_parked_runs_the_block_in_its_place_with_the_thread_waiting(group):
 
 def test_a_synchronous_call_runs_inline_only_where_the_group_is_idle(group):
     s = scheduler.of(group, "test-comm")
-    where = []
-    assert s.run_inline(lambda fn: fn(), lambda: where.append(threading.get_ident()))
-    assert where == [threading.get_ident()]
+    assert s.begin_inline()  # idle: the caller runs its operation, holding ``running``
+    assert not s.running.acquire(blocking=False)
+    s.running.release()
     release, first = held(s)
-    assert not s.run_inline(lambda fn: fn(), lambda: where.append("ran"))
+    assert not s.begin_inline()  # a task running: the call queues behind it
+    assert s.running.locked()  # the thread's, not the caller's
+    s.submit(None, lambda: None, Waiter())
     release.set()
     s.drain()
-    assert where == [threading.get_ident()] and first.error() is None
-    with pytest.raises(ValueError, match="inline"):  # its error raised on the caller's thread
-        s.run_inline(lambda fn: fn(), lambda: (_ for _ in ()).throw(ValueError("inline")))
+    assert first.error() is None and s.finished == s.queued
+    inner = []
+    s.submit(None, lambda: inner.append(s.begin_inline()), Waiter())  # on the thread: never
+    s.drain()
+    assert inner == [False] and not s.running.locked()
 
 
 def test_buckets_launch_strictly_in_order_and_every_one_is_waited_for(group):
     s = scheduler.of(group, "test-comm")
     ran = []
 
-    def task(k):
+    def work(k):
         if k == 2:
             return None  # nothing to do: counted, not queued
         if k == 1:
@@ -188,21 +192,20 @@ def test_buckets_launch_strictly_in_order_and_every_one_is_waited_for(group):
             return fail
         return lambda: ran.append(k)
     # four buckets of parameters (0, 1), (2,), (3,), (4, 5)
-    launch = BucketLaunch([2, 1, 1, 2], [0, 0, 1, 2, 3, 3], "bucket {} of {}", task,
-                          lambda: s)
-    launch.begin(None)
-    launch.ready(2)  # bucket 1 full, but bucket 0 is not: nothing launched
-    launch.ready(3)
-    assert launch.next == 0 and launch.queued == 0
-    launch.ready(1)
-    assert launch.next == 0
-    launch.ready(0)  # buckets 0, 1 and 2 go, in order
-    assert launch.next == 3 and launch.queued == 3
-    launch.launch_rest()  # bucket 3, whose parameters got no gradient
+    launch = BucketLaunch([2, 1, 1, 2], [0, 0, 1, 2, 3, 3], "bucket {} of {}")
+    launch.begin(s)
+    assert list(launch.ready(2)) == []  # bucket 1 full, but bucket 0 is not
+    assert list(launch.ready(3)) == [] and list(launch.ready(1)) == []
+    assert list(launch.ready(0)) == [0, 1, 2]  # in order
+    for k in range(3):
+        launch.submit(k, work(k))
+    assert list(launch.rest()) == [3] and list(launch.rest()) == []  # no gradient for 4, 5
+    launch.submit(3, work(3))
     error, seconds = launch.wait()
-    assert isinstance(error, ValueError) and seconds >= 0.0
+    assert isinstance(error, ValueError) and seconds >= 0.0  # and the buckets after it ran
     assert ran == [0, 1, 3] and launch.queued == 0
-    launch.begin(None)  # a new pass counts again
-    for i in range(6):
-        launch.ready(i)
-    assert launch.wait()[0] is not None and ran == [0, 1, 3, 0, 1, 3]
+    launch.submit(0, lambda: ran.append("left over"))
+    launch.begin(s)  # a pass that was not waited for is waited for first
+    assert launch.queued == 0 and ran[-1] == "left over"
+    assert [list(launch.ready(i)) for i in (5, 4, 3, 2, 1, 0)] == \
+        [[], [], [], [], [], [0, 1, 2, 3]]
