@@ -68,7 +68,7 @@ def _scheduler() -> scheduler.Scheduler:
 
 
 def _running():
-    """That thread where it runs, else None."""
+    """The communication thread of the group made by ``init`` where it runs, else None."""
     return scheduler.find(runtime.init_group()) if runtime.is_initialized() else None
 
 
