@@ -1,8 +1,8 @@
 """The torch.distributed process group of the "mpidp" backend: torch's operations on an mpidp
 group of its own (mpidp.backend.ops), run in order — asynchronous ones on the group's
-communication thread (mpidp.backend.thread), so that ``async_op=True`` returns at once and
-torch's DDP overlaps its all-reduces with backward, synchronous ones on the caller's thread
-where the group is idle — within the group's timeout (Note [A group's timeout]);
+scheduler (mpidp.comm.scheduler; their Work: mpidp.backend.thread), so that ``async_op=True``
+returns at once and torch's DDP overlaps its all-reduces with backward, synchronous ones on the
+caller's thread where the group is idle — within the group's timeout (Note [A group's timeout]);
 point-to-point on the group's own communicator (mpidp.backend.p2p).
 
 Note [What torch calls on a Python group]
@@ -55,6 +55,7 @@ ends those), and point-to-point.
 """
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 from typing import Optional
 
@@ -64,8 +65,9 @@ import torch.distributed as dist
 from .. import config, runtime
 from ..runtime import mpi
 from ..errors import MpidpError, WaitTimeoutError
-from . import ops, p2p, sparse
-from .thread import CommThread, Work, run_now
+from ..comm import scheduler
+from . import ops, p2p, sparse, thread
+from .thread import Work, run_now
 
 
 class ProcessGroup(dist.ProcessGroup):
@@ -77,7 +79,11 @@ class ProcessGroup(dist.ProcessGroup):
         super().__init__(g.rank, g.size)
         self.g = g
         self.p2p = mpi.dup(g.comm)  # point-to-point apart from mpidp's own messages
-        self._thread = CommThread(g, name, lambda: mpi.free(self.p2p)) if g.size > 1 else None
+        # the group's scheduler (Note [One communication thread per group] in
+        # mpidp/comm/scheduler.py); its stop frees the point-to-point communicator
+        self._thread = scheduler.of(g, f"mpidp-dist-{name}") if g.size > 1 else None
+        if self._thread is not None:
+            self._thread.after_stop.append(lambda: mpi.free(self.p2p))
         self._group_name: Optional[str] = None  # torch sets both (setGroupName, below)
         self._group_desc = ""
         self._global_ranks = tuple(global_ranks) or tuple(range(g.size))
@@ -126,12 +132,12 @@ class ProcessGroup(dist.ProcessGroup):
     def _run(self, opts, fn, result, *inputs) -> Optional[Work]:
         """``fn`` (the operation) run in the group's order: on the caller's thread where
         ``opts`` says the call is synchronous and the group is idle (then None is returned),
-        else queued on the group's thread (Note [Synchronous calls on the caller's thread] in
-        thread.py): a Work that completes with ``result`` (the output tensors). CUDA tensors
-        among ``result`` and ``inputs``: the caller's stream is synchronised first (the inputs
-        are ready before the operation reads them) and the device after (the outputs are
-        ready when the Work completes). Once an operation of the group timed out, every later
-        one raises (Note [A group's timeout])."""
+        else queued on the group's scheduler (Note [Synchronous calls on the caller's thread]
+        in mpidp/comm/scheduler.py): a Work that completes with ``result`` (the output
+        tensors). CUDA tensors among ``result`` and ``inputs``: the caller's stream is
+        synchronised first (the inputs are ready before the operation reads them) and the
+        device after (the outputs are ready when the Work completes). Once an operation of
+        the group timed out, every later one raises (Note [A group's timeout])."""
         devices = _cuda_devices(result, inputs) if _CUDA_BUILT else None
         if devices:
             for d in devices:
@@ -145,8 +151,14 @@ class ProcessGroup(dist.ProcessGroup):
         if self._thread is None:  # one rank: nothing to wait for
             with runtime.using(self.g):
                 return run_now(fn, result)
-        return self._thread.call(self._watched, fn, result,
-                                 getattr(opts, "asyncOp", True) is False)
+        s = self._thread
+        if getattr(opts, "asyncOp", True) is False and s.begin_inline():
+            try:  # here, in the group's order
+                self._watched(fn)
+            finally:
+                s.running.release()
+            return None
+        return thread.submit(s, self.g.board, functools.partial(self._watched, fn), result)
 
     def _watched(self, fn) -> None:
         """Runs operation ``fn`` unless the group timed out before; a timeout makes the group

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import queue
-import threading
 import time
 import warnings
 from typing import Any, Callable, Optional
@@ -20,16 +18,15 @@ from . import sync_bn
 from ..runtime import timeline
 from .audit import ReplicaDivergenceError, checksums, divergence
 from .hooks import attach, check_hook, describe_hook, fused_wire, reduce_scatters, run_hook
-from .comm_thread import call_in_order, check_thread_level, communicate, reduce_bucket, stop
 from .args import agree, check_audit, validate
 from .join import JoinSupport
 from ..errors import MismatchError, MpidpError
 from ..comm.fingerprint import check_same, check_same_buckets, check_same_model
+from ..comm import scheduler
 from ..comm.buckets import BucketBase
 from ..comm.fusion import plan
+from ..comm.scheduler import FIRST_BUCKET_BYTES, BucketLaunch, SchedulerStoppedError
 from ..comm.state_broadcast import broadcast_tensors_
-
-FIRST_BUCKET_CAP_BYTES = 1 << 20  # PyTorch DDP's first bucket (Note [Bucket order])
 
 # Note [Bucket order]
 # Buckets are first filled in reverse registration order (gradients of the last layers are
@@ -37,7 +34,9 @@ FIRST_BUCKET_CAP_BYTES = 1 << 20  # PyTorch DDP's first bucket (Note [Bucket ord
 # its gradients actually became ready; afterwards rank 0's order is broadcast and the buckets
 # are rebuilt once from it, so every rank has the same buckets in the same order. Buckets
 # launch strictly in index order (a ready bucket waits for the ones before it), so every rank
-# issues the same all-reduces in the same order whatever its thread timing.
+# issues the same all-reduces in the same order whatever its thread timing: each to the
+# group's communication thread (mpidp.comm.scheduler.BucketLaunch, which Horovod's
+# DistributedOptimizer launches its buckets with too), while autograd goes on.
 
 # Note [Gradients as bucket views]
 # By default gradients are packed into the bucket, all-reduced as a sum, and unpacked with the
@@ -90,7 +89,7 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
                ("gradient_as_bucket_view", bool(gradient_as_bucket_view)),
                ("algorithm", algorithm), ("bucket_cap_mb", bucket_cap_mb),
                ("audit_every", every), ("audit_action", action)])
-        check_thread_level()
+        scheduler.check_thread_level()
         self.module = module
         self.broadcast_buffers = bool(broadcast_buffers)
         self.find_unused_parameters = bool(find_unused_parameters)
@@ -115,9 +114,7 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         self._hook_agreed = False
         self._order: list = []  # Note [Bucket order]: the ready order of the first backward
         self._in_backward = False
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._results: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
+        self._scheduler: Optional[scheduler.Scheduler] = None  # from the first backward
         self.comm_stats = {"steps": 0, "wait_s": 0.0, "comm_s": 0.0}
         for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(functools.partial(self._mark_ready, i))
@@ -126,7 +123,7 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
 
     def _build(self, order: tuple) -> None:
         """Buckets from ``order``, their layout checked across ranks. Every rank calls it."""
-        first = min(FIRST_BUCKET_CAP_BYTES, self.bucket_cap_bytes)
+        first = min(FIRST_BUCKET_BYTES, self.bucket_cap_bytes)
         self._buckets = plan([p.detach() for p in self._params], self.bucket_cap_bytes, first,
                              order) if self._params else []
         check_same_buckets(runtime.group(), self._buckets, "DistributedDataParallel")
@@ -139,6 +136,8 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
                 self._bucket_of[i] = b
                 if self.gradient_as_bucket_view:
                     self._slots[i] = bucket.torch_view(pos, self._params[i])
+        self._bucket_launch = BucketLaunch([len(b.indices) for b in self._buckets],
+                                           self._bucket_of, "DDP gradient bucket {} of {}")
 
     @property
     def bucket_indices(self) -> tuple:
@@ -206,17 +205,11 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
     def _start_backward(self) -> None:
         self._in_backward = True
         self._ready = [False] * len(self._params)
-        self._pending = [len(b.indices) for b in self._buckets]
-        self._next = 0
         self._order: list = []
-        if self._thread is None:
-            g = runtime.group()
-            self._thread = threading.Thread(target=communicate, daemon=True,
-                                            args=(self._tasks, g.board),
-                                            name="mpidp-ddp-comm")
-            self._thread.start()
-            # Note [Stopping the users first] in mpidp/runtime/resources.py
-            g.resources.add_user(functools.partial(stop, self._tasks, self._thread))
+        if self._scheduler is None or self._scheduler.stopped:
+            # Note [One communication thread per group] in mpidp/comm/scheduler.py
+            self._scheduler = scheduler.of(runtime.group(), "mpidp-ddp-comm")
+        self._bucket_launch.begin(self._scheduler)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         if not self._hook_agreed:  # after the thread started: a wait here is a bucket's wait
             try:
@@ -228,13 +221,15 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
     def _reduce_in_order(self, t: torch.Tensor) -> None:
         """A SyncBatchNorm layer's all-reduce (sum, in place): during backward after the
         buckets launched before it, with the communication thread parked, so every rank
-        makes its collectives in one order (Note [Communication thread]); otherwise here."""
+        makes its collectives in one order (Note [One communication thread per group] in
+        mpidp/comm/scheduler.py); otherwise here."""
         if self._size == 1:
             return
-        if not self._in_backward or self._thread is None:
+        if not self._in_backward or self._scheduler is None:
             collectives.allreduce_(t, "sum")
             return
-        call_in_order(self._tasks, lambda: collectives.allreduce_(t, "sum"))
+        with self._scheduler.parked():
+            collectives.allreduce_(t, "sum")
 
     def _mark_ready(self, i: int, param: torch.Tensor) -> None:
         """Gradient hook: parameter i's gradient is final for this backward."""
@@ -249,72 +244,71 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         self._ready[i] = True
         if not self._rebuilt:
             self._order.append(i)  # Note [Bucket order]
-        self._count_down(i)
+        launch = self._bucket_launch
+        for k in launch.ready(i):
+            launch.submit(k, self._bucket_task(k))
 
-    def _count_down(self, i: int) -> None:
-        b = self._bucket_of[i]
-        self._pending[b] -= 1
-        while self._next < len(self._buckets) and self._pending[self._next] == 0:
-            self._launch(self._buckets[self._next])
-            self._next += 1
-
-    def _launch(self, bucket: BucketBase) -> None:
+    def _bucket_task(self, k: int) -> Optional[Callable[[], None]]:
+        """Bucket ``k``'s reduction, to run on the communication thread (BucketLaunch); None
+        where there is nothing to do."""
+        bucket = self._buckets[k]
         if timeline.ON:
-            timeline.instant("bucket ready", {"bucket": self._next, "bytes": bucket.nbytes})
+            timeline.instant("bucket ready", {"bucket": k, "bytes": bucket.nbytes})
         if self._size == 1 and not self.gradient_as_bucket_view and \
                 (self._hook is None or reduce_scatters(self._hook[1])):
-            self._results.put((None, 0.0))  # one rank: each gradient already is the average
-            return
+            return None  # one rank: each gradient already is the average
         params = [self._params[i] for i in bucket.indices]
         sources = [p.grad for p in params]
         # parameters without a gradient here are settled after the used-map exchange
         dests = None if self.gradient_as_bucket_view else \
             [p.grad if self._ready[i] else None for i, p in zip(bucket.indices, params)]
         bucket.capture_stream()  # on a GPU: the stream these gradients were produced on
-        self._tasks.put((("DDP gradient bucket {} of {}", self._next + 1, len(self._buckets)),
-                         functools.partial(self._reduce, bucket, sources, dests), self._results))
+        return self._reduction(bucket, sources, dests)
 
     def _reduce(self, bucket: BucketBase, sources: list, destinations) -> None:
-        """Averages one bucket (collective): mpidp's all-reduce, or the communication hook
-        (Note [Communication hooks] in mpidp/ddp/hooks.py)."""
-        if self._hook is None:
-            reduce_bucket(bucket, sources, destinations, self.algorithm)
-            return
-        if reduce_scatters(self._hook[1]):  # Note [ZeRO] in mpidp/ddp/zero.py
-            if not self._rebuilt:
-                reduce_bucket(bucket, sources, destinations, self.algorithm)
-                return
-            bucket.reduce_scatter_(sources, self.algorithm,
-                                   self._params[bucket.indices[0]].dtype)
-            return
-        wire = fused_wire(self._hook[1], bucket)
+        """Averages one bucket (collective): ``_reduction``'s, run here."""
+        self._reduction(bucket, sources, destinations)()
+
+    def _reduction(self, bucket: BucketBase, sources: list, destinations) -> Callable:
+        """The averaging of one bucket, to call (collective): mpidp's all-reduce — the
+        bucket's own method where it is one, so that the communication thread calls down
+        only — or the communication hook (Note [Communication hooks] in
+        mpidp/ddp/hooks.py)."""
+        hook = self._hook
+        if hook is None or (reduce_scatters(hook[1]) and not self._rebuilt):
+            if destinations is None:  # Note [Gradients as bucket views]
+                return functools.partial(_average_in_place, bucket, sources, self.algorithm)
+            return functools.partial(bucket.reduce_, sources, destinations, "avg",
+                                     self.algorithm)
+        if reduce_scatters(hook[1]):  # Note [ZeRO] in mpidp/ddp/zero.py
+            return functools.partial(bucket.reduce_scatter_, sources, self.algorithm,
+                                     self._params[bucket.indices[0]].dtype)
+        wire = fused_wire(hook[1], bucket)
         if wire is not None:  # Note [Compressed buckets] in mpidp/ddp/compression.py
-            bucket.reduce_cast_(sources, destinations, wire, self.algorithm)
-            return
+            return functools.partial(bucket.reduce_cast_, sources, destinations, wire,
+                                     self.algorithm)
         k = self._bucket_index[id(bucket)]
-        run_hook(*self._hook, bucket, sources, destinations,
-                 [self._params[i] for i in bucket.indices], k, k == len(self._buckets) - 1,
-                 self._hook_buffers)
+        return functools.partial(run_hook, *hook, bucket, sources, destinations,
+                                 [self._params[i] for i in bucket.indices], k,
+                                 k == len(self._buckets) - 1, self._hook_buffers)
 
     @timeline.traced("wait for buckets")
     def _finish_backward(self) -> None:
         """Runs when autograd finishes: every bucket reduced and unpacked, unused parameters
         settled, buckets rebuilt after the first iteration."""
         try:
-            for i, ready in enumerate(self._ready):
-                if not ready:
-                    self._count_down(i)
+            launch = self._bucket_launch
+            for k in launch.rest():  # those holding a parameter without a gradient
+                launch.submit(k, self._bucket_task(k))
             t0 = time.perf_counter()
-            error, comm_s = None, 0.0
-            for _ in self._buckets:
-                exc, seconds = self._results.get()
-                comm_s += seconds
-                error = error or exc
+            error, comm_s = launch.wait()
             for bucket in self._buckets:
                 bucket.join_stream()  # on a GPU: the optimizer's stream after the unpacks
             self.comm_stats["wait_s"] += time.perf_counter() - t0
             self.comm_stats["comm_s"] += comm_s
             self.comm_stats["steps"] += 1
+            if isinstance(error, SchedulerStoppedError):
+                raise error  # shutdown has begun: no collective can follow
             self._settle_unused(error)
             if self.audit_every and self.comm_stats["steps"] % self.audit_every == 0:
                 self._audit()
@@ -392,3 +386,10 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
             collectives.broadcast_(order, 0)
         self._build(tuple(int(i) for i in order))
         self._rebuilt = True
+
+
+def _average_in_place(bucket: BucketBase, sources: list, algorithm: str) -> None:
+    """Averages ``bucket`` over the ranks in place, ``sources`` packed first where they are
+    not its views already (None: zeros; Note [Gradients as bucket views]). Collective."""
+    bucket.pack(sources, skip_own_slots=True)
+    bucket.allreduce_("avg", algorithm)

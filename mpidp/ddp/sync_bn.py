@@ -10,8 +10,8 @@ statistics alike (the unbiased variance). Backward all-reduces the per-channel s
 of dy * x_hat, which the input gradient needs; the weight and bias gradients stay this rank's
 own, which the data-parallel wrapper then averages (torch's SyncBatchNorm does the same).
 Who all-reduces: the layer's ``reduce`` where a data-parallel wrapper set one (mpidp's
-DistributedDataParallel orders these calls with its gradient buckets: Note [Communication
-thread] in mpidp/ddp/comm_thread.py), or where the class has one (hvd.SyncBatchNorm's, in
+DistributedDataParallel orders these calls with its gradient buckets: Note [One communication
+thread per group] in mpidp/comm/scheduler.py), or where the class has one (hvd.SyncBatchNorm's, in
 order with DistributedOptimizer's buckets: Note [Gradients during backward] in
 mpidp/horovod/backward.py); else torch.distributed on the layer's process group where
 torch.distributed is initialised (its own order, on any backend); else mpidp's all-reduce. In eval mode nothing is communicated (as with torch's): the running

@@ -184,7 +184,7 @@ def call_site() -> str:
     """``file.py:line`` of the first caller outside mpidp's collective layers and torch
     (``_LAYER``): the user's line, whichever entry point it called. A collective that runs on
     another thread than its caller's (the backend's: Note [One communication thread per
-    group] in mpidp/backend/thread.py) takes its caller's, captured at submission
+    group] in mpidp/comm/scheduler.py) takes its caller's, captured at submission
     (Board.carry_site in mpidp/runtime/watchdog.py). Debug mode only: a stack walk."""
     f = sys._getframe(1)
     while f.f_back is not None:

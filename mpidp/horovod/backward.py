@@ -1,26 +1,25 @@
 """DistributedOptimizer's all-reduces during the backward pass (Note [Gradients during
 backward]): each optimizer's buckets, launched as their gradients become final, in one order
-on every rank, on one communication thread shared by every DistributedOptimizer of the
-process; and the gate that puts hvd's other collectives in their place in that order."""
+on every rank, on the communication thread of the group made by ``init`` (mpidp.comm.
+scheduler), which every DistributedOptimizer of the process shares; and the gate that puts
+hvd's other collectives in their place in that order."""
 from __future__ import annotations
 
 import contextlib
 import functools
 import itertools
-import queue
 import threading
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from .. import runtime
+from ..comm import scheduler
 from ..comm.fusion import assign_buckets
-from ..ddp import comm_thread
+from ..comm.scheduler import FIRST_BUCKET_BYTES, BucketLaunch
 from ..engine import header
-from ..errors import MpidpError
 
-FIRST_BUCKET_BYTES = 1 << 20   # the first bucket small, so the first all-reduce starts early
 BUCKET_CAP_BYTES = 25 << 20    # a larger bucket only starts its all-reduce later (DDP's cap)
 
 # Note [Gradients during backward]
@@ -30,8 +29,10 @@ BUCKET_CAP_BYTES = 25 << 20    # a larger bucket only starts its all-reduce late
 # reversed, since the last layers' gradients are ready first: mpidp's size-capped buckets,
 # or Horovod's groups= / num_groups= where given), and buckets launch strictly in that order,
 # a ready bucket waiting for the ones before it, so every rank queues the same all-reduces in
-# the same order whatever its timing. One thread per process runs the queue for every
-# DistributedOptimizer (two optimizers stepping on one backward queue into its one order).
+# the same order whatever its timing (mpidp.comm.scheduler.BucketLaunch, as DDP's). The
+# communication thread of the group made by ``init`` runs the queue for every
+# DistributedOptimizer (two optimizers stepping on one backward queue into its one order:
+# Note [One communication thread per group] in mpidp/comm/scheduler.py).
 # synchronize() launches what is left (a parameter without a gradient
 # contributes zeros, as in Horovod) and waits for every bucket. A sparse gradient is
 # gathered in its bucket's place, outside its fused buffer (Note [Sparse gradients] in
@@ -39,48 +40,36 @@ BUCKET_CAP_BYTES = 25 << 20    # a larger bucket only starts its all-reduce late
 # A collective hvd makes on the user's thread while an optimizer has buckets under way —
 # SyncBatchNorm's backward, the backward of hvd.allreduce / allgather / broadcast, a metric
 # between backward and step, a process set added — goes through ``gate``: it waits until the
-# thread has done the buckets queued before it and runs with the thread parked, so it too
-# has one place in the order on every rank. Outside the backward pass the gate first
-# launches every bucket left (with zeros; the optimizers in the order they were made),
-# because a rank where some parameter got no gradient holds back a bucket the others have
-# queued. Where ranks still differ — such a rank inside the backward pass, a rank whose
-# backward made no bucket ready at all, two optimizers whose buckets became ready in
-# another order — one rank's call meets another's: each bucket's all-reduce carries the
-# names of its tensors in its header (Resources.stamped; Horovod's names, from
+# thread has done the buckets queued before it and runs with the thread parked
+# (Scheduler.parked), so it too has one place in the order on every rank. Outside the
+# backward pass the gate first launches every bucket left (with zeros; the optimizers in the
+# order they were made), because a rank where some parameter got no gradient holds back a
+# bucket the others have queued. Where ranks still differ — such a rank inside the backward
+# pass, a rank whose backward made no bucket ready at all, two optimizers whose buckets
+# became ready in another order — one rank's call meets another's: each bucket's all-reduce
+# carries the names of its tensors in its header (Resources.stamped; Horovod's names, from
 # named_parameters, or allreduce.noname.<set>.<optimizer>.<index>), so the check raises on
 # every rank, naming the buckets, instead of averaging one tensor with another.
 # On a GPU each bucket runs on the stream its gradients were produced on, and the caller's
 # stream waits for it. A bucket queued to a thread that stopped (hvd.shutdown) fails at
-# synchronize instead of being waited for.
+# synchronize (SchedulerStoppedError) instead of being waited for.
 
-_tasks: queue.SimpleQueue = queue.SimpleQueue()
-_thread: Optional[threading.Thread] = None
-_generation = 0      # of the thread: a bucket queued to a stopped one is waited for by nobody
 _lock = threading.RLock()  # hooks may run on several autograd threads (CPU and GPU parameters)
 # serial -> a weak reference to each Buckets with a gradient final since its last finish
 # (hvd's calls are gated then; a plain dict: its truth is read on hvd's every call); weak, so
 # an optimizer dropped without a step leaves a dead entry that the next gate removes
 active: dict = {}
 _serials = itertools.count()  # Buckets in the order they were made: the flush's order
-_gating = threading.local()   # this thread is inside a gate: an inner one passes through
 
 
-def alive() -> bool:
-    return _thread is not None and _thread.is_alive()
+def _scheduler() -> scheduler.Scheduler:
+    """The communication thread of the group made by ``init``, started on first use."""
+    return scheduler.of(runtime.init_group(), "mpidp-hvd-comm")
 
 
-def _started() -> queue.SimpleQueue:
-    global _thread, _generation
-    if not alive():
-        comm_thread.check_thread_level()
-        g = runtime.init_group()
-        _generation += 1
-        _thread = threading.Thread(target=comm_thread.communicate, args=(_tasks, g.board),
-                                   daemon=True, name="mpidp-hvd-comm")
-        _thread.start()
-        # Note [Stopping the users first] in mpidp/runtime/resources.py
-        g.resources.add_user(functools.partial(comm_thread.stop, _tasks, _thread))
-    return _tasks
+def _running():
+    """The communication thread of the group made by ``init`` where it runs, else None."""
+    return scheduler.find(runtime.init_group()) if runtime.is_initialized() else None
 
 
 @contextlib.contextmanager
@@ -89,7 +78,8 @@ def gate():
     every bucket with a gradient final is launched first, the rest with zeros (a rank where
     some parameter got no gradient would otherwise hold back a bucket the others queued),
     then the thread, once done with what was queued, waits for the block."""
-    if threading.current_thread() is _thread or getattr(_gating, "on", False):
+    s = _running()
+    if s is not None and s.here():
         yield  # on the thread itself (a Compression's own hvd call), or inside a gate
         return
     with _lock:
@@ -100,15 +90,12 @@ def gate():
                     del active[serial]
                 else:
                     buckets.launch_rest()
-    if not alive():
+    s = _running()
+    if s is None:
         yield
         return
-    _gating.on = True
-    try:
-        with comm_thread.parked(_tasks, alive):
-            yield
-    finally:
-        _gating.on = False
+    with s.parked():
+        yield
 
 
 def tag(k: int, n: int, names: Sequence[str], gathered: Sequence[str] = ()) -> int:
@@ -184,50 +171,34 @@ class Buckets:
                  task: Callable[[list, int], Callable[[], None]]):
         self.params, self.buckets, self._task = params, buckets, task
         self.serial, self._ref = next(_serials), weakref.ref(self)
-        self._bucket_of = {i: k for k, b in enumerate(buckets) for i in b}
-        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._launch = BucketLaunch([len(b) for b in buckets],
+                                    {i: k for k, b in enumerate(buckets) for i in b},
+                                    "DistributedOptimizer gradient bucket {} of {}")
         self.stats = {"steps": 0, "buckets": 0, "launched_in_backward": 0}
-        self._reset()
-
-    def _reset(self) -> None:
-        self._pending = [len(b) for b in self.buckets]
-        self._next = 0       # the next bucket to launch
-        self._queued = 0     # buckets queued to the thread of generation self._generation
-        self._generation = 0
         self._streams: list = []
-        active.pop(self.serial, None)
-        while not self._results.empty():  # what a stopped thread left behind
-            self._results.get_nowait()
 
     def ready(self, i: int) -> None:
         with _lock:
             active[self.serial] = self._ref
-            k = self._bucket_of[i]
-            self._pending[k] -= 1
-            while self._next < len(self.buckets) and self._pending[self._next] == 0:
-                self._launch()
+            for k in self._launch.ready(i):
+                self._submit(k)
                 self.stats["launched_in_backward"] += 1
 
     def launch_rest(self) -> None:
         with _lock:
-            while self._next < len(self.buckets):
-                self._launch()
+            for k in self._launch.rest():
+                self._submit(k)
 
-    def _launch(self) -> None:
-        members = [self.params[i] for i in self.buckets[self._next]]
-        fn = self._task(members, self._next)
+    def _submit(self, k: int) -> None:
+        members = [self.params[i] for i in self.buckets[k]]
+        fn = self._task(members, k)
         if members[0].is_cuda:  # the stream the gradients were produced on
             stream = torch.cuda.current_stream(members[0].device)
             self._streams.append(stream)
             fn = functools.partial(_on_stream, stream, fn)
-        tasks = _started()
-        if self._queued and self._generation != _generation:
-            raise _stopped()
-        tasks.put((("DistributedOptimizer gradient bucket {} of {}", self._next + 1,
-                    len(self.buckets)), fn, self._results))
-        self._generation = _generation
-        self._queued += 1
-        self._next += 1
+        if self._launch.scheduler is None:  # this pass's first bucket
+            self._launch.scheduler = _scheduler()
+        self._launch.submit(k, fn)
 
     def finish(self) -> None:
         """Launches the buckets not launched yet, waits for every one, and raises the first
@@ -236,41 +207,17 @@ class Buckets:
         try:
             self.launch_rest()
         finally:
-            error = None
-            for _ in range(self._queued):
-                exc = self._result()
-                error = error or exc
-                if isinstance(exc, ThreadStoppedError):
-                    break
+            error, _ = self._launch.wait()
             for stream in self._streams:
                 torch.cuda.current_stream(stream.device).wait_stream(stream)
             self.stats["steps"] += 1
             self.stats["buckets"] += len(self.buckets)
             with _lock:
-                self._reset()
+                self._streams = []
+                active.pop(self.serial, None)
+                self._launch.begin(None)
         if error is not None:
             raise error
-
-    def _result(self) -> Optional[BaseException]:
-        """A bucket's outcome; an error where the thread it was queued to stopped first."""
-        while True:
-            if self._generation != _generation:
-                return _stopped()
-            try:
-                return self._results.get(timeout=1.0)[0]
-            except queue.Empty:
-                if not alive() and self._results.empty():
-                    return _stopped()
-
-
-class ThreadStoppedError(MpidpError):
-    """A bucket was queued to a communication thread that stopped before running it."""
-
-
-def _stopped() -> ThreadStoppedError:
-    return ThreadStoppedError("mpidp.horovod: the communication thread stopped "
-                              "(hvd.shutdown?) before this optimizer's gradients were "
-                              "all-reduced")
 
 
 def _on_stream(stream, fn: Callable[[], None]) -> None:

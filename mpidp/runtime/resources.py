@@ -22,7 +22,7 @@ from .watchdog import Board, Watchdog
 
 
 # Note [Stopping the users first]
-# A thread of mpidp's own may be inside a collective when the group is freed: DDP's
+# A thread of mpidp's own may be inside a collective when the group is freed: the group's
 # communication thread waits in the shared-memory protocol for a bucket when Ctrl-C ends the
 # main thread, whose exit then runs mpidp.shutdown (atexit). Freeing the windows under it
 # would make it read unmapped memory (a segfault). So such a thread registers a stop with the
@@ -53,6 +53,9 @@ class Resources:
             topo.local_size, topo.node_ranks, topo.node_of, topo.single_node,
             topo.node_count == topo.size)
         self._users: list = []  # Note [Stopping the users first]
+        # the group's communication thread (mpidp.comm.scheduler.of: Note [One communication
+        # thread per group] in mpidp/comm/scheduler.py), one of the users
+        self.scheduler = None
         self._closed = False  # stop_users ran: the one-call paths stay off
         self._stuck = False
         self.watchdog: Optional[Watchdog] = None
@@ -193,10 +196,15 @@ class Resources:
                 self.fast_allreduce = fast
 
     def add_user(self, stop: Callable[[float], bool]) -> None:
-        """Registers a thread that calls collectives on its own (DDP's communication thread):
+        """Registers a thread that calls collectives on its own (the communication thread):
         ``stop(timeout_s)`` ends and joins it, True once it has ended. Note [Stopping the
         users first]."""
         self._users.append(stop)
+
+    @property
+    def closed(self) -> bool:
+        """This rank's shutdown of the group has begun (``depart``)."""
+        return self._closed
 
     def depart(self) -> None:
         """This rank will call no more collectives on the group (its shutdown has begun):

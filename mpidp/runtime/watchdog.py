@@ -112,7 +112,7 @@ class Board:
 
     def carry_site(self, fn):
         """``fn``, to run on another thread (the backend's: Note [One communication thread
-        per group] in mpidp/backend/thread.py), its collectives carrying the call site of this
+        per group] in mpidp/comm/scheduler.py), its collectives carrying the call site of this
         thread's caller, taken now (Note [Debug fingerprints] in mpidp/engine/header.py);
         ``fn`` itself outside debug mode."""
         if not self.debug:

@@ -1,6 +1,6 @@
 """Run under mpiexec at any world size, without MASTER_ADDR: which thread runs torch's operations
 on the "mpidp" backend (Note [Synchronous calls on the caller's thread] in
-mpidp/backend/thread.py), recorded with ``threading.get_ident()`` inside the operation — a
+mpidp/comm/scheduler.py), recorded with ``threading.get_ident()`` inside the operation — a
 synchronous call on the caller's thread, an asynchronous one on the group's thread, a
 synchronous call made while asynchronous work is queued or running behind it and in order,
 torch's DDP's bucket all-reduces on the group's thread (so backward goes on meanwhile), a

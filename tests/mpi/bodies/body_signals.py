@@ -91,7 +91,7 @@ elif case == "ddp":
         late = interrupted_within(lambda: ddp(x).sum().backward())
         if not late < 1.0:
             failures.append(f"backward: interrupted after {late:.2f} s")
-        thread = ddp._thread
+        thread = ddp._scheduler.thread if ddp._scheduler is not None else None
         if thread is None or not thread.is_alive():
             failures.append("the communication thread should still wait in its bucket")
         tell_rank_1_done()
