@@ -13,7 +13,6 @@ import numpy as np
 
 from . import collectives
 from ..engine import host_ops
-from .. import runtime
 from ..runtime import timeline
 from ..engine.planner import DEVICE, HOST, plan_bucket
 from ..engine.blocks import partition
@@ -46,7 +45,7 @@ class BucketBase:
         return None
 
     def reduce_(self, sources: Sequence[Any], destinations: Sequence[Any], op: str,
-                algorithm: str, g=None) -> None:
+                algorithm: str, g) -> None:
         """All-reduces this bucket's tensors: ``sources`` in (None packs zeros), results into
         ``destinations`` (None skips; the same tensors as ``sources`` for in place). ``op``:
         sum, avg, min, max. Planned once (mpidp.engine.planner.plan_bucket): in place on one node
@@ -54,9 +53,7 @@ class BucketBase:
         reduced and unpacked, the average's division fused into the unpack where the
         algorithm does not divide itself. Collective: every rank calls it for the same
         bucket, and every rank sends the same op whichever path it takes. ``g``: the group
-        (Note [Group-explicit collectives] in mpidp/comm/collectives.py; None: the calling
-        context's, for callers that have none to hand)."""
-        g = runtime.group() if g is None else g
+        (Note [Group-explicit collectives] in mpidp/comm/collectives.py)."""
         views = self._zero_copy_views(sources, destinations)
         p = plan_bucket(self.where, algorithm, collectives.facts(g, self.where == DEVICE),
                         self.nbytes, len(self.indices), views is not None, op)
@@ -70,7 +67,7 @@ class BucketBase:
 
 
     def reduce_scatter_(self, sources: Sequence[Any], algorithm: str, dtype: Any,
-                        g=None) -> None:
+                        g) -> None:
         """``sources`` packed (None: zeros; own slots stay), reduce-scattered, and this rank's
         block of the average written back where it came from: into the bucket and the
         sources (Note [ZeRO] in mpidp/ddp/zero.py); the rest keeps this rank's own values.
@@ -78,7 +75,6 @@ class BucketBase:
         with self.stream_context():
             self.pack(sources, skip_own_slots=True)
             flat = self.torch_flat(dtype)
-            g = runtime.group() if g is None else g
             block = collectives.reduce_scatter_in(g, flat, "avg", algorithm if algorithm in
                                                   ("ring", "mpi") else "auto")
             lo, n = partition(len(flat), g.size)[g.rank]
@@ -119,13 +115,12 @@ class Bucket(BucketBase):
 
     @timeline.traced("cast, all-reduce, cast back")
     def reduce_cast_(self, sources: Sequence[Any], destinations: Optional[Sequence[Any]],
-                     wire: int, algorithm: str, g=None) -> None:
+                     wire: int, algorithm: str, g) -> None:
         """Averages this float32 bucket's tensors over a 16-bit wire (``wire``: F16 or BF16)
         as Note [Compressed buckets] in mpidp/ddp/compression.py defines it: ``sources`` (None:
         zeros) cast into the wire bucket, all-reduced (sum), cast back into
         ``destinations`` (None, or a None entry: this bucket's own slots); ``g``: as
         ``reduce_``'s. Collective."""
-        g = runtime.group() if g is None else g
         if self.wire is None:
             self.wire = np.empty(len(self.flat), np.uint16)
         before, after = (g.size, 1) if wire == F16 else (1, g.size)
@@ -143,9 +138,9 @@ class Bucket(BucketBase):
                 write_back(a)
         self.divisor = 1  # unpack_one of a parameter unused here reads its averaged slot
 
-    def allreduce_(self, op: str, algorithm: str, g=None) -> None:
+    def allreduce_(self, op: str, algorithm: str, g) -> None:
         """All-reduces the bucket's buffer in place over ``g`` (as ``reduce_``'s). Collective."""
-        collectives.allreduce_in(runtime.group() if g is None else g, self.buffer, op,
+        collectives.allreduce_in(g, self.buffer, op,
                                  algorithm, True)
 
     def capture_stream(self) -> None:

@@ -9,7 +9,6 @@ from typing import Any, Optional, Sequence
 
 
 from . import collectives
-from .. import runtime
 from ..engine.planner import DEVICE
 from .buckets import BucketBase
 from ..engine.dtypes import F16, NUMPY_STORAGE
@@ -68,7 +67,7 @@ class DeviceBucket(BucketBase):
         return DeviceOps(self._stream(next((a for a in arrays if a is not None), None)))
 
     def reduce_(self, sources: Sequence[Any], destinations: Sequence[Any], op: str,
-                algorithm: str, g=None) -> None:
+                algorithm: str, g) -> None:
         """BucketBase.reduce_ with the pack, the all-reduce and the unpack on one stream: the
         captured one, else the first source's producer for this call. (The all-reduce alone
         sees no tensor: on CuPy's current stream it would not wait for a pack on a torch side
@@ -83,11 +82,11 @@ class DeviceBucket(BucketBase):
         finally:
             self.stream = None
 
-    def allreduce_(self, op: str, algorithm: str, g=None) -> None:
+    def allreduce_(self, op: str, algorithm: str, g) -> None:
         """All-reduces the bucket in place over ``g`` (BucketBase.reduce_'s), in its
         stream's order."""
         with cupy().cuda.Device(self.device), self._ops([]).stream:
-            collectives.allreduce_in(runtime.group() if g is None else g, self.buffer, op,
+            collectives.allreduce_in(g, self.buffer, op,
                                      algorithm, True)
 
     def pack(self, sources: Sequence[Any], skip_own_slots: bool = False) -> None:
@@ -113,12 +112,11 @@ class DeviceBucket(BucketBase):
         ops.pack(self.flat, views)
 
     def reduce_cast_(self, sources: Sequence[Any], destinations: Optional[Sequence[Any]],
-                     wire: int, algorithm: str, g=None) -> None:
+                     wire: int, algorithm: str, g) -> None:
         """Bucket.reduce_cast_ on the device: the casts are one launch each
         (Note [Compressed buckets] in mpidp/ddp/compression.py). Collective."""
         cp = cupy()
         with cp.cuda.Device(self.device):
-            g = runtime.group() if g is None else g
             size = g.size
             before, after = (size, 1) if wire == F16 else (1, size)
             arrays = [None if s is None else as_device_array(s) for s in sources]

@@ -274,19 +274,20 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         bucket's own method where it is one, so that the communication thread calls down
         only — or the communication hook (Note [Communication hooks] in
         mpidp/ddp/hooks.py)."""
-        hook = self._hook
+        hook, g = self._hook, runtime.group()  # the group, passed down from here
         if hook is None or (reduce_scatters(hook[1]) and not self._rebuilt):
             if destinations is None:  # Note [Gradients as bucket views]
-                return functools.partial(_average_in_place, bucket, sources, self.algorithm)
+                return functools.partial(_average_in_place, bucket, sources, self.algorithm,
+                                         g)
             return functools.partial(bucket.reduce_, sources, destinations, "avg",
-                                     self.algorithm)
+                                     self.algorithm, g)
         if reduce_scatters(hook[1]):  # Note [ZeRO] in mpidp/ddp/zero.py
             return functools.partial(bucket.reduce_scatter_, sources, self.algorithm,
-                                     self._params[bucket.indices[0]].dtype)
+                                     self._params[bucket.indices[0]].dtype, g)
         wire = fused_wire(hook[1], bucket)
         if wire is not None:  # Note [Compressed buckets] in mpidp/ddp/compression.py
             return functools.partial(bucket.reduce_cast_, sources, destinations, wire,
-                                     self.algorithm)
+                                     self.algorithm, g)
         k = self._bucket_index[id(bucket)]
         return functools.partial(run_hook, *hook, bucket, sources, destinations,
                                  [self._params[i] for i in bucket.indices], k,
@@ -388,8 +389,8 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         self._rebuilt = True
 
 
-def _average_in_place(bucket: BucketBase, sources: list, algorithm: str) -> None:
+def _average_in_place(bucket: BucketBase, sources: list, algorithm: str, g) -> None:
     """Averages ``bucket`` over the ranks in place, ``sources`` packed first where they are
     not its views already (None: zeros; Note [Gradients as bucket views]). Collective."""
     bucket.pack(sources, skip_own_slots=True)
-    bucket.allreduce_("avg", algorithm)
+    bucket.allreduce_("avg", algorithm, g)

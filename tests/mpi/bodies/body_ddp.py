@@ -123,14 +123,14 @@ for trial, sizes in enumerate(([5000], [1, 7, 3001, 2], [1024] * 10 + [3], [2] *
         if took:
             collectives.allreduce_segments_(g, [as_host_array(t).flat for t in got], F32, op)
         else:
-            Bucket(range(len(sizes)), sizes, F32).reduce_(got, got, op, "auto")
+            Bucket(range(len(sizes)), sizes, F32).reduce_(got, got, op, "auto", g)
         expect(all(torch.equal(a, w) for a, w in zip(got, want)), f"zero-copy {sizes[:3]} {op}")
         # odd ranks hold non-contiguous tensors and must pack while their neighbours do not
         if rank % 2:
             got = [torch.zeros(len(t), 2)[:, 1].copy_(t) for t in every[rank]]
         else:
             got = [t.clone() for t in every[rank]]
-        Bucket(range(len(sizes)), sizes, F32).reduce_(got, got, op, "auto")
+        Bucket(range(len(sizes)), sizes, F32).reduce_(got, got, op, "auto", g)
         expect(all(torch.equal(a, w) for a, w in zip(got, want)), f"mixed {sizes[:3]} {op}")
 
 # ---- no_sync: accumulation over micro-batches == one big batch ------------------------------
