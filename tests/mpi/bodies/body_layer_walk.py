@@ -30,6 +30,7 @@ def level(module: str) -> int:
 
 
 calls, c_calls = [], []
+phase = ["setup"]  # "step" once the set-up is done: the walk docs/architecture.md counts
 
 
 def profile(frame, event, arg):
@@ -46,12 +47,13 @@ def profile(frame, event, arg):
     back = frame.f_back
     caller = back.f_globals.get("__name__", "") if back is not None else ""
     if callee.startswith("mpidp.") and caller.startswith("mpidp.") and callee != caller:
-        calls.append((caller, back.f_code.co_name, callee, frame.f_code.co_name))
+        calls.append((caller, back.f_code.co_name, callee, frame.f_code.co_name, phase[0]))
 
 
 def walk(what, fn):
     calls.clear()
     c_calls.clear()
+    phase[0] = "setup"
     threading.setprofile(profile)
     sys.setprofile(profile)
     try:
@@ -62,14 +64,19 @@ def walk(what, fn):
     up = [c for c in calls if level(c[2]) < level(c[0])]
     expect(not up, f"{what}: calls up a layer: {up[:5]}")
     expect(c_calls, f"{what}: no C call reached: {calls[:40]}")
-    seen = []
-    for caller, _, callee, fn_name in calls:
+    seen, step = [], []
+    for caller, _, callee, fn_name, when in calls:
         for m in (caller, callee):
             if m not in seen:
                 seen.append(m)
+            if when == "step" and m not in step:
+                step.append(m)
+    expect(step, f"{what}: no call recorded after the set-up")
     if rank == 0:
         print(f"{what}: {len(seen)} modules: " + " -> ".join(seen) +
               f"; C: {sorted(set(c for _, c in c_calls))}", flush=True)
+        # the step alone, after the set-up: what docs/architecture.md's walk lists
+        print(f"{what}, the step: {len(step)} modules: " + ", ".join(step), flush=True)
 
 
 g = mpidp.init()
@@ -80,7 +87,8 @@ x = torch.randint(-3, 4, (4, 64)).float()
 
 def two_steps():  # the thread starts inside the walk, so the profiler follows it there
     model = mpidp.DistributedDataParallel(torch.nn.Linear(64, 64))  # a 16 KiB bucket: the
-    for _ in range(2):  # framed path, not the one C call of small arrays
+    for k in range(3):  # framed path, not the one C call of small arrays; the third step is
+        phase[0] = "step" if k == 2 else "setup"  # one after the buckets' rebuild
         model(x).sum().backward()
         model.zero_grad()
 
@@ -92,10 +100,12 @@ t = torch.full((1 << 12,), float(rank + 1))  # past the one-C-call size: the fra
 def all_reduce():
     dist.init_process_group("mpidp")
     dist.all_reduce(t)
+    phase[0] = "step"
+    dist.all_reduce(t)
 
 
 walk("dist.all_reduce", all_reduce)
 n = mpidp.size()
-expect(torch.equal(t, torch.full_like(t, n * (n + 1) / 2)), f"all_reduce: {t[:4]}")
+expect(torch.equal(t, torch.full_like(t, n * n * (n + 1) / 2)), f"all_reduce: {t[:4]}")
 dist.destroy_process_group()
 finish(rank)
