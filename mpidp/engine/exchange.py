@@ -16,6 +16,7 @@ import numpy as np
 from . import doubling, header, host_ops
 from ..errors import CommunicationError, WaitTimeoutError
 from .transports import MPITransport
+from .library import mpi
 
 
 def exchange(links, hdr: tuple, operation: str, local_error: Optional[BaseException] = None,
@@ -122,7 +123,7 @@ def c_context(comm, inline_bytes: int, max_bytes: int, board):
     abort rather than return, or the MPI library not found (Note [MPI from C] in
     csrc/exchange.c). Not collective."""
     import ctypes
-    from mpi4py import MPI  # deferred for cost: import mpidp starts no MPI
+    MPI = mpi()
     ext = host_ops.EXTENSION
     if ext is None or not hasattr(ext, "CheckedContext") or \
             any(MPI._sizeof(t) != 4 for t in (MPI.Comm, MPI.Datatype, MPI.Request)) or \

@@ -13,6 +13,7 @@ from .dtypes import BF16, F16, FLOATING, OP_MAX, OP_MIN, OP_SUM
 from ..errors import CommunicationError
 from .ring import reduce_scatter_phase, ring_allreduce
 from .transports import MPITransport
+from .library import mpi
 
 
 # ---- MPI built-ins -----------------------------------------------------------------------
@@ -24,7 +25,7 @@ def mpi_op(dtype: int, op: int):
     """The MPI op for (dtype, op): MPI's own for integers, a user op running our kernel for
     floats — MPI has no portable type for float16 and bfloat16, and our kernel propagates NaN
     through min and max as IEEE and torch do, where MPI's own need not."""
-    from mpi4py import MPI  # deferred for cost: import mpidp starts no MPI
+    MPI = mpi()
     if dtype not in (F16, BF16) and (op == OP_SUM or dtype not in FLOATING):
         return {OP_SUM: MPI.SUM, OP_MIN: MPI.MIN, OP_MAX: MPI.MAX}[op]
     key = (dtype, op)
@@ -37,7 +38,7 @@ def mpi_op(dtype: int, op: int):
 
 def mpi_buffer(flat: np.ndarray, dtype: int):
     """The buffer spec MPI sees: 16-bit floats travel as uint16 (our op interprets them)."""
-    from mpi4py import MPI  # deferred for cost, as above
+    MPI = mpi()
     if dtype in (F16, BF16):
         return [flat.view(np.uint16), MPI.UINT16_T]
     return flat
@@ -66,7 +67,7 @@ def allreduce(links, name: str, hdr: tuple, src, dst, dtype: int, op: int, divis
         return
     links.exchange(hdr, "allreduce")
     if name == "mpi":
-        from mpi4py import MPI  # deferred for cost, as above
+        MPI = mpi()
         send = MPI.IN_PLACE if src is dst else mpi_buffer(src, dtype)
         links.comm.Allreduce(send, mpi_buffer(dst, dtype), op=mpi_op(dtype, op))
         _divide(dst, dtype, divisor)
@@ -128,7 +129,7 @@ def reduce(links, hdr: tuple, flat, dtype: int, op: int, divisor: int, root: int
         raise header.MismatchError(
             f"rank {links.rank}: reduce called with different roots: "
             + ", ".join(f"rank {i} root={int(r)}" for i, r in enumerate(roots)))
-    from mpi4py import MPI  # deferred for cost, as above
+    MPI = mpi()
     buf, mop = mpi_buffer(flat, dtype), mpi_op(dtype, op)
     if links.rank == root:
         links.comm.Reduce(MPI.IN_PLACE, buf, op=mop, root=root)

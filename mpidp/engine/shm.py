@@ -10,6 +10,7 @@ from .. import config
 from . import header
 from ..errors import CommunicationError, WaitTimeoutError
 from .host_ops import extension
+from .library import mpi
 
 SHM_OK, SHM_MISMATCH, SHM_TIMEOUT, SHM_PEER_ERROR, SHM_OUT_OF_STEP, SHM_INTERRUPTED, \
     SHM_DEPARTED = range(7)
@@ -68,7 +69,7 @@ class ShmContext:
     errors name them (default: the local ranks)."""
 
     def __init__(self, node_comm, inline_bytes: int, ranks: Sequence[int] = ()):
-        from mpi4py import MPI  # deferred for cost: import mpidp starts no MPI
+        MPI = mpi()
         ext = extension()
         self.comm = node_comm
         self.rank, self.size = node_comm.Get_rank(), node_comm.Get_size()
@@ -135,7 +136,7 @@ class ShmContext:
     def ensure_segments(self, nbytes: int) -> None:
         """Window mode: grows every rank's staging segment to ``nbytes`` (collective; callers
         pass the same size on every rank)."""
-        from mpi4py import MPI  # deferred for cost, as above
+        MPI = mpi()
         if nbytes <= self.c.capacity:
             return
         capacity = max(1 << 20, 1 << (nbytes - 1).bit_length())

@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from ..errors import WaitTimeoutError
+from .library import mpi
 
 RING_TAG = 0x6D70   # "mp": keeps the ring's messages apart from a user's own traffic
 CHECK_TAG = 0x6D63  # "mc": the records of the checked exchange (mpidp.engine.doubling)
@@ -34,7 +35,7 @@ class MPITransport:
         return reqs
 
     def wait(self, handle) -> None:
-        from mpi4py import MPI
+        MPI = mpi()
         MPI.Request.Waitall(handle)
 
     # records of any length (mpidp.engine.doubling): the receiver learns the length from the message
@@ -48,7 +49,7 @@ class MPITransport:
         self.comm.Send(msg, peer, CHECK_TAG)
 
     def take(self, peer: int) -> np.ndarray:
-        from mpi4py import MPI
+        MPI = mpi()
         status = MPI.Status()
         if self.timeout_s is None:
             message = self.comm.Mprobe(peer, CHECK_TAG, status)

@@ -14,9 +14,10 @@ MPI is called in mpidp.engine and mpidp.runtime only; every package above reache
 them: mpidp.comm's collectives (which frame MPI's own calls: Note [The collective frame]), the
 group's functions here, ``runtime.mpi`` (each MPI call the layers above need, on a
 communicator handed in) and ``runtime.windows`` (one-sided windows). An import-linter
-contract in pyproject.toml forbids ``mpi4py`` above this line (tests/unit/test_layers.py).
-In each module below the line that needs mpi4py's ``MPI``, one place imports it, deferred
-for cost (importing it starts MPI, and ``import mpidp`` starts none)."""
+contract in pyproject.toml forbids ``mpi4py`` above this line (tests/unit/test_layers.py),
+and below it everywhere but mpidp.engine.library, whose ``mpi()`` every call below the line
+takes the module from (Note [MPI imported once] there: importing it starts MPI, and ``import
+mpidp`` starts none)."""
 from __future__ import annotations
 
 import importlib

@@ -18,6 +18,8 @@ from __future__ import annotations
 import sys
 import time
 
+from ..engine.library import mpi
+
 FORWARD_S = 1.0
 
 
@@ -35,5 +37,5 @@ def abort_job(message: str, code: int) -> None:
                     pass
         time.sleep(FORWARD_S)
     finally:
-        from mpi4py import MPI
+        MPI = mpi()
         MPI.COMM_WORLD.Abort(code)

@@ -6,16 +6,12 @@ collective frame] in mpidp/runtime/frame.py: mpidp.comm.objects and mpidp.comm.b
 them theirs); none checks its arguments beyond what MPI does."""
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
-
-def _mpi():
-    """mpi4py's MPI module. Imported at first use (deferred for cost: importing it starts
-    MPI, and ``import mpidp`` starts none); every function here takes it from this one."""
-    from mpi4py import MPI
-    return MPI
+from ..engine.library import mpi as _mpi  # Note [MPI imported once]
 
 
 # ---- the library and its communicators ----------------------------------------------------
@@ -28,7 +24,6 @@ def world():
 def library() -> dict:
     """{library: the first line of its version, standard: (major, minor), thread: the
     initialised level's index in MPI's order (-1: unknown), mpi4py: its version}."""
-    import mpi4py
     MPI = _mpi()
     first = MPI.Get_library_version().strip().splitlines()[0]
     levels = [MPI.THREAD_SINGLE, MPI.THREAD_FUNNELED, MPI.THREAD_SERIALIZED,
@@ -36,7 +31,7 @@ def library() -> dict:
     level = MPI.Query_thread()
     return {"library": " ".join(first.split()), "standard": MPI.Get_version(),
             "thread": levels.index(level) if level in levels else -1,
-            "mpi4py": mpi4py.__version__}
+            "mpi4py": sys.modules["mpi4py"].__version__}  # loaded with its MPI
 
 
 def tag_limit() -> int:

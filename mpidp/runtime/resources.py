@@ -19,6 +19,7 @@ from ..engine.shm import ShmContext
 from .topology import Topology
 from .frame import collective
 from .watchdog import Board, Watchdog
+from ..engine.library import mpi
 
 
 # Note [Stopping the users first]
@@ -76,7 +77,7 @@ class Resources:
         """The C call across nodes, where every rank could make it (agreed: one collective
         step), taking arrays of any size in chunks between two nodes (Note [Chunks after the
         record] in csrc/exchange.c; Note [Auto choice] in mpidp/algorithms.py)."""
-        from mpi4py import MPI  # deferred for cost, as everywhere
+        MPI = mpi()
         topo = self.topo
         chunks = topo.size == 2
         inline = cfg.doubling_max_bytes - 1

@@ -60,6 +60,7 @@ import warnings
 from typing import Callable, Optional, Sequence
 
 from .. import config, files
+from ..engine.library import mpi
 
 ON = False  # set by mpidp.init (``switch``): Note [Timeline cost]
 _WRAP = config.timeline_requested()  # what ``traced`` decides by: Note [Timeline cost]
@@ -284,7 +285,7 @@ def start(comm, path: str, what: str = "MPIDP_TIMELINE") -> None:
     calls it."""
     asked = path
     comm = comm.Dup()
-    from mpi4py import MPI
+    MPI = mpi()
     if comm.Get_size() != MPI.COMM_WORLD.Get_size():  # several groups: one file each
         stem, ext = os.path.splitext(path)
         path = f"{stem}.world{MPI.COMM_WORLD.Get_rank()}{ext}"

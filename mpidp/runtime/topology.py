@@ -9,6 +9,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..engine.library import mpi
+
 HOST_BYTES = 64  # a host name as the node map keeps it (longer names are cut)
 
 
@@ -25,7 +27,7 @@ class Topology:
                  "local_size", "node_count", "node_index", "node_of", "hosts", "node_ranks")
 
     def __init__(self, user_comm: Any, emulate_node_size: int = 0):
-        from mpi4py import MPI  # deferred for cost: import mpidp starts no MPI
+        MPI = mpi()
         self.user_comm = user_comm
         self.comm = comm = user_comm.Dup()
         self.rank, self.size = comm.Get_rank(), comm.Get_size()

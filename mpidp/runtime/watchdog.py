@@ -69,6 +69,7 @@ import numpy as np
 from ..engine import header
 from .abort import abort_job
 from .stall_report import COLLECTIVE, ONE_SIDED, departed_report, report  # noqa: F401
+from ..engine.library import mpi
 
 EXIT_CODE = 124                        # the job was ended for waiting too long
 EXIT_DEPARTED = 1                      # ... for waiting on a rank that has shut down
@@ -190,7 +191,7 @@ class Watchdog:
     construct (it duplicates the communicator) and to ``stop``."""
 
     def __init__(self, g, timeout_s: float):
-        from mpi4py import MPI
+        MPI = mpi()
         self._MPI = MPI
         self.g, self.board, self.timeout_s = g, g.board, timeout_s
         self.interval_s = min(1.0, timeout_s / 4)

@@ -21,6 +21,7 @@ from ..engine.gpu.device import bind_if_visible
 from .resources import Resources
 from .topology import Topology
 from .frame import collective
+from ..engine.library import mpi
 
 
 class Group(Topology):
@@ -113,7 +114,7 @@ def init(comm: Any = None) -> Group:
     global _group
     with _lock:
         launcher.prepare_mpi_start()  # Note [PMI-1 lines under srun] in mpidp/runtime/launcher.py
-        from mpi4py import MPI
+        MPI = mpi()
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -160,7 +161,7 @@ def shutdown() -> None:
     global _group
     with _lock:
         if _group is not None:
-            from mpi4py import MPI
+            MPI = mpi()
             if not MPI.Is_finalized():
                 # every group first: a rank another waits for on one group must not first
                 # wait on another group's shutdown (Note [A rank that has shut down] in
@@ -258,7 +259,7 @@ def free_subgroup(sub: Group) -> bool:
         if sub not in _subgroups:
             return False
         _subgroups.remove(sub)
-        from mpi4py import MPI  # deferred for cost, as in shutdown
+        MPI = mpi()
         if not MPI.Is_finalized():
             sub.resources.stop_users()
             sub.free()
@@ -301,7 +302,7 @@ def thread_level() -> str:
     """The thread level MPI was initialised with, by name (THREAD_LEVELS, lowest first); a
     level compares by ``THREAD_LEVELS.index``. Callers above this layer ask here rather than
     import mpi4py (Note [MPI below one line] in mpidp/runtime/__init__.py)."""
-    from mpi4py import MPI
+    MPI = mpi()
     level = MPI.Query_thread()
     order = (MPI.THREAD_SINGLE, MPI.THREAD_FUNNELED, MPI.THREAD_SERIALIZED, MPI.THREAD_MULTIPLE)
     return THREAD_LEVELS[order.index(level)]
@@ -343,7 +344,7 @@ def _abort_message(g: Group, kind: str, exc: BaseException) -> str:
 
 def _install_abort_hooks(g: Group) -> None:
     """One rank's uncaught exception aborts every rank (as ``python -m mpi4py`` does)."""
-    from mpi4py import MPI
+    MPI = mpi()
 
     def abort(kind: str, exc_type, exc, tb) -> None:
         try:

@@ -1,0 +1,22 @@
+"""The MPI library as Python sees it: ``mpi()``, mpi4py's ``MPI`` module, the one place in
+mpidp that imports it (Note [MPI imported once]).
+
+Note [MPI imported once]
+Importing ``mpi4py.MPI`` starts MPI (MPI_Init_thread), so no module of mpidp imports it at
+the top: ``import mpidp``, the tools' ``--help`` and the supervisor start no MPI, and unit
+tests of the engine's pure parts run without a launcher. Every MPI call of mpidp sits in
+mpidp.engine or mpidp.runtime (Note [MPI below one line] in mpidp/runtime/__init__.py), and
+each one reaches the module through ``mpi()`` when it runs — a dictionary lookup once MPI is
+loaded, cheaper than the ``from mpi4py import MPI`` statement it replaces in those functions
+— so the decision when MPI starts is made here and nowhere else."""
+from __future__ import annotations
+
+import sys
+
+
+def mpi():
+    """mpi4py's MPI module, imported (MPI started) at the first call."""
+    module = sys.modules.get("mpi4py.MPI")
+    if module is None:
+        from mpi4py import MPI as module  # deferred for cost: Note [MPI imported once]
+    return module
