@@ -28,6 +28,9 @@ def autoload() -> None:
 
 
 
+_OWN_SPECS: dict = {}  # alias name -> the real module's spec, between create and exec
+
+
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """``mpidp.dist.<sub>`` -> the module ``mpidp.backend.<sub>``."""
 
@@ -37,10 +40,13 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec):
-        return importlib.import_module(NEW + spec.name[len(OLD):])
+        module = importlib.import_module(NEW + spec.name[len(OLD):])
+        _OWN_SPECS[spec.name] = module.__spec__  # the import system sets the alias's next
+        return module
 
     def exec_module(self, module):
-        pass  # already executed under its own name
+        # already executed under its own name, which it keeps
+        module.__spec__ = _OWN_SPECS.pop(module.__spec__.name)
 
 
 if not any(isinstance(f, _Alias) for f in sys.meta_path):

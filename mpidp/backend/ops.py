@@ -69,8 +69,7 @@ def _reduction(op) -> tuple:
 
 
 def _dtype_word(t: torch.Tensor) -> int:
-    name = str(t.dtype).removeprefix("torch.")
-    return header.OTHER_DTYPES.index(name) + 1 if name in header.OTHER_DTYPES else 0
+    return header.other_dtype(str(t.dtype).removeprefix("torch."))
 
 
 def operation(g, name: str, t=None, count: int = 0, root=None, validate=None):

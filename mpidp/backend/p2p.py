@@ -101,7 +101,8 @@ def post(g, comm, tensors, peer: int, tag: int, send: bool) -> P2PWork:
             raise CommunicationError(g.rank, "recv", f"rank {source} sent {got} "
                                      f"bytes, the tensor holds {staged.bytes.nbytes}")
         staged.done()
-    return P2PWork(g, request, ("receive from rank {} (tag {})", peer, tag), finish)
+    return P2PWork(g, request, ("receive from {} (tag {})",
+                                "any rank" if peer is ANY else f"rank {peer}", tag), finish)
 
 
 def monitored_barrier(g, comm, timeout_s: float, wait_all_ranks: bool) -> None:

@@ -121,14 +121,16 @@ def _runner(algo: str, comm, op: str, dtype: str, gloo):
         mop = mpi_op(code, OP_CODES[op][0])
         n = comm.Get_size()
 
+        out_of_place, in_place = (mpi.allreduce_bound(comm, mop, p) for p in (False, True))
+
         def finish(b):
             if op == "avg":
                 b /= n
         def oop(s, d, sm, dm):
-            mpi.allreduce_op(comm, sm, dm, mop)
+            out_of_place(sm, dm)
             finish(d)
         def ip(b, bm):
-            mpi.allreduce_op(comm, None, bm, mop)
+            in_place(bm)
             finish(b)
         return oop, ip
     if algo == "gloo":

@@ -81,7 +81,8 @@ def allreduce_in(g, x: Any, op: str = "sum", algorithm: str = "auto", inplace: b
                     return y
         return _allreduce(g, x, op, algorithm, inplace)
     except MismatchError as exc:
-        return _again_if_joined(g, exc, lambda: with_joined(g, x, op, algorithm, inplace))
+        _unless_joined(exc)
+    return with_joined(g, x, op, algorithm, inplace)  # outside the handler: no chained error
 
 
 # Note [One call or the general path]
@@ -90,7 +91,9 @@ def allreduce_in(g, x: Any, op: str = "sum", algorithm: str = "auto", inplace: b
 # buffer view the torch.distributed backend made, ``allreduce_tensor_`` for the drop-in
 # bindings; what the one call declines goes to the general path (``_allreduce``) directly,
 # never to a second try. A MismatchError that says ranks have joined is retried once, with
-# their zeros, by ``_again_if_joined`` (Note [Joined ranks] in mpidp/engine/header.py).
+# their zeros (``with_joined``), after ``_unless_joined`` let it by, outside the handler (an
+# error of the retry is its own, not chained to the first): Note [Joined ranks] in
+# mpidp/engine/header.py.
 
 def allreduce_view_(g, view, op: str) -> None:
     """The in-place all-reduce over group ``g`` of ``view``, a writable C-contiguous buffer
@@ -101,19 +104,18 @@ def allreduce_view_(g, view, op: str) -> None:
     try:
         if g.resources.fast_allreduce is None or not _one_call(g, view, op):
             _allreduce(g, np.asarray(view), op, "auto", True)
+        return
     except MismatchError as exc:
-        _again_if_joined(g, exc, lambda: with_joined(g, np.asarray(view), op, "auto", True))
+        _unless_joined(exc)
+    with_joined(g, np.asarray(view), op, "auto", True)
 
 
-def _again_if_joined(g, exc: MismatchError, again, stamp: int = 0):
-    """The retry for joined ranks, the one place: ``exc`` raised again unless its headers say
-    ranks have joined (Note [Joined ranks] in mpidp/engine/header.py); else ``again()`` (the
-    all-reduce once more, with their zeros: ``with_joined``), its headers carrying ``stamp``
-    (0: none), and its result returned."""
+def _unless_joined(exc: MismatchError) -> None:
+    """The joined ranks' rule, the one place: raises ``exc`` again unless its headers say
+    ranks have joined (Note [Joined ranks] in mpidp/engine/header.py), when the caller's
+    all-reduce is to run once more with their zeros. Called in the handler of ``exc``."""
     if header.for_joined(getattr(exc, "headers", ())) is None:
         raise exc
-    with g.resources.stamped(stamp or None):
-        return again()
 
 
 def with_joined(g, x, op: str, algorithm: str, inplace: bool):
@@ -147,10 +149,12 @@ def allreduce_tensor_(g, x, op: str, stamp: int = 0) -> bool:
     try:
         if not _one_call(g, view, op, stamp):
             return False
-    except MismatchError as exc:
-        _again_if_joined(g, exc, lambda: with_joined(g, x, op, "auto", True), stamp)
+        bump_tensor_version(x)
         return True
-    bump_tensor_version(x)
+    except MismatchError as exc:
+        _unless_joined(exc)
+    with g.resources.stamped(stamp or None):
+        with_joined(g, x, op, "auto", True)
     return True
 
 
@@ -227,8 +231,10 @@ def allreduce_segments_(g, flats: list, dtype: int, op: str) -> None:
                                              g.size if avg else 1)
     try:
         run()
+        return
     except MismatchError as exc:
-        _again_if_joined(g, exc, run)
+        _unless_joined(exc)
+    run()
 
 
 def _device_allreduce(g, x, op, algorithm, inplace):

@@ -101,7 +101,10 @@ def of(g, name: str) -> "Scheduler":
     if s is None or s.stopped:
         with _making:
             s = g.resources.scheduler
-            if s is None or (s.stopped and not g.resources.closed):
+            if g.resources.closed:  # shutting down: its users were stopped already, and a
+                if s is None:       # thread started now would outlive the group
+                    raise _stopped()
+            elif s is None or s.stopped:
                 s = g.resources.scheduler = Scheduler(g, name)
     return s
 
@@ -182,6 +185,8 @@ class Scheduler:
             self.parked_by = caller
             reached.set()
             released.wait()
+            if self.parked_by == caller:  # a caller interrupted before its turn left it
+                self.parked_by = None
 
         def delivered(outcome):
             if outcome[0] is not None:  # stopped before the gate's turn
@@ -214,9 +219,9 @@ class Scheduler:
                 if task is None:
                     return
                 context, fn, deliver = task
-                board.context = context
                 with running:  # counted done before its waiter wakes: a synchronous call
-                    t0 = clock()  # after the wait finds the group idle
+                    board.context = context  # after the wait finds the group idle
+                    t0 = clock()
                     try:
                         fn()
                     except BaseException as exc:  # noqa: BLE001 - delivered to its waiter
@@ -224,8 +229,8 @@ class Scheduler:
                     else:
                         outcome = (None, clock() - t0)
                     self.finished += 1
+                    board.context = None
                     deliver(outcome)
-                board.context = None
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Ends the thread after the task it is in (shutdown closed the context its waits

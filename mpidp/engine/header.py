@@ -169,6 +169,12 @@ OTHER_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "
                 "float8_e5m2fnuz", "float8_e8m0fnu")
 
 
+def other_dtype(name: str) -> int:
+    """An OTHER header's dtype word for element type ``name`` ("float32", torch's without
+    "torch."): 1 + its index in OTHER_DTYPES, 0 for one not there."""
+    return OTHER_DTYPES.index(name) + 1 if name in OTHER_DTYPES else 0
+
+
 def other_header(name: str, op: int = 0, dtype: int = 0, count: int = 0,
                  error: int = ERR_NONE) -> tuple:
     """The header of an object collective called ``name`` (Note [Debug fingerprints]), or of

@@ -11,10 +11,14 @@ import torch
 
 from ..comm import collectives, operations
 from ..comm.tensor_views import tensor_bytes
+from ..engine import header
 from ..engine.header import ALLGATHER
 from .arguments import check_tensor, named, refuse
 from . import handles
 from .process_sets import on
+
+
+header.other_header("alltoall")  # any rank can name it where another called something else
 
 
 def _received(g, splits: list) -> list:
@@ -49,7 +53,8 @@ def _exchange(tensor: torch.Tensor, splits, g) -> tuple:
     out = x.new_empty((sum(received), *x.shape[1:]))
     row = math.prod(x.shape[1:]) * x.element_size()  # bytes of a row
     operations.alltoallv(g, "alltoall", tensor_bytes(x), [k * row for k in splits],
-                         tensor_bytes(out), [k * row for k in received])
+                         tensor_bytes(out), [k * row for k in received],
+                         dtype_word=header.other_dtype(str(x.dtype).removeprefix("torch.")))
     return out.to(tensor.device), received
 
 

@@ -6,7 +6,6 @@ matplotlib (``pip install 'mpidp[bench]'``)."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -22,11 +21,9 @@ def read_run(path: Path) -> dict:
     """The epochs, the straggler events and the summary of a JSON log; ValueError naming the
     file and line when it is not one."""
     epochs, stragglers, summary = [], [], None
-    what = "a line of python -m mpidp.train --log-json"
-    for event in records.load(path, lines=True, what=what):
-        kind = event.get("event") if isinstance(event, dict) else None
-        if kind is None:
-            raise ValueError(f"{path}: {json.dumps(event)[:60]} is not {what}")
+    for event in records.load(path, lines=True, what="a line of python -m mpidp.train "
+                              "--log-json", fits=lambda e: isinstance(e, dict) and "event" in e):
+        kind = event["event"]
         if kind == "epoch":
             epochs.append(event)
         elif kind == "straggler":

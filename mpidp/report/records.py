@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 
 def load(path: Union[str, Path], lines: Optional[bool] = None,
-         what: str = "a line of JSON") -> Any:
+         what: str = "a line of JSON", fits: Callable[[Any], bool] = lambda record: True) -> Any:
     """JSON lines' records (a list, blank lines skipped: ``lines``, by default where the name
     ends in ``.jsonl``), else the file's one JSON value; ValueError naming the file (and the
-    line: "not ``what``") where it cannot be read or parsed."""
+    line: "not ``what``") where it cannot be read or parsed, or a record does not ``fit``."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -27,7 +27,11 @@ def load(path: Union[str, Path], lines: Optional[bool] = None,
     for n, line in enumerate(text.splitlines(), start=1):
         if line.strip():
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
+                ok = fits(record)
             except ValueError:
-                raise ValueError(f"{path}:{n}: not {what}") from None
+                ok = False
+            if not ok:
+                raise ValueError(f"{path}:{n}: not {what}")
+            records.append(record)
     return records

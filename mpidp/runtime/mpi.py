@@ -6,6 +6,7 @@ collective frame] in mpidp/runtime/frame.py: mpidp.comm.objects and mpidp.comm.b
 them theirs); none checks its arguments beyond what MPI does."""
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Optional, Sequence
 
@@ -160,10 +161,13 @@ def allreduce_sum_(comm, array: np.ndarray) -> None:
     comm.Allreduce(_mpi().IN_PLACE, array, op=_mpi().SUM)
 
 
-def allreduce_op(comm, send, recv, op) -> None:
-    """MPI_Allreduce of ``send`` into ``recv`` (``send`` None: in place) with MPI op ``op``
-    (mpidp.engine.host_executor.mpi_op): MPI's own all-reduce, as a user of mpi4py calls it."""
-    comm.Allreduce(_mpi().IN_PLACE if send is None else send, recv, op=op)
+def allreduce_bound(comm, op, in_place: bool):
+    """MPI_Allreduce with MPI op ``op`` bound (``functools.partial``, C-level): called with
+    ``(send, recv)``, or with ``(buf,)`` where ``in_place``. For a baseline timed call by
+    call (mpidp.bench), which must cost what mpi4py's own call costs: no Python frame here."""
+    if in_place:
+        return functools.partial(comm.Allreduce, _mpi().IN_PLACE, op=op)
+    return functools.partial(comm.Allreduce, op=op)
 
 
 # ---- point-to-point and requests ---------------------------------------------------------

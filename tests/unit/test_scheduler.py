@@ -160,6 +160,46 @@ def test_parked_runs_the_block_in_its_place_with_the_thread_waiting(group):
     assert not s.here()
 
 
+def test_a_block_left_before_its_turn_leaves_no_gate_behind(group, monkeypatch):
+    """The caller's wait for its turn is interrupted (a KeyboardInterrupt caught by the
+    user): the gate, run later, still lets the thread go and leaves ``parked_by`` unset, so
+    that thread's later collectives are parked again, not taken as already in their turn."""
+    s = scheduler.of(group, "test-comm")
+    release, first = held(s)
+    real = threading.Event.wait
+    interrupted = []
+
+    def wait_once(self, *args):
+        if not interrupted and threading.current_thread() is threading.main_thread():
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return real(self, *args)
+    monkeypatch.setattr(threading.Event, "wait", wait_once)
+    with pytest.raises(KeyboardInterrupt):
+        with s.parked():
+            raise AssertionError("the block ran before its turn")
+    monkeypatch.setattr(threading.Event, "wait", real)
+    release.set()
+    s.drain()
+    assert first.error() is None and s.parked_by is None and not s.here()
+
+
+def test_no_scheduler_starts_on_a_group_shutting_down(group):
+    """``of`` on a group whose shutdown began: no thread that would outlive it; a stopped
+    scheduler stays stopped and fails what is queued to it."""
+    group.resources.closed = True
+    with pytest.raises(SchedulerStoppedError):
+        scheduler.of(group, "test-comm")
+    group.resources.closed = False
+    s = scheduler.of(group, "test-comm")
+    assert s.stop(10.0)
+    group.resources.closed = True
+    assert scheduler.of(group, "test-comm") is s
+    waiter = Waiter()
+    s.submit(None, lambda: None, waiter)
+    assert isinstance(waiter.error(), SchedulerStoppedError)
+
+
 def test_a_synchronous_call_runs_inline_only_where_the_group_is_idle(group):
     s = scheduler.of(group, "test-comm")
     assert s.begin_inline()  # idle: the caller runs its operation, holding ``running``

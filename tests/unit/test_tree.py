@@ -75,6 +75,7 @@ def test_the_backends_old_name_is_the_backend():
             "from mpidp.dist import ops\n"
             "assert mpidp.dist.group is mpidp.backend.group\n"
             "assert sys.modules['mpidp.dist.group'] is mpidp.backend.group\n"
+            "assert mpidp.backend.group.__spec__.name == 'mpidp.backend.group'\n"
             "assert ops is sys.modules['mpidp.backend.ops']\n"
             "from importlib.metadata import EntryPoint\n"
             "EntryPoint('mpidp', 'mpidp.dist:autoload', 'torch.backends').load()()\n"

@@ -237,6 +237,10 @@ ONE_RANK = [  # (what, call, rank 0's error, what the others' message names)
      "op=adasum, refused there"),
     ("Max against Sum", lambda b: hvd.allreduce(t3, op=hvd.Max if b else hvd.Sum),
      MismatchError, "op=max"),
+    # Horovod's own test_horovod_alltoall_type_error: int32 against float32, bytes alike
+    ("alltoall of int32 against float32",
+     lambda b: hvd.alltoall(torch.ones(2 * n, dtype=torch.int32 if b else torch.float32)),
+     MismatchError, "rank 0: alltoall int32"),
 ]
 for what, call, own, shown in ONE_RANK:
     raised_everywhere(lambda: call(rank == 0), rank == 0, own, what, shown)
