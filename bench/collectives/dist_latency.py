@@ -25,18 +25,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import os
 import sys
 import time
 
-import numpy as np
-import torch
-import torch.distributed as dist
+# the backend registered by this build's own module, not through the installed entry point,
+# which bench/ab.py's other build would resolve into this checkout: mpidp.dist, its name in
+# every build (Note [The backend's old name] in mpidp/dist.py)
+os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
 
-import mpidp
-from mpidp import files
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import mpidp  # noqa: E402
+import mpidp.dist  # noqa: E402,F401 - registers the backend
+from mpidp import files  # noqa: E402
 from mpidp.bench.harness import Gloo, format_size, parse_size, rotation
 
-from small_messages import count_wrong, run_blocks, summarize  # the sibling script's
+from small_messages import count_wrong, run_blocks, summarize  # noqa: E402 - its sibling
 
 COLUMNS = ("mpi", "mpidp_allreduce_", "dist_mpidp", "dist_gloo")
 
