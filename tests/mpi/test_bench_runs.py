@@ -88,7 +88,8 @@ def test_link_floor_sums_exactly_and_times_every_kind(tmp_path):
     if not mpicc.exists():
         pytest.skip(f"no MPI compiler wrapper beside {mpiexec()}")
     exe = tmp_path / "link_floor"
-    subprocess.run([mpicc, "-O2", "-Wall", "-Werror", "-o", exe, ROOT / "bench" / "link_floor.c"],
+    subprocess.run([mpicc, "-O2", "-Wall", "-Werror", "-o", exe,
+                    ROOT / "bench" / "collectives" / "link_floor.c"],
                    check=True, capture_output=True, timeout=120)
     proc = subprocess.run([mpiexec(), "-n", "2", exe, "32", str(64 << 10)], capture_output=True,
                           text=True, timeout=120)
