@@ -81,8 +81,8 @@ def test_fusion_bench_runs(tmp_path):
 
 def test_link_floor_sums_exactly_and_times_every_kind(tmp_path):
     """bench/collectives/link_floor.c (the floor of an all-reduce between two nodes:
-    bench/RESULTS.md, issue 32 item 1), built with the MPI's own compiler wrapper, at its three smallest sizes
-    on 2 ranks of one node: each kind checks its sum of small integers before it is timed
+    bench/RESULTS.md, issue 32 item 1), built with the MPI's own compiler wrapper, at its
+    three smallest sizes on 2 ranks of one node: each kind checks its sum of small integers before it is timed
     (a wrong one ends the run with exit code 1), and every kind gets a time."""
     mpicc = Path(mpiexec()).with_name("mpicc")
     if not mpicc.exists():

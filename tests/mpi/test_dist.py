@@ -22,7 +22,9 @@ INIT = ("import torch, torch.distributed as dist; dist.init_process_group({args}
         "t = torch.ones(2) * (dist.get_rank() + 1); dist.all_reduce(t); "
         "s = dist.distributed_c10d._get_default_store(); "
         "exec('while isinstance(s, dist.PrefixStore): s = s.underlying_store'); "
-        "print(f'ok {{dist.get_rank()}}', t.tolist(), type(s).__name__, flush=True)")
+        "print(f'ok {{dist.get_rank()}} {{t.tolist()}} {{type(s).__name__}}', flush=True)")
+# one string, one write: with PYTHONUNBUFFERED (tests/harness/mpirun.py) print's pieces are
+# written one by one, and the two ranks' lines could interleave in mpiexec's output
 
 
 def test_init_method_mpidp_and_env_with_master_addr():
