@@ -11,6 +11,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..comm import scheduler
 from ..comm.scheduler import Scheduler
 
 POLL_S = 0.001  # a wait with a timeout polls the future this often
@@ -58,12 +59,7 @@ class Work(dist.Work):
 def run_now(fn: Callable[[], None], result) -> Work:
     """``fn`` run here; its Work, completed (or failed)."""
     f = torch.futures.Future()
-    try:
-        fn()
-    except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-        f.set_exception(exc)
-    else:
-        f.set_result(result)
+    _settle(f, result, scheduler.outcome(fn))
     return Work(f)
 
 

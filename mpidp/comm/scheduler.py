@@ -86,7 +86,7 @@ def _stopped() -> SchedulerStoppedError:
 def check_thread_level() -> None:
     """Note [One communication thread per group]: MPI at SERIALIZED or better."""
     level = runtime.thread_level()
-    if runtime.THREAD_LEVELS.index(level) < runtime.THREAD_LEVELS.index("serialized"):
+    if level not in ("serialized", "multiple"):
         raise MpidpError(f"mpidp's communication thread (DistributedDataParallel, Horovod's "
                          f"DistributedOptimizer) needs MPI_THREAD_SERIALIZED or better; MPI "
                          f"was initialised with MPI_THREAD_{level.upper()} (let mpidp.init() "
@@ -142,7 +142,7 @@ class Scheduler:
                deliver: Callable[[tuple], Any]) -> None:
         """Queues task ``fn``; on the thread itself it runs at once."""
         if _get_ident() == self.ident:  # from a task or a delivery's callback
-            deliver(_outcome(fn))
+            deliver(outcome(fn))
             return
         with self.lock:
             if not self.stopped:
@@ -212,7 +212,7 @@ class Scheduler:
         done.wait()
 
     def _run(self) -> None:
-        board, tasks, running, clock = self.g.board, self.tasks, self.running, time.perf_counter
+        board, tasks, running = self.g.board, self.tasks, self.running
         with runtime.using(self.g):
             while True:
                 task = tasks.get()
@@ -221,16 +221,10 @@ class Scheduler:
                 context, fn, deliver = task
                 with running:  # counted done before its waiter wakes: a synchronous call
                     board.context = context  # after the wait finds the group idle
-                    t0 = clock()
-                    try:
-                        fn()
-                    except BaseException as exc:  # noqa: BLE001 - delivered to its waiter
-                        outcome = (exc, clock() - t0)
-                    else:
-                        outcome = (None, clock() - t0)
+                    done = outcome(fn)
                     self.finished += 1
                     board.context = None
-                    deliver(outcome)
+                    deliver(done)
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Ends the thread after the task it is in (shutdown closed the context its waits
@@ -256,12 +250,14 @@ class Scheduler:
         return True
 
 
-def _outcome(fn: Callable[[], None]) -> tuple:
+def outcome(fn: Callable[[], None]) -> tuple:
+    """Runs ``fn``: (what it raised, or None; the seconds it ran), a task's outcome."""
+    t0 = time.perf_counter()
     try:
         fn()
     except BaseException as exc:  # noqa: BLE001 - delivered to its waiter
-        return exc, 0.0
-    return None, 0.0
+        return exc, time.perf_counter() - t0
+    return None, time.perf_counter() - t0
 
 
 def _nothing() -> None:

@@ -22,16 +22,28 @@ def world():
     return _mpi().COMM_WORLD
 
 
+THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")  # the standard's order
+
+
+def thread_level() -> str:
+    """The thread level MPI was initialised with, by name (THREAD_LEVELS, lowest first: a
+    level compares by ``THREAD_LEVELS.index``); "unknown" for a value the library does not
+    name. The layers above ask here rather than import mpi4py (Note [MPI below one line] in
+    mpidp/runtime/__init__.py)."""
+    MPI = _mpi()
+    order = (MPI.THREAD_SINGLE, MPI.THREAD_FUNNELED, MPI.THREAD_SERIALIZED, MPI.THREAD_MULTIPLE)
+    level = MPI.Query_thread()  # the values are the library's; the standard orders them
+    return THREAD_LEVELS[order.index(level)] if level in order else "unknown"
+
+
 def library() -> dict:
     """{library: the first line of its version, standard: (major, minor), thread: the
-    initialised level's index in MPI's order (-1: unknown), mpi4py: its version}."""
+    initialised level's index in THREAD_LEVELS (-1: unknown), mpi4py: its version}."""
     MPI = _mpi()
     first = MPI.Get_library_version().strip().splitlines()[0]
-    levels = [MPI.THREAD_SINGLE, MPI.THREAD_FUNNELED, MPI.THREAD_SERIALIZED,
-              MPI.THREAD_MULTIPLE]  # the standard orders them; their values are the library's
-    level = MPI.Query_thread()
+    level = thread_level()
     return {"library": " ".join(first.split()), "standard": MPI.Get_version(),
-            "thread": levels.index(level) if level in levels else -1,
+            "thread": THREAD_LEVELS.index(level) if level in THREAD_LEVELS else -1,
             "mpi4py": sys.modules["mpi4py"].__version__}  # loaded with its MPI
 
 

@@ -21,6 +21,7 @@ from ..engine.gpu.device import bind_if_visible
 from .resources import Resources
 from .topology import Topology
 from .frame import collective
+from .mpi import THREAD_LEVELS, thread_level  # noqa: F401 - the runtime's names
 from ..engine.library import mpi
 
 
@@ -293,19 +294,6 @@ def init_group() -> Group:
     if _group is None:
         raise NotInitializedError("call mpidp.init() on every rank before using mpidp")
     return _group
-
-
-THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")  # MPI's order
-
-
-def thread_level() -> str:
-    """The thread level MPI was initialised with, by name (THREAD_LEVELS, lowest first); a
-    level compares by ``THREAD_LEVELS.index``. Callers above this layer ask here rather than
-    import mpi4py (Note [MPI below one line] in mpidp/runtime/__init__.py)."""
-    MPI = mpi()
-    level = MPI.Query_thread()
-    order = (MPI.THREAD_SINGLE, MPI.THREAD_FUNNELED, MPI.THREAD_SERIALIZED, MPI.THREAD_MULTIPLE)
-    return THREAD_LEVELS[order.index(level)]
 
 
 def is_initialized() -> bool:
