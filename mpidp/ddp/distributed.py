@@ -116,8 +116,8 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
         self._in_backward = False
         self._scheduler: Optional[scheduler.Scheduler] = None  # from the first backward
         self.comm_stats = {"steps": 0, "wait_s": 0.0, "comm_s": 0.0}
-        for i, p in enumerate(self._params):
-            p.register_post_accumulate_grad_hook(functools.partial(self._mark_ready, i))
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(
+            functools.partial(self._mark_ready, i)) for i, p in enumerate(self._params)]
 
     # ---- buckets ------------------------------------------------------------------------
 
@@ -158,6 +158,14 @@ class DistributedDataParallel(torch.nn.Module, JoinSupport):
                 and torch.is_grad_enabled():
             broadcast_tensors_(self._module_buffers, 0)
         return self.module(*args, **kwargs)
+
+    def abandon(self) -> None:
+        """Leaves this DDP after its group lost a rank (Note [In-job recovery] in
+        mpidp/runtime/recovery.py): its gradient hooks come off the module, so a DDP made on
+        the group's successor is the only one that reduces. This rank only."""
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks = []
 
     @contextlib.contextmanager
     def no_sync(self):

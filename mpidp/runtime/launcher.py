@@ -168,3 +168,11 @@ def mpiexec() -> str:
     if not found:
         raise FileNotFoundError("no mpiexec found: pip install mpich (see README)")
     return found
+
+
+# Open MPI's mpiexec options for a job that outlives a lost rank (Note [In-job recovery] in
+# mpidp/runtime/recovery.py): ULFM on; the tcp transport, which reports a lost peer (with the
+# shared-memory one, sm, the survivors wait forever: docs/recovery.md); no UCX windows (their
+# component is not built for failures, and says so at every start); slots for replacements
+OPEN_MPI_FT_ARGS = ("--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--mca", "pml", "ob1",
+                    "--mca", "osc", "^ucx", "--oversubscribe")

@@ -229,6 +229,31 @@ class Resources:
         self._stuck = not all([stop(timeout_s) for stop in users]) or self._stuck
         return not self._stuck
 
+    def comms(self) -> list:
+        """Every communicator of mpidp's that the resources hold (the watchdog's; a
+        transport's), for a revoke (Note [In-job recovery] in mpidp/runtime/recovery.py)."""
+        found = [getattr(t, "comm", None) for t in self.links.transports.values()]
+        if self.watchdog is not None:
+            found.append(self.watchdog.comm)
+        return [c for c in found if c is not None]
+
+    def abandon(self, timeout_s: float = 10.0) -> None:
+        """Leaves the resources of a group that lost a rank (its communicators revoked: Note
+        [In-job recovery] in mpidp/runtime/recovery.py): every wait in the shared-memory
+        context ended, the threads that use the group stopped, the watchdog stopped; nothing
+        freed that a collective would free (the communicators and windows are left to the
+        process's exit). This rank only; no communication."""
+        self._closed = True
+        self.fast_allreduce = None
+        if self._shm is not None:
+            self._shm.close()
+        users, self._users = self._users, []
+        for stop in users:
+            stop(timeout_s)
+        if self.watchdog is not None:
+            self.watchdog.abandon()
+            self.watchdog = None
+
     def free(self) -> bool:
         """Collective: stops the threads that use the resources, frees transports and the
         node's windows (under the watchdog), then stops the watchdog; True. False, freeing

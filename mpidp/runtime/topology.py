@@ -67,6 +67,12 @@ class Topology:
     def single_node(self) -> bool:
         return self.node_count == 1
 
+    def comms(self) -> list:
+        """The group's communicators: the user's, mpidp's duplicate, the node's, the
+        leaders'."""
+        return [c for c in (self.user_comm, self.comm, self.node_comm, self.leader_comm)
+                if c is not None]
+
     def free(self) -> None:
         """Frees mpidp's communicators (collective)."""
         for c in (self.node_comm, self.leader_comm, self.comm):

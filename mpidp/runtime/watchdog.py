@@ -67,6 +67,7 @@ from typing import Optional
 import numpy as np
 
 from ..engine import header
+from . import recovery
 from .abort import abort_job
 from .stall_report import COLLECTIVE, ONE_SIDED, departed_report, report  # noqa: F401
 from ..engine.library import mpi
@@ -194,7 +195,10 @@ class Watchdog:
         MPI = mpi()
         self._MPI = MPI
         self.g, self.board, self.timeout_s = g, g.board, timeout_s
-        self.interval_s = min(1.0, timeout_s / 4)
+        # under in-job recovery the watchdog's receive from any rank is how a lost rank is
+        # heard of soon (Note [In-job recovery] in mpidp/runtime/recovery.py)
+        self.interval_s = min(0.05 if getattr(g, "recovery", "off") != "off" else 1.0,
+                              timeout_s / 4)
         self.grace_s = 2 * self.interval_s + 1.0
         self.can_ask = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         self.comm = g.comm.Dup() if self.can_ask else None
@@ -249,6 +253,13 @@ class Watchdog:
             self.comm.Free()
             self.comm = None
 
+    def abandon(self) -> None:
+        """Ends the thread of a group that lost a rank, its communicator revoked (Note
+        [In-job recovery] in mpidp/runtime/recovery.py): no notice, nothing cancelled or
+        freed. This rank only."""
+        self._stop.set()
+        self.thread.join()
+
     # ---- the thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -263,6 +274,12 @@ class Watchdog:
                 elif self.departed:
                     self._check_departed(now)
         except Exception as exc:  # a broken watchdog must not take the job down
+            if getattr(self.g, "recovery", "off") != "off" and recovery.is_process_failure(exc):
+                # a lost rank that no wait of this rank's may ever ask for (two live ranks
+                # each in another collective): revoked, every wait hears of it (Note [In-job
+                # recovery] in mpidp/runtime/recovery.py)
+                recovery.revoke([*self.g.comms(), *self.g.resources.comms()])
+                return
             sys.stderr.write(f"mpidp: rank {self.g.rank}: the watchdog stopped: "
                              f"{type(exc).__name__}: {exc}\n")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import contextvars
+import dataclasses
 import socket
 import sys
 import threading
@@ -14,7 +15,7 @@ import warnings
 from typing import Any, Optional
 
 from .. import config
-from . import launcher, timeline
+from . import launcher, recovery, timeline
 from .abort import abort_job
 from ..errors import ConfigError, LaunchError, MismatchError, NotInitializedError
 from ..engine.gpu.device import bind_if_visible
@@ -29,10 +30,15 @@ class Group(Topology):
     """mpidp's process group: its topology (mpidp.runtime.topology, fixed after init) and the
     ``resources`` its collectives use (mpidp.runtime.resources), among them the watchdog's ``board``."""
 
-    __slots__ = ("resources", "board")
+    __slots__ = ("resources", "board", "recovery", "cfg")
 
-    def __init__(self, user_comm: Any, cfg: config.Config):
+    def __init__(self, user_comm: Any, cfg: config.Config, recovery_mode: str = "off"):
+        # under in-job recovery every rank is a node of its own to the engine (Note [In-job
+        # recovery] in mpidp/runtime/recovery.py)
+        if recovery_mode != "off":
+            cfg = dataclasses.replace(cfg, emulate_node_size=1)
         super().__init__(user_comm, cfg.emulate_node_size)
+        self.cfg, self.recovery = cfg, recovery_mode
         self.resources = Resources(self, cfg)
         self.board = self.resources.board
 
@@ -69,6 +75,15 @@ def _agreed_settings(comm: Any) -> config.Config:
         raise bad
     config.check_group_size(cfg, comm.Get_size())
     return cfg
+
+
+def _recovery_mode(cfg: config.Config) -> str:
+    """What MPIDP_RECOVERY means in this job (mpidp.runtime.recovery.mode), or a ConfigError
+    naming the library: the same on every rank (one library, one job)."""
+    try:
+        return recovery.mode(cfg.recovery)
+    except ValueError as exc:
+        raise ConfigError("MPIDP_RECOVERY", cfg.recovery, str(exc).split(": ", 1)[1]) from None
 
 
 def _check_agreement(comm: Any, everyone: list) -> None:
@@ -116,8 +131,11 @@ def init(comm: Any = None) -> Group:
     with _lock:
         launcher.prepare_mpi_start()  # Note [PMI-1 lines under srun] in mpidp/runtime/launcher.py
         MPI = mpi()
-        if comm is None:
-            comm = MPI.COMM_WORLD
+        if comm is None and _group is not None:
+            return _group
+        if comm is None:  # a replacement of a lost rank joins the job: Note [In-job recovery]
+            comm = (recovery.join_parent() if recovery.REPLACEMENT in sys._xoptions else None) \
+                or MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise TypeError(f"comm must be an mpi4py Intracomm, got {comm!r}")
         if _group is not None:
@@ -130,31 +148,67 @@ def init(comm: Any = None) -> Group:
             if reason is not None:
                 raise LaunchError(f"mpidp: {reason}")
         cfg = _agreed_settings(comm)
-        timeline.switch(bool(cfg.timeline))  # Note [Timeline cost]
-        try:
-            group = Group(comm, cfg)
-        except BaseException:  # no group: nothing records, as before init
-            timeline.switch(False)
-            raise
-        if cfg.abort_on_exception:
-            _install_abort_hooks(group)
-        group.resources.start_watchdog(cfg.timeout_s)
-        if comm == MPI.COMM_WORLD and cfg.emulate_node_size == 0:
-            for problem in launcher.disagreements(launcher.launcher_view(), group.rank,
-                                                  group.size, group.local_rank, group.local_size):
-                warnings.warn(f"mpidp: rank {group.rank}: {problem}", RuntimeWarning, stacklevel=2)
-        if timeline.ON:
-            try:
-                with collective(group, "init: starting the timeline", check=False):
-                    timeline.start(group.comm, cfg.timeline)
-            except BaseException:  # raised on every rank: nothing of this group survives
-                timeline.switch(False)
-                group.free()
-                raise
+        group = _start_group(comm, cfg, _recovery_mode(cfg))
         _group = group
         bind_if_visible(group.local_rank)  # before any CUDA work of the user's (imports nothing)
         atexit.register(shutdown)
         return group
+
+
+def _start_group(comm: Any, cfg: config.Config, recovery_mode: str) -> Group:
+    """The group on ``comm`` with its watchdog (and the timeline, where it records), as init
+    makes it and a recovery remakes it. Every rank of ``comm`` calls it."""
+    MPI = mpi()
+    timeline.switch(bool(cfg.timeline))  # Note [Timeline cost]
+    try:
+        group = Group(comm, cfg, recovery_mode)
+    except BaseException:  # no group: nothing records, as before init
+        timeline.switch(False)
+        raise
+    if cfg.abort_on_exception:
+        _install_abort_hooks(group)
+    group.resources.start_watchdog(cfg.timeout_s)
+    if comm == MPI.COMM_WORLD and group.cfg.emulate_node_size == 0:
+        for problem in launcher.disagreements(launcher.launcher_view(), group.rank,
+                                              group.size, group.local_rank, group.local_size):
+            warnings.warn(f"mpidp: rank {group.rank}: {problem}", RuntimeWarning, stacklevel=3)
+    if timeline.ON:
+        try:
+            with collective(group, "init: starting the timeline", check=False):
+                timeline.start(group.comm, cfg.timeline)
+        except BaseException:  # raised on every rank: nothing of this group survives
+            timeline.switch(False)
+            group.free()
+            raise
+    return group
+
+
+def recover() -> tuple:
+    """The survivors' side of Note [In-job recovery] (mpidp/runtime/recovery.py), after an
+    MPI call reported a lost process (recovery.is_process_failure): revokes every
+    communicator of mpidp's groups, leaves their resources (sub-groups gone: their users
+    remake them), shrinks the job's communicator, respawns the lost ranks where the group's
+    mode is ``respawn``, and makes the group anew as ``init`` made it (the replacements'
+    ``init`` joins it). Returns (the new group, the ranks lost, whether they were replaced).
+    Every survivor calls it; RuntimeError where the group is not under in-job recovery."""
+    global _group
+    with _lock:
+        old = init_group()
+        if old.recovery == "off":
+            raise RuntimeError("mpidp: this group was not made for in-job recovery "
+                               "(MPIDP_RECOVERY)")
+        everyone = (*_subgroups, old)
+        recovery.revoke([c for g in everyone for c in (*g.comms(), *g.resources.comms())])
+        for g in everyone:
+            g.resources.abandon()
+        _subgroups.clear()
+        survivors, lost = recovery.shrink(old.user_comm)
+        comm = survivors
+        if old.recovery == "respawn" and lost:
+            comm = recovery.respawn(survivors, lost, recovery.command())
+        cfg = _agreed_settings(comm)
+        _group = _start_group(comm, cfg, old.recovery)
+        return _group, lost, comm is not survivors
 
 
 def shutdown() -> None:

@@ -26,7 +26,7 @@ from ..runtime.abort import FORWARD_S, abort_job
 from ..runtime.exit import REFUSED, output_failure
 from ..errors import ConfigError, LaunchError, MismatchError, OutputError
 from ..runtime.helpformat import DefaultsHelpFormatter, Parser
-from . import checkpoint
+from . import checkpoint, in_job
 from .interrupts import (PROG, claim_ending, end_while_starting, launcher_rank,
                          raise_interrupted, signal_of, wait_for_the_end, watching_interrupts)
 from .loop import Trainer
@@ -311,9 +311,12 @@ def _run(settings: TrainSettings, argv: Sequence[str]) -> int:
 
 def _train(settings: TrainSettings, g) -> None:
     """The run on group ``g``, from the checks every rank agrees on to the last epoch."""
-    agree(g, lambda: check_world(settings, g.size))  # before the banner names the ranks
-    model, sets = agree(g, lambda: build(settings))
-    if g.rank == 0:
+    # a replacement of a lost rank checks alone: the others are training (Note [Recovering
+    # a run] in mpidp/train/in_job.py)
+    checked = (lambda check: check()) if in_job.joining() else (lambda check: agree(g, check))
+    checked(lambda: check_world(settings, g.size))  # before the banner names the ranks
+    model, sets = checked(lambda: build(settings))
+    if g.rank == 0 and not in_job.joining():
         servers = settings.num_ps or 1
         ranks = f"{g.size} ranks ({g.size - servers} worker(s), {servers} server(s))" \
             if settings.strategy == "ps" else f"{g.size} rank(s)"

@@ -14,12 +14,12 @@ import torch
 
 from ..comm import collectives
 from .. import runtime
-from ..runtime import timeline
+from ..runtime import recovery, timeline
 from ..workloads.data import ShardSampler
 from ..engine.gpu.device import torch_gpu
 from ..runtime.frame import collective
 from ..comm import objects
-from . import async_checkpoint, checkpoint, devices, setup, stragglers
+from . import async_checkpoint, checkpoint, devices, in_job, setup, stragglers
 from .on_signal import StoppedOnSignal, arrive, recorded_signal, recording_signals
 from .metrics import Report, emit
 from .scoring import evaluate, parameters_sha256
@@ -49,6 +49,8 @@ class Trainer:
         with a checkpoint and StoppedOnSignal (Note [Checkpoint on signal])."""
         s = self.settings
         g = runtime.init()
+        if in_job.joining():  # a replacement of a lost rank: Note [Recovering a run]
+            return self._replace(g, model, train_data, test_data, loss_fn, names)
         setup.agree(g, lambda: (s.check(), check_world(s, g.size)))
         setup.same_everywhere(g, setup.fingerprint(s, train_data, test_data))
         sampler = setup.agree(g, lambda: ShardSampler(len(train_data), g.rank, g.size, s.seed))
@@ -90,25 +92,57 @@ class Trainer:
         finally:
             report.close()
 
-    def _train(self, g, model, train_data, test_data, loss_fn, sampler, resumed, report,
-               names):
-        """The run after set-up: resume, the epochs, the summary. Every rank calls it; each
-        step below is collective and comes in this order on every rank."""
+    def _replace(self, g, model, train_data, test_data, loss_fn, names):
+        """``fit`` in a process started to replace a lost rank (Note [Recovering a run] in
+        mpidp/train/in_job.py): this rank's own set-up, then the run taken up from the
+        survivors (``in_job.rejoin``, collective with their recovery) and trained on."""
         s = self.settings
-        strategy = _start_strategy(s, g, model, resumed)
+        kind, why = devices.decide(s.device, s.strategy, [torch_gpu(g.local_rank)] * g.size)
+        torch.set_num_threads(s.threads_per_rank or setup.default_threads(g.local_size))
+        report = Report(g.rank, g.size, s.progress, s.verbose, s.log_json)
+        sampler = ShardSampler(len(train_data), g.rank, g.size, s.seed)
+        try:
+            return self._train(g, model.to(torch.device(kind)), train_data, test_data,
+                               loss_fn, sampler, None, report, names or (
+                                   type(model).__name__, type(train_data).__name__),
+                               joining=True)
+        finally:
+            report.close()
+
+    def _train(self, g, model, train_data, test_data, loss_fn, sampler, resumed, report,
+               names, joining: bool = False):
+        """The run after set-up: resume (or, ``joining``, the survivors' state: Note
+        [Recovering a run]), the epochs, the summary. Every rank calls it; each step below
+        is collective and comes in this order on every rank."""
+        s = self.settings
+        if joining:
+            checkpoint.seed_rng(s.seed, g.rank)
+        strategy = None if joining else _start_strategy(s, g, model, resumed)
         run = _Run(s, g, model, strategy, train_data, test_data,
                    loss_fn or torch.nn.functional.cross_entropy, sampler, report)
         try:
-            first_epoch, cursor = run.resume(resumed) if s.resume else (0, 0)
-            for line in strategy.notes:
-                report.line(line)
-            t_run = run.start_clocks()
-            for epoch in range(first_epoch, s.epochs):
-                run.train_epoch(epoch, cursor if epoch == first_epoch else 0)
-            return run.summarize(time.perf_counter() - t_run, names)
+            if joining:
+                first_epoch, cursor = in_job.rejoin(run, g, run.snapshots)
+            else:
+                first_epoch, cursor = run.resume(resumed) if s.resume else (0, 0)
+                for line in strategy.notes:
+                    report.line(line)
+                run.start_snapshots(first_epoch, cursor)
+            t_run = run.start_clocks() if not joining else time.perf_counter()
+            while True:
+                try:
+                    for epoch in range(first_epoch, s.epochs):
+                        run.train_epoch(epoch, cursor if epoch == first_epoch else 0)
+                    return run.summarize(time.perf_counter() - t_run, names)
+                except Exception as exc:  # a lost rank, where the run can go on without it
+                    if run.snapshots is None or not recovery.is_process_failure(exc):
+                        raise
+                    g, (first_epoch, cursor) = in_job.recover(run, exc, run.snapshots)
         finally:
             if run.writer is not None:
                 run.writer.close()
+            if run.report is not report:
+                run.report.close()
 
 
 def _start_strategy(s: TrainSettings, g, model: torch.nn.Module,
@@ -152,8 +186,12 @@ class _Run:
         self.g, self.model, self.strategy, self.report = g, model, strategy, report
         self.train_data, self.test_data, self.loss_fn = train_data, test_data, loss_fn
         self.sampler = sampler
-        self.steps = strategy.steps_per_epoch(sampler, len(train_data), s.batch_size)
-        self.lr_ranks = strategy.lr_ranks or g.size
+        self.steps = strategy.steps_per_epoch(sampler, len(train_data), s.batch_size) \
+            if strategy is not None else 0  # a replacement's: from ``rebind``
+        self.lr_ranks = (strategy.lr_ranks if strategy is not None else 0) or g.size
+        # Note [Recovering a run] in mpidp/train/in_job.py: None where a lost rank ends the run
+        self.snapshots = in_job.Snapshots() if g.recovery != "off" and (
+            strategy is None or in_job.recoverable(s, strategy) is None) else None
         self.straggler, self.slowdown = straggler_of(s.straggler) if s.straggler else (-1, 1.0)
         self.global_step = 0
         self.checkpoint = None  # the last checkpoint: its path on rank 0, None elsewhere
@@ -173,6 +211,40 @@ class _Run:
         self.checkpoint_wait_s = 0.0  # rank 0's seconds of training spent on checkpoints
 
     # ---- before the first epoch ---------------------------------------------------------
+
+    def start_snapshots(self, epoch: int, cursor: int) -> None:
+        """Under in-job recovery: the first snapshot (Note [Recovering a run]), or the line
+        saying why this run ends at a lost rank instead."""
+        if self.g.recovery == "off":
+            return
+        why = in_job.recoverable(self.settings, self.strategy)
+        if why is not None:
+            self.report.line(f"in-job recovery: not for {why}; a lost rank ends the run "
+                             "(python -m mpidp.run relaunches it)")
+            return
+        self.report.line(f"in-job recovery: on ({recovery.library()}): a lost rank is "
+                         + ("replaced in the job" if self.g.recovery == "respawn" else
+                            "left behind; the others go on"))
+        self.snapshots.take(self, (epoch, 0, cursor))
+
+    def rebind(self, g) -> None:
+        """The run on ``g``, the group remade after a lost rank (Note [Recovering a run]): a
+        new strategy around the model (collective over ``g``), this rank's shard, the
+        report of its rank. Every rank of ``g`` calls it."""
+        s = self.settings
+        if self.strategy is not None:
+            self.strategy.abandon()
+        self.g = g
+        self.sampler = ShardSampler(len(self.train_data), g.rank, g.size, s.seed)
+        self.strategy = make_strategy(s, self.model, make_optimizer(s))
+        self.steps = self.strategy.steps_per_epoch(self.sampler, len(self.train_data),
+                                                   s.batch_size)
+        self.lr_ranks = self.strategy.lr_ranks or g.size
+        if (self.report.rank, self.report.size) != (g.rank, g.size):
+            self.report = Report(g.rank, g.size, s.progress, s.verbose, s.log_json)
+        if self.writer is None and s.async_checkpoint and g.rank == 0:
+            self.writer = async_checkpoint.Writer(s.checkpoint_dir, s.keep_checkpoints,
+                                                  self.report.line)
 
     def resume(self, resumed: Optional[checkpoint.Checkpoint]) -> tuple:
         """Every rank takes up the checkpoint rank 0 found (``resumed``, on rank 0): the
@@ -284,6 +356,8 @@ class _Run:
         figures.loss_sum += loss_value * len(y)
         figures.samples += len(y)
         self.global_step += 1
+        if self.snapshots is not None:
+            self.snapshots.take(self, (epoch, b + 1, cursor))
         self.report.step(loss_value, len(y) * self.g.size / dt if dt > 0 else 0.0)
         if s.checkpoint_on_signal:
             self.stop_signum = self._agree_on_signal()

@@ -86,5 +86,12 @@ class Strategy:
         """Collective: what the final summary of a run of ``total_s`` adds for this mode."""
         return {}
 
+    def abandon(self) -> None:
+        """Leaves the mode after its group lost a rank (Note [Recovering a run] in
+        mpidp/train/in_job.py): its DDP's hooks off the model. This rank only."""
+        abandon = getattr(self.forward, "abandon", None)
+        if abandon is not None:
+            abandon()
+
     def free(self) -> None:
         """Collective: resources the mode holds (windows)."""

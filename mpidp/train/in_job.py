@@ -1,0 +1,126 @@
+"""A training run that outlives a lost rank inside the job (Note [Recovering a run]): the
+in-memory snapshots of the last two steps, and the recovery the survivors and the
+replacements go through together.
+
+Note [Recovering a run]
+Under in-job recovery (mpidp.runtime.recovery, Note [In-job recovery]) every rank keeps, in
+memory, the run's state at the end of each of its last two steps (``Snapshots``: the
+parameters, the optimizer's state, its generators, the position). Two suffice: an
+all-reduce completes on a rank only once every rank has entered it, so a survivor is at most
+one step past another when a rank is lost (the one that saw its step's gradients complete
+and went on). When a step's MPI call reports the loss, every survivor
+(mpidp.runtime.world.recover) revokes, shrinks and respawns; then on the new group every rank,
+the replacements too (``join``), runs ``rejoin``: the ranks say which step their newest
+snapshot is of; all go on from the oldest of those (the redone step is never half applied:
+what a survivor had of a later step is dropped), taken from the first rank that has it:
+the parameters broadcast, the optimizer's state broadcast, each survivor's generators its
+own, the position and the run's totals broadcast; then a new strategy (its buckets, its DDP)
+on the new group and a new data shard for this rank: from the epoch's sample cursor, as a
+resume on another number of ranks (Note [Sample cursor]), so each remaining sample of the
+epoch is seen once. Respawned to the same number of ranks, each rank takes its old shard and
+the run ends bit for bit as the uninterrupted one. A replacement starts the generators of
+its rank afresh (seeded): a model that draws random numbers at each step (dropout) is then
+not bit for bit on that rank. In-job recovery covers ``--strategy mirrored`` without
+``--zero``, ``--compression`` or a gradient scaler (``recoverable``); a run of another mode
+ends at a lost rank as without it, for ``python -m mpidp.run`` to relaunch."""
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from typing import Optional
+
+from ..comm import objects
+from ..comm.state_broadcast import broadcast_state_dict, broadcast_tensors_
+from ..runtime import recovery, world
+from . import checkpoint
+
+
+def recoverable(settings, strategy) -> Optional[str]:
+    """None where a failure of this run can be recovered in the job, else why not."""
+    if settings.strategy != "mirrored":
+        return f"--strategy {settings.strategy}"
+    if settings.zero or strategy.compression != "none" or strategy.scaler is not None:
+        return "--zero, --compression or a gradient scaler"
+    return None
+
+
+class Snapshots:
+    """This rank's copies of the run's state after each of its last two steps (Note
+    [Recovering a run]). This rank only."""
+
+    def __init__(self):
+        self.kept: list = []
+
+    def take(self, run, position: tuple) -> None:
+        """The state after the step just done; ``position``: (epoch, batches done in it, its
+        sample cursor)."""
+        state = {"global_step": run.global_step, "position": position,
+                 "model": {k: v.detach().clone() for k, v in run.model.state_dict().items()},
+                 "optimizer": copy.deepcopy(run.strategy.optimizer.state_dict()),
+                 "rng": checkpoint.rng_state(), "samples_total": run.samples_total}
+        self.kept = [self.kept[-1], state] if self.kept else [state]
+
+    def newest(self) -> int:
+        return self.kept[-1]["global_step"] if self.kept else -1
+
+    def at(self, global_step: int) -> dict:
+        for state in self.kept:
+            if state["global_step"] == global_step:
+                return state
+        raise AssertionError(f"no snapshot of step {global_step}: Note [Recovering a run]")
+
+
+def recover(run, exc: BaseException, snapshots: Snapshots) -> tuple:
+    """A survivor's recovery from ``exc`` (a lost process: recovery.is_process_failure):
+    the group remade (mpidp.runtime.world.recover), then ``rejoin``. Returns (the group,
+    the position to go on from: epoch, its sample cursor). Every survivor calls it."""
+    t0 = time.perf_counter()
+    before = run.g.size
+    g, lost, replaced = world.recover()
+    return g, rejoin(run, g, snapshots, (lost, before, replaced, t0))
+
+
+def rejoin(run, g, snapshots: Snapshots, loss: Optional[tuple] = None) -> tuple:
+    """Every rank of the new group ``g`` (survivors and replacements) takes up the run from
+    the oldest newest snapshot (Note [Recovering a run]) and rebinds ``run`` to ``g``; the
+    new rank 0 says what happened (``loss``, a survivor's: the ranks lost, the size before,
+    whether they were replaced, when the recovery began). Returns (epoch, its sample
+    cursor). Collective over ``g``."""
+    newest = objects.allgather(g, snapshots.newest(), "in-job recovery: every rank's newest step")
+    have = [r for r, step in enumerate(newest) if step >= 0]
+    if not have:
+        raise RuntimeError("in-job recovery: no rank kept a snapshot of the run")
+    src, step = have[0], min(newest[r] for r in have)
+    state = snapshots.at(step) if snapshots.kept else None
+    if state is not None:
+        run.model.load_state_dict(state["model"])
+        checkpoint.set_rng_state(state["rng"])
+    broadcast_tensors_([t for t in run.model.state_dict().values()], src)
+    facts = (state["position"], state["global_step"], state["samples_total"],
+             run.checkpoint, run.resumed_from, loss[:3],
+             time.perf_counter() - loss[3]) if g.rank == src else None
+    position, global_step, samples_total, path, resumed_from, (lost, before, replaced), \
+        group_s = objects.bcast(g, facts, "in-job recovery: the position", root=src)
+    optimizer = broadcast_state_dict(state["optimizer"] if g.rank == src else None, src)
+    run.rebind(g)  # the new strategy on g (collective), the shard, the report
+    run.strategy.optimizer.load_state_dict(optimizer)
+    run.global_step, run.samples_total = global_step, samples_total
+    run.checkpoint = path if g.rank == 0 else None
+    run.resumed_from = resumed_from
+    snapshots.kept = [s for s in snapshots.kept if s["global_step"] <= step]
+    epoch, _, cursor = position
+    run.report.line(
+        f"in-job recovery: lost rank(s) {', '.join(map(str, lost))} of {before}; "
+        + (f"respawned, back at {g.size} ranks" if replaced else f"going on with {g.size}")
+        + f"; redoing from step {global_step} (epoch {epoch + 1}); the group remade in "
+        f"{group_s:.2f} s")
+    run.report.record({"event": "recovery", "lost": list(lost), "ranks": g.size,
+                       "respawned": replaced, "global_step": global_step,
+                       "group_s": group_s})
+    return epoch, cursor
+
+
+def joining() -> bool:
+    """Whether this process was started to replace a lost rank (mpidp.runtime.recovery)."""
+    return recovery.REPLACEMENT in sys._xoptions

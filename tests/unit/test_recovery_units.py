@@ -1,0 +1,75 @@
+"""The pure parts of in-job recovery (mpidp/runtime/recovery.py, mpidp/train/in_job.py): the
+replacement's command line, MPIDP_RECOVERY's values, the errors that mean a lost process,
+and the snapshots the run goes on from."""
+import sys
+import types
+
+import pytest
+import torch
+
+from mpidp import config
+from mpidp.errors import ConfigError
+from mpidp.runtime import recovery
+from mpidp.train import in_job
+
+
+def test_the_replacement_runs_this_command_marked_once(monkeypatch):
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-X", recovery.REPLACEMENT, "-m",
+                                           "mpidp.train", "--epochs", "3"])
+    assert recovery.command() == [sys.executable, "-X", recovery.REPLACEMENT, "-m",
+                                  "mpidp.train", "--epochs", "3"]
+
+
+def test_mpidp_recovery_values():
+    assert config.from_env({}).recovery == "auto"
+    for mode in ("respawn", "shrink", "off", "auto"):
+        assert config.from_env({"MPIDP_RECOVERY": mode}).recovery == mode
+    with pytest.raises(ConfigError, match="MPIDP_RECOVERY='later': expected one of auto, "
+                                          "respawn, shrink, off"):
+        config.from_env({"MPIDP_RECOVERY": "later"})
+    assert "recovery" in config.AGREED
+
+
+def test_a_lost_process_is_recognised_through_the_chain(monkeypatch):
+    class FakeMPIException(Exception):
+        def __init__(self, cls):
+            self.cls = cls
+
+        def Get_error_class(self):
+            return self.cls
+
+    fake = types.SimpleNamespace(Exception=FakeMPIException, ERR_PROC_FAILED=75,
+                                 ERR_PROC_FAILED_PENDING=76, ERR_REVOKED=77)
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", fake)
+    for cls in (75, 76, 77):
+        try:
+            try:
+                raise FakeMPIException(cls)
+            except FakeMPIException as inner:
+                raise RuntimeError("bucket failed") from inner
+        except RuntimeError as exc:
+            assert recovery.is_process_failure(exc)
+    assert not recovery.is_process_failure(FakeMPIException(15))  # MPI_ERR_TRUNCATE
+    assert not recovery.is_process_failure(ValueError("bad input"))
+
+
+def test_two_snapshots_kept_and_found_by_step():
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    run = types.SimpleNamespace(model=model, strategy=types.SimpleNamespace(
+        optimizer=optimizer), global_step=0, samples_total=0)
+    snapshots = in_job.Snapshots()
+    assert snapshots.newest() == -1
+    for step in (1, 2, 3):
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        run.global_step, run.samples_total = step, 32 * step
+        snapshots.take(run, (0, step, 32 * step))
+    assert [s["global_step"] for s in snapshots.kept] == [2, 3] and snapshots.newest() == 3
+    kept = snapshots.at(3)["model"]["weight"]
+    assert torch.equal(kept, model.weight.detach()) and kept is not model.weight
+    with torch.no_grad():
+        model.weight.add_(1.0)  # a snapshot is a copy: training on does not change it
+    assert not torch.equal(snapshots.at(3)["model"]["weight"], model.weight.detach())
+    with pytest.raises(AssertionError, match="no snapshot of step 1"):
+        snapshots.at(1)
