@@ -18,6 +18,16 @@ ONE_LINE_PER_RANK = 16  # larger jobs get one line per host in the rank map
 THREAD_NAMES = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")
 
 
+# what the library's fault tolerance means for a lost rank (docs/recovery.md)
+FAULT_TOLERANCE = {
+    "on": "fault tolerance (ULFM) on in this job: a lost rank is replaced inside the job "
+          "(MPIDP_RECOVERY)",
+    "offered": "fault tolerance (ULFM) offered but off in this job: launch with `mpiexec "
+               "--with-ft ulfm` for in-job recovery (docs/recovery.md)",
+    "none": "no fault tolerance in this MPI: a lost rank ends the job, and python -m "
+            "mpidp.run relaunches it; in-job recovery needs Open MPI (docs/recovery.md)"}
+
+
 def verdict_mpi(values: list) -> list:
     """values: {library, standard (major, minor), thread (0 SINGLE .. 3 MULTIPLE), mpi4py}."""
     v0 = values[0]
@@ -31,6 +41,7 @@ def verdict_mpi(values: list) -> list:
             "system, or the same site MPI on every node)"))
     else:
         out.append(Finding(OK, "the same MPI library on every rank"))
+    out.append(Finding(INFO, FAULT_TOLERANCE[v0.get("fault_tolerance", "none")]))
     levels = by_value(values, lambda v: v["thread"])
     worst = min(levels)
     name = THREAD_NAMES[worst] if 0 <= worst < 4 else str(worst)

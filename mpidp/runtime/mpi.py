@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..engine.library import mpi as _mpi  # Note [MPI imported once]
+from . import recovery
 
 
 # ---- the library and its communicators ----------------------------------------------------
@@ -38,13 +39,17 @@ def thread_level() -> str:
 
 def library() -> dict:
     """{library: the first line of its version, standard: (major, minor), thread: the
-    initialised level's index in THREAD_LEVELS (-1: unknown), mpi4py: its version}."""
+    initialised level's index in THREAD_LEVELS (-1: unknown), mpi4py: its version,
+    fault_tolerance: "on" in this job, "offered" by the library, or "none"}."""
     MPI = _mpi()
     first = MPI.Get_library_version().strip().splitlines()[0]
     level = thread_level()
     return {"library": " ".join(first.split()), "standard": MPI.Get_version(),
             "thread": THREAD_LEVELS.index(level) if level in THREAD_LEVELS else -1,
-            "mpi4py": sys.modules["mpi4py"].__version__}  # loaded with its MPI
+            "mpi4py": sys.modules["mpi4py"].__version__,  # loaded with its MPI
+            # Note [In-job recovery] in mpidp/runtime/recovery.py
+            "fault_tolerance": "on" if recovery.enabled() else
+            "offered" if recovery.offered() else "none"}
 
 
 def tag_limit() -> int:

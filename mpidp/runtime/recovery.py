@@ -95,8 +95,10 @@ def is_process_failure(exc: Optional[BaseException]) -> bool:
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is None:
         return False
+    # (mpi4py built for MPICH gives these names MPI_ERR_UNKNOWN's value: never a loss there)
     classes = {getattr(MPI, name, None) for name in
-               ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")} - {None}
+               ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")} - {
+        None, getattr(MPI, "ERR_UNKNOWN", None)}
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
