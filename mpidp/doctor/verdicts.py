@@ -41,7 +41,6 @@ def verdict_mpi(values: list) -> list:
             "system, or the same site MPI on every node)"))
     else:
         out.append(Finding(OK, "the same MPI library on every rank"))
-    out.append(Finding(INFO, FAULT_TOLERANCE[v0.get("fault_tolerance", "none")]))
     levels = by_value(values, lambda v: v["thread"])
     worst = min(levels)
     name = THREAD_NAMES[worst] if 0 <= worst < 4 else str(worst)
@@ -57,6 +56,7 @@ def verdict_mpi(values: list) -> list:
     else:
         out.append(Finding(FAIL, f"thread level {name}{where}: DistributedDataParallel "
                                  "needs SERIALIZED or better", fix))
+    out.append(Finding(INFO, FAULT_TOLERANCE[v0.get("fault_tolerance", "none")]))
     return out
 
 

@@ -95,7 +95,11 @@ def test_ranks_verdict_map_and_disagreements():
 
 def test_mpi_verdict_flags_mixed_libraries_and_low_thread_levels():
     v = {"library": "MPICH Version: 5.0.2", "standard": (5, 0), "thread": 3, "mpi4py": "4.1"}
-    assert [f.status for f in verdicts.verdict_mpi([v, v])] == [INFO, OK, OK]
+    assert [f.status for f in verdicts.verdict_mpi([v, v])] == [INFO, OK, OK, INFO]
+    assert verdicts.verdict_mpi([v])[-1].text.startswith("no fault tolerance in this MPI: a "
+                                                         "lost rank ends the job")
+    on = verdicts.verdict_mpi([dict(v, fault_tolerance="on")])[-1]
+    assert on.text.startswith("fault tolerance (ULFM) on in this job")
     other = dict(v, library="Open MPI v5.0.3", thread=2)
     found = verdicts.verdict_mpi([v, other])
     assert found[1].status == FAIL and "rank 1: Open MPI" in found[1].text
