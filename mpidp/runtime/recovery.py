@@ -155,7 +155,6 @@ def respawn(survivors: Any, lost: tuple, argv: list) -> Any:
     loss and each replacement takes a lost rank (in order). ``survivors``: from ``shrink``,
     whose ranks are the old ranks without ``lost``, in order. Collective over the survivors;
     the replacements' side is ``join_parent``."""
-    MPI = mpi()
     inter = survivors.Spawn(argv[0], argv[1:], maxprocs=len(lost), root=0)
     merged = inter.Merge(high=False)
     inter.Disconnect()
