@@ -48,13 +48,55 @@ def run(n: int, args: list, env: dict | None = None, timeout_s: float = 240, clu
     full_env.update(env or {})
     full_env = {k: v for k, v in full_env.items() if v is not None}  # None: unset it
     full_env.setdefault("PYTHONUNBUFFERED", "1")
-    cmd = command(n, args, cluster, per_node, supervised)
+    return finished(command(n, args, cluster, per_node, supervised), full_env, timeout_s)
+
+
+def finished(cmd: list, env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd)`` in ROOT with ``env``, its output captured as text; where it
+    has not finished in ``timeout_s``, every process of the job is killed (the launcher's
+    ranks too, which run in sessions of their own and would spin on in the rest of the
+    run) and the test fails with the output so far."""
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            errors="replace", env={**env, "MPIDP_TEST_TAG": tag}, cwd=ROOT,
+                            start_new_session=True)
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                              env=full_env, cwd=ROOT)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout_s} s:\n"
-                             f"{exc.stdout}\n{exc.stderr}") from None
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_job(proc, tag)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(map(str, cmd))} did not finish in {timeout_s} s:\n"
+                             f"{out[-6000:]}\n{err[-6000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def tagged(tag: str) -> dict:
+    """{pid: the MPI rank, or None for a launcher process} of the live processes started
+    with MPIDP_TEST_TAG=tag in their environment."""
+    found = {}
+    needle = f"MPIDP_TEST_TAG={tag}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if needle in env:
+                rank = [v for v in env if v.startswith((b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK="))]
+                found[int(entry.name)] = int(rank[0].split(b"=")[1]) if rank else None
+    return found
+
+
+def kill_job(proc: subprocess.Popen, tag: str) -> None:
+    """SIGKILL to the launcher's process group and to every process tagged ``tag``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for pid in tagged(tag):  # ranks run in sessions of their own
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def body(n: int, name: str, env: dict | None = None, timeout_s: float = 240, extra=(),
@@ -121,18 +163,7 @@ class Job:
 
     def processes(self) -> dict:
         """{pid: the MPI rank, or None for a launcher process} of this job's live processes."""
-        found = {}
-        needle = f"MPIDP_TEST_TAG={self.tag}".encode()
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    env = (entry / "environ").read_bytes().split(b"\0")
-                except OSError:
-                    continue
-                if needle in env:
-                    rank = [v for v in env if v.startswith(b"PMI_RANK=")]
-                    found[int(entry.name)] = int(rank[0][9:]) if rank else None
-        return found
+        return tagged(self.tag)
 
     def rank_pid(self, rank: int) -> int:
         pids = [p for p, r in self.processes().items() if r == rank]
@@ -158,14 +189,7 @@ class Job:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        for pid in self.processes():  # ranks run in sessions of their own
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_job(self.proc, self.tag)
 
 
 def named_checkout(request, option: str, what: str, example: str) -> Path:

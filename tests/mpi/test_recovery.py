@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mpirun import ROOT, run
+from mpirun import finished, run
 from mpidp.runtime.launcher import OPEN_MPI_FT_ARGS
 
 BODIES = Path(__file__).parent / "bodies"
@@ -51,11 +51,7 @@ def train_ft(bin_dir: Path, n: int, env=None, timeout_s=150):
                str(bin_dir / "python"), "-m", "mpidp.train", *FLAGS]
     full = {**os.environ, **AS_ROOT, "PYTHONPATH": str(BODIES), "PYTHONUNBUFFERED": "1",
             **(env or {})}
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
-                              env=full, cwd=ROOT, errors="replace")
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"timed out after {timeout_s} s:\n{(exc.stdout or b'')[-4000:]!r}")
+    proc = finished(command, full, timeout_s)
     proc.stdout = proc.stdout.replace("\0", "")
     return proc
 

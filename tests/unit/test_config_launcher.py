@@ -53,6 +53,7 @@ GARBAGE = {
     "MPIDP_AUDIT_EVERY": ("often", "expected an integer >= 0"),
     "MPIDP_AUDIT_ACTION": ("stop", "expected one of raise, warn"),
     "MPIDP_HOROVOD_FUSION_BYTES": ("64M", "expected an integer >= 1"),
+    "MPIDP_RECOVERY": ("restart", "expected one of auto, respawn, shrink, off"),
 }
 DOCS = Path(__file__).parents[2] / "docs" / "configuration.md"
 

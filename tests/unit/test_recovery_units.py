@@ -73,3 +73,35 @@ def test_two_snapshots_kept_and_found_by_step():
     assert not torch.equal(snapshots.at(3)["model"]["weight"], model.weight.detach())
     with pytest.raises(AssertionError, match="no snapshot of step 1"):
         snapshots.at(1)
+
+
+ENDING = """
+import atexit, sys, time, types
+import mpidp
+from mpidp.engine.library import mpi
+from mpidp.runtime import exit, recovery
+mpidp.init()
+MPI = mpi()
+atexit.register(lambda: print("finalized at exit:", MPI.Is_finalized(), flush=True))
+recovery._lost = sys.argv[1] != "none"
+if sys.argv[1] == "hangs":  # an MPI_Finalize that never returns (Open MPI's, now and then)
+    recovery.mpi = lambda: types.SimpleNamespace(Is_finalized=lambda: False,
+                                                 Finalize=lambda: time.sleep(60))
+exit.FINALIZE_AFTER_LOSS_S = 1.0
+exit.exit_now(3)
+"""
+
+
+@pytest.mark.parametrize("case", ["none", "lost", "hangs"])
+def test_a_process_of_a_job_that_lost_one_finalizes_last_and_within_its_time(case):
+    """Note [Ending a job that lost a process]: MPI finalised by exit_now itself (before the
+    atexit handlers), and a finalize that hangs ends the process with exit code 1."""
+    import subprocess
+    proc = subprocess.run([sys.executable, "-c", ENDING, case], capture_output=True,
+                          text=True, timeout=120)
+    if case == "hangs":
+        assert proc.returncode == 1 and "Timeout (0:00:01)!" in proc.stderr, proc.stderr
+        assert "in finalize_within" in proc.stderr and "finalized at exit" not in proc.stdout
+        return
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.strip() == f"finalized at exit: {case == 'lost'}", proc.stdout
