@@ -32,7 +32,8 @@ def exit_now(code) -> None:
     gc.freeze()
     recovery = sys.modules.get(f"{__package__}.recovery")  # not imported: nothing was lost
     if recovery is not None and recovery.lost_in_this_job():
-        recovery.finalize_within(FINALIZE_AFTER_LOSS_S)
+        from .world import finalize_within
+        finalize_within(FINALIZE_AFTER_LOSS_S)
     sys.exit(code)
 
 

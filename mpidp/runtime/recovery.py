@@ -26,12 +26,12 @@ Open MPI 5.0.11's MPI_Finalize now and then waits for ever in a job that lost a 
 its process-manager fence, the training done (measured: 1 recovered run in 6 to 12, the
 survivors' stacks in ompi_mpi_finalize's lazy wait; the replacement had finished). Ending
 without MPI_Finalize (``os._exit``) avoids it but makes the launcher count every process as
-ended improperly and the job's exit code 1. So the tools' last step
-(mpidp.runtime.exit.exit_now), in a process of such a job (a survivor, after ``shrink``; a
-replacement, after ``join_parent``: ``lost_in_this_job``), runs mpidp's shutdown and
-MPI_Finalize itself, under faulthandler's timer (a thread of C that needs no interpreter):
-where MPI_Finalize has not returned in ``FINALIZE_AFTER_LOSS_S``, the timer writes the
-process's stacks to stderr and ends it with exit code 1. The job then ends within seconds of
+ended improperly and the job's exit code 1. So the tools' last step (mpidp.runtime.exit's
+exit_now, by mpidp.runtime.world.finalize_within), in a process of such a job (a survivor,
+after ``shrink``; a replacement, after ``join_parent``: ``lost_in_this_job``), runs mpidp's
+shutdown and MPI_Finalize itself, under faulthandler's timer (a thread of C that needs no
+interpreter): where MPI_Finalize has not returned in ``FINALIZE_AFTER_LOSS_S``, the timer
+writes the process's stacks to stderr and ends it with exit code 1. The job then ends within seconds of
 its last work, with exit code 0 where every MPI_Finalize returned."""
 from __future__ import annotations
 
@@ -142,23 +142,6 @@ def revoke(comms) -> None:
             c.Revoke()
         except MPI.Exception:  # revoked already, or freed: nothing left to wake on it
             pass
-
-
-def finalize_within(seconds: float) -> None:
-    """mpidp's shutdown and MPI_Finalize, this process ended (exit code 1, its stacks on
-    stderr) where they have not returned in ``seconds``: Note [Ending a job that lost a
-    process]. Called once, last, by the main thread; collective as MPI_Finalize is."""
-    import faulthandler
-
-    from .world import shutdown  # world imports this module: here, not at the top
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    faulthandler.dump_traceback_later(seconds, exit=True)
-    shutdown()
-    MPI = mpi()
-    if not MPI.Is_finalized():
-        MPI.Finalize()
-    faulthandler.cancel_dump_traceback_later()
 
 
 def shrink(comm: Any) -> tuple:

@@ -4,6 +4,7 @@ rank dies of an uncaught exception."""
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import contextlib
 import contextvars
 import dataclasses
@@ -235,6 +236,21 @@ def shutdown() -> None:
                 _group.free()  # stops the watchdog
                 timeline.write(records)
             _group = None
+
+
+def finalize_within(seconds: float) -> None:
+    """mpidp's shutdown and MPI_Finalize, this process ended (exit code 1, its stacks on
+    stderr) where they have not returned in ``seconds``: Note [Ending a job that lost a
+    process] in mpidp/runtime/recovery.py. Called once, last, by the main thread; collective
+    as MPI_Finalize is."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    shutdown()
+    MPI = mpi()
+    if not MPI.Is_finalized():
+        MPI.Finalize()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def start_timeline(path: str, what: str = "start_timeline", asked: str = "MPIDP_TIMELINE"

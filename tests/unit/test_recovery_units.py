@@ -79,13 +79,13 @@ ENDING = """
 import atexit, sys, time, types
 import mpidp
 from mpidp.engine.library import mpi
-from mpidp.runtime import exit, recovery
+from mpidp.runtime import exit, recovery, world
 mpidp.init()
 MPI = mpi()
 atexit.register(lambda: print("finalized at exit:", MPI.Is_finalized(), flush=True))
 recovery._lost = sys.argv[1] != "none"
 if sys.argv[1] == "hangs":  # an MPI_Finalize that never returns (Open MPI's, now and then)
-    recovery.mpi = lambda: types.SimpleNamespace(Is_finalized=lambda: False,
+    world.mpi = lambda: types.SimpleNamespace(Is_finalized=lambda: False,
                                                  Finalize=lambda: time.sleep(60))
 exit.FINALIZE_AFTER_LOSS_S = 1.0
 exit.exit_now(3)
