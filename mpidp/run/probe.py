@@ -9,13 +9,14 @@ import time
 from typing import Sequence
 
 from ..runtime.hostlist import Host
+from ..runtime.launcher import Mpiexec
 from . import allocation
 
 PROBE_S = 10.0  # a node that has not run the probe by then is taken as lost
 
 # Note [Probing the nodes]
 # The question is whether the job could run on a node again, so the probe goes the way the
-# job goes: `mpiexec -n 1 -hosts NODE true` with this process's environment, so whatever
+# job goes: `mpiexec -n 1 -hosts NODE true` (Open MPI's `--host NODE`) with this process's environment, so whatever
 # makes the launch work (Hydra's -launcher/-launcher-exec through HYDRA_LAUNCHER*, ssh's
 # configuration, Slurm's srun inside an allocation) makes the probe work, and nothing else is
 # assumed (no port of ours, no ping: a node can answer pings and not run processes). Every
@@ -24,14 +25,15 @@ PROBE_S = 10.0  # a node that has not run the probe by then is taken as lost
 # exit 0 in time is left out.
 
 
-def answering(hosts: Sequence[Host], mpiexec: str, timeout_s: float = PROBE_S) -> list:
+def answering(hosts: Sequence[Host], mpiexec: Mpiexec, timeout_s: float = PROBE_S) -> list:
     """The hosts of ``hosts`` on which ``mpiexec`` ran a process within ``timeout_s``."""
     env = dict(os.environ, **allocation.BESIDE_STEPS)  # Note [Inside an allocation]
     procs: list = []
     try:
         for h in hosts:
-            procs.append(subprocess.Popen([mpiexec, "-n", "1", "-hosts", h.name, "true"],
-                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            line = [mpiexec.path, "-n", "1", *mpiexec.hosts(h.name), "true"]
+            procs.append(subprocess.Popen(line, stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL, start_new_session=True,
                                           env=env))
         deadline = time.monotonic() + timeout_s

@@ -17,6 +17,7 @@ from ..files import run_lock
 from ..errors import OutputError
 from ..runtime.exit import REFUSED, output_failure
 from ..runtime.hostlist import format_hosts
+from ..runtime.launcher import OPEN_MPI_FT_ARGS, Mpiexec
 from ..train import checkpoint_names
 from . import allocation, policy, probe
 from .processes import Launch
@@ -94,10 +95,16 @@ def placed(hosts: Sequence, ranks: int) -> list:
     return out
 
 
-def launch_line(mpiexec: str, attempt: Attempt, command: Sequence[str]) -> list:
-    hosts = ["-hosts", format_hosts(attempt.hosts)] if attempt.hosts else []
+def launch_line(mpiexec: Mpiexec, attempt: Attempt, command: Sequence[str],
+                in_job: bool = False) -> list:
+    """The launcher's command line for ``attempt``: with Open MPI's options for a job that
+    outlives a lost rank where ``in_job`` (Note [In-job recovery under the supervisor] in
+    cli.py)."""
+    where = mpiexec.hosts(format_hosts(attempt.hosts)) if attempt.hosts else mpiexec.here()
+    if in_job:
+        where = [*OPEN_MPI_FT_ARGS, *(a for a in where if a not in OPEN_MPI_FT_ARGS)]
     body = with_resume(command) if attempt.resumed_from is not None else list(command)
-    return [mpiexec, "-n", str(attempt.ranks), *hosts, *body]
+    return [mpiexec.path, "-n", str(attempt.ranks), *where, *body]
 
 
 def _logged_steps(path: Optional[Path], start: int) -> Optional[int]:
@@ -120,10 +127,12 @@ def _logged_steps(path: Optional[Path], start: int) -> Optional[int]:
 
 class Supervisor:
     def __init__(self, command: Sequence[str], ranks: int, hosts: Optional[list],
-                 max_restarts: int, min_ranks: int, mpiexec: str,
-                 probe_s: float = probe.PROBE_S, heartbeat_s: float = HEARTBEAT_S):
+                 max_restarts: int, min_ranks: int, mpiexec: Mpiexec,
+                 probe_s: float = probe.PROBE_S, heartbeat_s: float = HEARTBEAT_S,
+                 in_job: bool = False):
         self.command, self.ranks, self.hosts = list(command), ranks, hosts
         self.max_restarts, self.min_ranks, self.mpiexec = max_restarts, min_ranks, mpiexec
+        self.in_job = in_job  # Note [In-job recovery under the supervisor] in cli.py
         self.probe_s, self.heartbeat_s = probe_s, heartbeat_s
         self.directory = Path(option_value(command, "--checkpoint-dir"))
         log = option_value(command, "--log-json")
@@ -262,7 +271,7 @@ class Supervisor:
         attempt = Attempt(self.ranks, placed(self.hosts, self.ranks) if self.hosts else None,
                           self._newest() if resumed else None)
         while True:
-            line = launch_line(self.mpiexec, attempt, self.command)
+            line = launch_line(self.mpiexec, attempt, self.command, self.in_job)
             self.say(f"attempt {self.restarts + 1}: {shlex.join(line)}")
             log_start = self.log_path.stat().st_size \
                 if self.log_path is not None and self.log_path.exists() else 0

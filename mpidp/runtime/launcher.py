@@ -3,7 +3,9 @@ read from its environment variables, so the runtime can cross-check MPI's own an
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Mapping, NamedTuple, Optional
@@ -123,12 +125,18 @@ def independent_singletons(size: int, env: Mapping[str, str] | None = None) -> O
 # MPIR_CVAR_CH4_NETMOD=ucx set by the user wins. On InfiniBand, UCX may be the faster of the
 # two: a site that launches with srun there should use an MPI built for its Slurm.
 NETMOD_VARIABLES = ("MPIR_CVAR_CH4_NETMOD", "MPICH_CH4_NETMOD", "MPIR_PARAM_CH4_NETMOD")
+FINALIZE_WITHOUT_FENCE = "OMPI_MCA_async_mpi_finalize"  # Open MPI's; set by --with-ft ulfm
 
 
 def mpi_start_settings(env: Mapping[str, str], mpich_wheel: bool) -> dict:
     """The variables to set in ``env`` before MPI starts (Note [PMI-1 lines under srun]):
     MPICH's ofi netmod under an srun step whose PMI is Slurm's pmi2 plugin, with the mpich
-    wheel and no netmod chosen; nothing elsewhere."""
+    wheel and no netmod chosen; under Open MPI with fault tolerance on, no process-manager
+    fence in MPI_Finalize unless the user chose (Note [Ending a job that lost a process] in
+    mpidp/runtime/recovery.py); nothing elsewhere."""
+    if env.get("OMPI_MCA_mpi_ft_enable", "") not in ("", "0", "false") \
+            and FINALIZE_WITHOUT_FENCE not in env:
+        return {FINALIZE_WITHOUT_FENCE: "1"}
     view = launcher_view(env)
     if not mpich_wheel or view is None or view.launcher != "Slurm (PMI2)" \
             or "PMI_FD" not in env or any(name in env for name in NETMOD_VARIABLES):
@@ -153,7 +161,7 @@ def prepare_mpi_start() -> None:
     if settings and "mpi4py.MPI" in sys.modules:
         import warnings
         warnings.warn(f"mpidp: MPI started before mpidp.init(), so {settings} was not set "
-                      "(Note [PMI-1 lines under srun] in mpidp/runtime/launcher.py): import mpidp and "
+                      "(mpi_start_settings in mpidp/runtime/launcher.py): import mpidp and "
                       "call mpidp.init() before importing mpi4py.MPI, or set it yourself",
                       RuntimeWarning, stacklevel=3)
     elif settings:
@@ -176,3 +184,55 @@ def mpiexec() -> str:
 # component is not built for failures, and says so at every start); slots for replacements
 OPEN_MPI_FT_ARGS = ("--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--mca", "pml", "ob1",
                     "--mca", "osc", "^ucx", "--oversubscribe")
+
+
+# Note [Which MPI an mpiexec belongs to]
+# The supervisor (python -m mpidp.run) launches through the mpiexec beside its Python, MPICH's
+# Hydra or Open MPI's, which differ in three ways it needs: how hosts are named (Hydra
+# ``-hosts a:2,b:2``, Open MPI ``--host a:2,b:2``), ranks beyond the cores of a machine
+# without a host list (Hydra places them; Open MPI refuses unless ``--oversubscribe``), and a
+# lost rank (Open MPI built with ULFM goes on with OPEN_MPI_FT_ARGS; Hydra ends the job).
+# ``mpiexec --version`` names the MPI ("mpiexec (Open MPI) 5.0.11"; Hydra's "HYDRA build
+# details" with its "Version:"), and Open MPI's ompi_info beside it whether it was built with
+# fault tolerance ("FT MPI support: yes"). Both take milliseconds, and start no job.
+
+
+class Mpiexec(NamedTuple):
+    """An mpiexec and the MPI it belongs to (Note [Which MPI an mpiexec belongs to])."""
+    path: str
+    mpi: str              # "Open MPI 5.0.11", "MPICH (Hydra 5.0.2)", else --version's first line
+    open_mpi: bool
+    fault_tolerant: bool  # Open MPI built with ULFM: a job outlives a lost rank
+
+    def hosts(self, text: str) -> list:
+        """The options that place the job on the hosts ``text`` ("a:2,b:2")."""
+        return ["--host", text] if self.open_mpi else ["-hosts", text]
+
+    def here(self) -> list:
+        """The options for a job on this machine alone, its ranks however many its cores."""
+        return ["--oversubscribe"] if self.open_mpi else []
+
+
+def parse_mpiexec(path: str, version: str, ompi_info: str = "") -> Mpiexec:
+    """The Mpiexec of ``path`` from what ``path --version`` and (Open MPI) ``ompi_info``
+    printed."""
+    if m := re.search(r"\(Open MPI\)\s+(\S+)", version):
+        ft = re.search(r"FT MPI support:\s*yes", ompi_info) is not None
+        return Mpiexec(path, f"Open MPI {m.group(1)}", True, ft)
+    if "HYDRA" in version:
+        m = re.search(r"Version:\s+(\S+)", version)
+        return Mpiexec(path, f"MPICH (Hydra {m.group(1) if m else 'unknown'})", False, False)
+    first = version.strip().splitlines()[0] if version.strip() else "unknown"
+    return Mpiexec(path, first, False, False)
+
+
+def describe(path: str) -> Mpiexec:
+    """Which MPI the mpiexec ``path`` belongs to; OSError or SubprocessError where it does
+    not run."""
+    def said(command: list) -> str:
+        return subprocess.run(command, capture_output=True, text=True, timeout=30,
+                              stdin=subprocess.DEVNULL, errors="replace").stdout
+    version = said([path, "--version"])
+    info = Path(path).with_name("ompi_info")
+    return parse_mpiexec(path, version, said([str(info)]) if "(Open MPI)" in version
+                         and info.exists() else "")

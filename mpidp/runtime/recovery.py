@@ -22,17 +22,24 @@ rank is a node of its own to the engine (its collectives run over MPI), and the 
 transports must be those that report a failure (Open MPI's tcp, not sm: docs/recovery.md).
 
 Note [Ending a job that lost a process]
-Open MPI 5.0.11's MPI_Finalize now and then waits for ever in a job that lost a process: in
-its process-manager fence, the training done (measured: 1 recovered run in 6 to 12, the
-survivors' stacks in ompi_mpi_finalize's lazy wait; the replacement had finished). Ending
-without MPI_Finalize (``os._exit``) avoids it but makes the launcher count every process as
-ended improperly and the job's exit code 1. So the tools' last step (mpidp.runtime.exit's
-exit_now, by mpidp.runtime.world.finalize_within), in a process of such a job (a survivor,
-after ``shrink``; a replacement, after ``join_parent``: ``lost_in_this_job``), runs mpidp's
-shutdown and MPI_Finalize itself, under faulthandler's timer (a thread of C that needs no
-interpreter): where MPI_Finalize has not returned in ``FINALIZE_AFTER_LOSS_S``, the timer
-writes the process's stacks to stderr and ends it with exit code 1. The job then ends within seconds of
-its last work, with exit code 0 where every MPI_Finalize returned."""
+Open MPI 5.0.11's MPI_Finalize, in a job with fault tolerance that lost a process, waits now
+and then for ever in the process-manager fence it starts with (measured: 1 recovered run in
+6 to 12, the survivors' stacks in ompi_mpi_finalize's lazy wait for PMIx_Fence_nb over the
+job, the dead process one of it; the training done). Under fault tolerance MPI_Finalize
+first shrinks MPI_COMM_WORLD and runs a synchronous barrier over its survivors, so the fence
+adds nothing there: mpidp turns it off (Open MPI's async_mpi_finalize, as
+OMPI_MCA_async_mpi_finalize=1 in the process's environment before MPI starts, where the
+launcher set OMPI_MCA_mpi_ft_enable and the user did not choose:
+mpidp.runtime.launcher.mpi_start_settings), and 24 recovered runs of 24 then ended at once
+(12 respawned, 12 shrunk). As a last guard, should it wait anyway (a program that started
+MPI before mpidp.init, or another wait of the library's), the tools' last step
+(mpidp.runtime.exit's exit_now, by mpidp.runtime.world.finalize_within), in a process of
+such a job (a survivor, after ``shrink``; a replacement, after ``join_parent``:
+``lost_in_this_job``), runs mpidp's shutdown and MPI_Finalize itself under faulthandler's
+timer (a thread of C that needs no interpreter): where MPI_Finalize has not returned in
+FINALIZE_AFTER_LOSS_S, the timer writes the process's stacks to stderr and ends it with exit
+code 1. (Ending without MPI_Finalize at all, ``os._exit``, makes the launcher count every
+process as ended improperly and the job's exit code 1.)"""
 from __future__ import annotations
 
 import ctypes

@@ -404,7 +404,8 @@ class _Run:
         self.wait_total += float(waits.mean())
         self.time_total += float(times.mean())
         return {"event": "epoch", "epoch": epoch + 1, "epochs": self.settings.epochs,
-                "steps": self.steps - first, "global_step": self.global_step,
+                "steps": self.steps - first, "epoch_steps": self.steps,
+                "global_step": self.global_step,
                 "train_loss": float(losses.sum() / max(n_samples, 1)),
                 "test_accuracy": self.accuracy,
                 "samples_per_s": n_samples / wall_s if wall_s > 0 else 0.0,

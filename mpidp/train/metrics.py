@@ -76,8 +76,13 @@ class Report:
         self._next_progress = float("inf")
         acc = event.get("test_accuracy")
         acc_text = f"  held-out acc {100 * acc:6.2f}%" if acc is not None else ""
+        # an epoch taken up part-way (a resume, an in-job recovery): its loss is of the
+        # steps trained since
+        part = f" (its last {event['steps']} of {event['epoch_steps']} steps)" \
+            if event.get("steps", 0) < event.get("epoch_steps", 0) else ""
         self.line(f"epoch {event['epoch']:>3}/{event['epochs']}  train loss "
-                  f"{event['train_loss']:.4f}{acc_text}  {event['samples_per_s']:,.0f} samples/s"
+                  f"{event['train_loss']:.4f}{part}{acc_text}  "
+                  f"{event['samples_per_s']:,.0f} samples/s"
                   f"  comm {100 * event['wait_fraction']:4.1f}%  {event['time_s']:.2f} s")
         self.record(event)
 

@@ -1,6 +1,6 @@
-"""In-job recovery on Open MPI with fault tolerance (ULFM): a rank killed mid-epoch, the
-survivors shrink and respawn it, and the run ends bit for bit as the uninterrupted one; left
-behind (shrink), the others train to the end; asked of MPICH, one line and exit code 2 (Note
+"""In-job recovery on Open MPI with fault tolerance (ULFM): a rank killed mid-epoch and then
+another, the survivors shrink and respawn each, and the run ends bit for bit as the
+uninterrupted one; left behind (shrink), the others train to the end; asked of MPICH, one line and exit code 2 (Note
 [In-job recovery] in mpidp/runtime/recovery.py, Note [Recovering a run] in
 mpidp/train/in_job.py).
 
@@ -45,10 +45,14 @@ def open_mpi(tmp_path_factory):
     return venv / "bin"
 
 
-def train_ft(bin_dir: Path, n: int, env=None, timeout_s=150):
-    """``python -m mpidp.train FLAGS`` on n ranks under Open MPI with fault tolerance."""
-    command = [str(bin_dir / "mpiexec"), *OPEN_MPI_FT_ARGS, "-n", str(n),
-               str(bin_dir / "python"), "-m", "mpidp.train", *FLAGS]
+def train_ft(bin_dir: Path, n: int, env=None, timeout_s=150, supervised=None):
+    """``python -m mpidp.train FLAGS`` on n ranks under Open MPI with fault tolerance; under
+    the supervisor (``python -m mpidp.run -n N -- ...``, which chooses the options) with the
+    checkpoint directory ``supervised``."""
+    train = [str(bin_dir / "python"), "-m", "mpidp.train", *FLAGS]
+    command = [str(bin_dir / "mpiexec"), *OPEN_MPI_FT_ARGS, "-n", str(n), *train] \
+        if supervised is None else [str(bin_dir / "python"), "-m", "mpidp.run", "-n", str(n),
+                                    "--", *train, "--checkpoint-dir", str(supervised)]
     full = {**os.environ, **AS_ROOT, "PYTHONPATH": str(BODIES), "PYTHONUNBUFFERED": "1",
             **(env or {})}
     proc = finished(command, full, timeout_s)
@@ -63,29 +67,44 @@ def summary(proc) -> dict:
     return lines[0]
 
 
-def killed(bin_dir, tmp_path, victim: int, mode: str) -> tuple:
-    """A run with rank ``victim`` killed (SIGKILL) at its 300th item, mid-epoch 1."""
-    proc = train_ft(bin_dir, 3, {"DIE_RANK": str(victim), "DIE_AT_ITEM": "300",
-                                 "FAULT_ONCE_FILE": str(tmp_path / f"struck-{victim}-{mode}"),
-                                 "MPIDP_RECOVERY": mode})
+def killed(bin_dir, tmp_path, victims: str, items: str, mode: str, supervised=None
+           ) -> tuple:
+    """A run with the ranks ``victims`` ("1,0") killed (SIGKILL) each at its item of
+    ``items`` ("300,700"): one after another, mid-epoch."""
+    proc = train_ft(bin_dir, 3, {"DIE_RANK": victims, "DIE_AT_ITEM": items,
+                                 "FAULT_ONCE_FILE": str(tmp_path / f"struck-{mode}"),
+                                 "MPIDP_RECOVERY": mode}, supervised=supervised)
     return proc, summary(proc)
 
 
-def test_a_killed_rank_is_respawned_and_the_run_ends_bit_for_bit(open_mpi, tmp_path):
+def test_killed_ranks_are_respawned_one_after_another_and_the_run_ends_bit_for_bit(
+        open_mpi, tmp_path):
+    """Rank 1 killed at its 300th item (epoch 1), then rank 0 at its 700th (epoch 2), under
+    the supervisor, which chooses in-job recovery on this MPI: each respawned in the job, no
+    relaunch; rank 0's replacement prints, writes the log and checkpoints from then on."""
     reference = summary(train_ft(open_mpi, 3))
     assert reference["ranks"] == 3
-    for victim in (1, 0):  # rank 0 too: its replacement prints and writes from then on
-        proc, got = killed(open_mpi, tmp_path, victim, "respawn")
-        out = proc.stdout + proc.stderr
-        assert "in-job recovery: on (Open MPI v5" in proc.stdout, out[-4000:]
-        assert f"in-job recovery: lost rank(s) {victim} of 3; respawned, back at 3 ranks; " \
-               "redoing from step " in out, out[-4000:]
-        assert got["ranks"] == 3 and got["global_step"] == reference["global_step"]
-        assert got["parameters_sha256"] == reference["parameters_sha256"], out[-4000:]
+    proc, got = killed(open_mpi, tmp_path, "1,0", "300,700", "respawn", tmp_path / "ck")
+    out = proc.stdout + proc.stderr
+    assert proc.stderr.startswith("mpidp.run: in-job recovery (Open MPI 5"), out[-4000:]
+    assert "in-job recovery: on (Open MPI v5" in proc.stdout, out[-4000:]
+    assert "restart" not in proc.stderr and proc.returncode == 0, out[-4000:]
+    assert sorted(p.name for p in (tmp_path / "ck").glob("*.pt"))[-1:] == \
+        [f"ckpt-{reference['global_step']:09d}.pt"], sorted(os.listdir(tmp_path / "ck"))
+    recoveries = [l for l in proc.stdout.splitlines() if "in-job recovery: lost" in l]
+    assert len(recoveries) == 2, out[-4000:]
+    for line, victim in zip(recoveries, (1, 0)):
+        assert line.startswith(f"in-job recovery: lost rank(s) {victim} of 3; respawned, "
+                               "back at 3 ranks; redoing from step "), out[-4000:]
+    assert got["ranks"] == 3 and got["global_step"] == reference["global_step"]
+    assert got["parameters_sha256"] == reference["parameters_sha256"], out[-4000:]
+    # the two epochs taken up part-way say whose loss they give
+    parts = [l for l in proc.stdout.splitlines() if l.startswith("epoch ") and "(its last " in l]
+    assert [l[:9] for l in parts] == ["epoch   1", "epoch   2"], out[-4000:]
 
 
 def test_left_behind_the_others_train_to_the_end(open_mpi, tmp_path):
-    proc, got = killed(open_mpi, tmp_path, 1, "shrink")
+    proc, got = killed(open_mpi, tmp_path, "1", "300", "shrink")
     out = proc.stdout + proc.stderr
     assert "in-job recovery: lost rank(s) 1 of 3; going on with 2; redoing from step " in out
     assert got["ranks"] == 2 and got["epochs"] == 3

