@@ -8,7 +8,6 @@ which then exchange their headers once more (MPI_Allgather) to say who called wh
 raise."""
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
@@ -16,7 +15,7 @@ import numpy as np
 from . import doubling, header, host_ops
 from ..errors import CommunicationError, WaitTimeoutError
 from .transports import MPITransport
-from .library import mpi
+from .library import loaded_libmpi, mpi
 
 
 def exchange(links, hdr: tuple, operation: str, local_error: Optional[BaseException] = None,
@@ -129,10 +128,8 @@ def c_context(comm, inline_bytes: int, max_bytes: int, board):
             any(MPI._sizeof(t) != 4 for t in (MPI.Comm, MPI.Datatype, MPI.Request)) or \
             comm.Get_errhandler() != MPI.ERRORS_RETURN:
         return None
-    with open("/proc/self/maps") as maps:
-        libs = sorted({line.split()[-1] for line in maps if "/libmpi" in line.split()[-1]})
     try:
-        lib = ctypes.CDLL(libs[0], mode=os.RTLD_NOLOAD)
+        lib = loaded_libmpi()[0]
         fns = tuple(ctypes.cast(getattr(lib, f), ctypes.c_void_p).value
                     for f in ("MPI_Sendrecv", "MPI_Send", "MPI_Recv", "MPI_Isend",
                               "MPI_Irecv", "MPI_Wait"))

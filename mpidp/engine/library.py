@@ -11,6 +11,8 @@ loaded, cheaper than the ``from mpi4py import MPI`` statement it replaces in tho
 — so the decision when MPI starts is made here and nowhere else."""
 from __future__ import annotations
 
+import ctypes
+import os
 import sys
 
 
@@ -20,3 +22,20 @@ def mpi():
     if module is None:
         from mpi4py import MPI as module  # deferred for cost: Note [MPI imported once]
     return module
+
+
+def loaded_libmpi() -> list:
+    """ctypes handles of the MPI libraries (``libmpi.so*``) this process has loaded, found
+    in /proc/self/maps (mpi4py loads the library of the environment it runs in: MPICH's
+    libmpi.so.12, Open MPI's libmpi.so.40), in the order of their paths; none before MPI
+    is loaded. Loads nothing."""
+    with open("/proc/self/maps") as maps:
+        paths = sorted({line.split()[-1] for line in maps
+                        if os.path.basename(line.split()[-1]).startswith("libmpi.so")})
+    found = []
+    for path in paths:
+        try:
+            found.append(ctypes.CDLL(path, mode=os.RTLD_NOLOAD))
+        except OSError:  # unmapped since
+            continue
+    return found

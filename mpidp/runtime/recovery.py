@@ -49,7 +49,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..engine.library import mpi
+from ..engine.library import loaded_libmpi, mpi
 
 REPLACEMENT = "mpidp-replaces"  # the -X option a replacement is started with (``respawn``)
 _lost = False  # this process's job lost a process: Note [Ending a job that lost a process]
@@ -89,13 +89,10 @@ def enabled() -> bool:
 def _ft_symbol() -> Optional[int]:
     """Open MPI's own ``ompi_ftmpi_enabled`` (set at MPI_Init from ``mpi_ft_enable``), None
     where the library has no such symbol (one built without ULFM)."""
-    with open("/proc/self/maps") as maps:
-        libs = sorted({line.split()[-1] for line in maps if "/libmpi.so" in line.split()[-1]})
-    for path in libs:
+    for lib in loaded_libmpi():
         try:
-            return int(ctypes.c_bool.in_dll(ctypes.CDLL(path, mode=os.RTLD_NOLOAD),
-                                            "ompi_ftmpi_enabled").value)
-        except (OSError, ValueError):
+            return int(ctypes.c_bool.in_dll(lib, "ompi_ftmpi_enabled").value)
+        except ValueError:  # not this library's symbol
             continue
     return None
 
