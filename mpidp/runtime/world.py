@@ -11,6 +11,7 @@ import dataclasses
 import socket
 import sys
 import threading
+import time
 import traceback
 import warnings
 from typing import Any, Optional
@@ -190,7 +191,9 @@ def recover() -> tuple:
     communicator of mpidp's groups, leaves their resources (sub-groups gone: their users
     remake them), shrinks the job's communicator, respawns the lost ranks where the group's
     mode is ``respawn``, and makes the group anew as ``init`` made it (the replacements'
-    ``init`` joins it). Returns (the new group, the ranks lost, whether they were replaced).
+    ``init`` joins it). Returns (the new group, the ranks lost, whether they were replaced,
+    this rank's seconds in each phase: leave_s, shrink_s, spawn_s where respawned (the
+    replacements' start and their joining), group_s).
     Every survivor calls it; RuntimeError where the group is not under in-job recovery."""
     global _group
     with _lock:
@@ -198,18 +201,27 @@ def recover() -> tuple:
         if old.recovery == "off":
             raise RuntimeError("mpidp: this group was not made for in-job recovery "
                                "(MPIDP_RECOVERY)")
+        clock = [time.perf_counter()]
+
+        def lap() -> float:  # seconds since the last lap
+            clock.append(time.perf_counter())
+            return round(clock[-1] - clock[-2], 6)
         everyone = (*_subgroups, old)
         recovery.revoke([c for g in everyone for c in (*g.comms(), *g.resources.comms())])
         for g in everyone:
             g.resources.abandon()
         _subgroups.clear()
+        phases = {"leave_s": lap()}
         survivors, lost = recovery.shrink(old.user_comm)
+        phases["shrink_s"] = lap()
         comm = survivors
         if old.recovery == "respawn" and lost:
             comm = recovery.respawn(survivors, lost, recovery.command())
+            phases["spawn_s"] = lap()
         cfg = _agreed_settings(comm)
         _group = _start_group(comm, cfg, old.recovery)
-        return _group, lost, comm is not survivors
+        phases["group_s"] = lap()
+        return _group, lost, comm is not survivors, phases
 
 
 def shutdown() -> None:

@@ -22,7 +22,11 @@ the run ends bit for bit as the uninterrupted one. A replacement starts the gene
 its rank afresh (seeded): a model that draws random numbers at each step (dropout) is then
 not bit for bit on that rank. In-job recovery covers ``--strategy mirrored`` without
 ``--zero``, ``--compression`` or a gradient scaler (``recoverable``); a run of another mode
-ends at a lost rank as without it, for ``python -m mpidp.run`` to relaunch."""
+ends at a lost rank as without it, for ``python -m mpidp.run`` to relaunch. The new rank 0
+prints one line at once and writes the recovery's record after the first step done since:
+its seconds per phase (leaving the old group, the shrink, the spawn, the new group, the
+state handed over) and from the failure seen to that step (``next_step_s``), in wall-clock
+time (time.time()), the one clock a replacement's process shares with the survivors'."""
 from __future__ import annotations
 
 import copy
@@ -51,6 +55,7 @@ class Snapshots:
 
     def __init__(self):
         self.kept: list = []
+        self.pending: Optional[dict] = None  # the recovery's record, written after a step
 
     def take(self, run, position: tuple) -> None:
         """The state after the step just done; ``position``: (epoch, batches done in it, its
@@ -60,6 +65,10 @@ class Snapshots:
                  "optimizer": copy.deepcopy(run.strategy.optimizer.state_dict()),
                  "rng": checkpoint.rng_state(), "samples_total": run.samples_total}
         self.kept = [self.kept[-1], state] if self.kept else [state]
+        if self.pending is not None:  # the first step done since a recovery
+            self.pending["next_step_s"] = round(time.time() - self.pending["began_at"], 6)
+            run.report.record(self.pending)
+            self.pending = None
 
     def newest(self) -> int:
         return self.kept[-1]["global_step"] if self.kept else -1
@@ -75,18 +84,20 @@ def recover(run, exc: BaseException, snapshots: Snapshots) -> tuple:
     """A survivor's recovery from ``exc`` (a lost process: recovery.is_process_failure):
     the group remade (mpidp.runtime.world.recover), then ``rejoin``. Returns (the group,
     the position to go on from: epoch, its sample cursor). Every survivor calls it."""
-    t0 = time.perf_counter()
+    began = time.time()  # wall time: the replacements' clocks (Note [Recovering a run])
     before = run.g.size
-    g, lost, replaced = world.recover()
-    return g, rejoin(run, g, snapshots, (lost, before, replaced, t0))
+    g, lost, replaced, phases = world.recover()
+    return g, rejoin(run, g, snapshots, (lost, before, replaced, began, phases))
 
 
 def rejoin(run, g, snapshots: Snapshots, loss: Optional[tuple] = None) -> tuple:
     """Every rank of the new group ``g`` (survivors and replacements) takes up the run from
     the oldest newest snapshot (Note [Recovering a run]) and rebinds ``run`` to ``g``; the
     new rank 0 says what happened (``loss``, a survivor's: the ranks lost, the size before,
-    whether they were replaced, when the recovery began). Returns (epoch, its sample
-    cursor). Collective over ``g``."""
+    whether they were replaced, when the recovery began (time.time()), its seconds in each
+    phase of world.recover), and records it once the next step is done. Returns (epoch, its
+    sample cursor). Collective over ``g``."""
+    t_rejoin = time.perf_counter()
     newest = objects.allgather(g, snapshots.newest(), "in-job recovery: every rank's newest step")
     have = [r for r, step in enumerate(newest) if step >= 0]
     if not have:
@@ -98,10 +109,11 @@ def rejoin(run, g, snapshots: Snapshots, loss: Optional[tuple] = None) -> tuple:
         checkpoint.set_rng_state(state["rng"])
     broadcast_tensors_([t for t in run.model.state_dict().values()], src)
     facts = (state["position"], state["global_step"], state["samples_total"],
-             run.checkpoint, run.resumed_from, loss[:3],
-             time.perf_counter() - loss[3]) if g.rank == src else None
-    position, global_step, samples_total, path, resumed_from, (lost, before, replaced), \
-        group_s = objects.bcast(g, facts, "in-job recovery: the position", root=src)
+             run.checkpoint, run.resumed_from, loss) if g.rank == src else None
+    position, global_step, samples_total, path, resumed_from, \
+        (lost, before, replaced, began, phases) = \
+        objects.bcast(g, facts, "in-job recovery: the position", root=src)
+    group_s = time.time() - began
     optimizer = broadcast_state_dict(state["optimizer"] if g.rank == src else None, src)
     run.rebind(g)  # the new strategy on g (collective), the shard, the report
     run.strategy.optimizer.load_state_dict(optimizer)
@@ -115,9 +127,11 @@ def rejoin(run, g, snapshots: Snapshots, loss: Optional[tuple] = None) -> tuple:
         + (f"respawned, back at {g.size} ranks" if replaced else f"going on with {g.size}")
         + f"; redoing from step {global_step} (epoch {epoch + 1}); the group remade in "
         f"{group_s:.2f} s")
-    run.report.record({"event": "recovery", "lost": list(lost), "ranks": g.size,
-                       "respawned": replaced, "global_step": global_step,
-                       "group_s": group_s})
+    snapshots.pending = {"event": "recovery", "lost": list(lost), "ranks": g.size,
+                         "respawned": replaced, "global_step": global_step,
+                         "group_s": round(group_s, 6), "began_at": began,
+                         "phases_s": {**phases, "handover_s": round(time.perf_counter()
+                                                                    - t_rejoin, 6)}}
     return epoch, cursor
 
 

