@@ -150,7 +150,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         in_job, first = recovery_choice(args.recovery, launcher)
     except (ValueError, OSError, subprocess.SubprocessError) as exc:
         parser().error(str(exc))  # one line, exit 2
-    supervisor = Supervisor(command, args.ranks, hosts, args.max_restarts, args.min_ranks,
-                            launcher, args.probe_timeout, args.heartbeat, in_job)
-    supervisor.say(first)
-    return supervisor.run()
+    return Supervisor(command, args.ranks, hosts, args.max_restarts, args.min_ranks,
+                      launcher, args.probe_timeout, args.heartbeat, in_job, first).run()

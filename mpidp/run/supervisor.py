@@ -129,10 +129,11 @@ class Supervisor:
     def __init__(self, command: Sequence[str], ranks: int, hosts: Optional[list],
                  max_restarts: int, min_ranks: int, mpiexec: Mpiexec,
                  probe_s: float = probe.PROBE_S, heartbeat_s: float = HEARTBEAT_S,
-                 in_job: bool = False):
+                 in_job: bool = False, first_line: Optional[str] = None):
         self.command, self.ranks, self.hosts = list(command), ranks, hosts
         self.max_restarts, self.min_ranks, self.mpiexec = max_restarts, min_ranks, mpiexec
         self.in_job = in_job  # Note [In-job recovery under the supervisor] in cli.py
+        self.first_line = first_line  # said once the run's locks are held
         self.probe_s, self.heartbeat_s = probe_s, heartbeat_s
         self.directory = Path(option_value(command, "--checkpoint-dir"))
         log = option_value(command, "--log-json")
@@ -188,6 +189,8 @@ class Supervisor:
             except ValueError as exc:  # in use by another run, or unusable
                 self.say(f"error: {exc}")
                 return REFUSED
+            if self.first_line:
+                self.say(self.first_line)
             return self._supervise()
         finally:
             self._end_leftovers()

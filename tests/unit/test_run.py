@@ -105,7 +105,7 @@ def supervise(tmp_path, fake, plan, ranks=2, hosts=None, max_restarts=3, min_ran
         cmd = [*command, "--checkpoint-dir", str(tmp_path / "ck"), "--log-json",
                str(tmp_path / "log.json")]
         code = Supervisor(cmd, ranks, hosts, max_restarts, min_ranks, hydra(fake), 1.0,
-                          heartbeat_s).run()
+                          heartbeat_s, first_line="how a failure is met").run()
     finally:
         for k in ("PLAN", "CALLS", "UP"):
             del os.environ[k]
@@ -124,6 +124,7 @@ def test_a_killed_rank_is_relaunched_with_resume_from_the_newest_checkpoint(tmp_
     code, calls, events = supervise(tmp_path, fake, plan)
     err = capfd.readouterr().err
     assert code == 0 and len(calls) == 2
+    assert err.startswith("mpidp.run: how a failure is met\nmpidp.run: attempt 1: "), err
     assert calls[0][:2] == ["-n", "2"] and "--resume" not in calls[0]
     assert calls[1][:2] == ["-n", "2"] and calls[1][-1] == "--resume"
     # a relaunch overlaps what the failed job's step left (Note [Inside an allocation])
@@ -707,7 +708,8 @@ def test_a_directory_or_log_the_supervisor_cannot_lock_is_refused_creating_nothi
               str(tmp_path / "missing" / "log.json")],
              f"--log-json {tmp_path}/missing/log.json: cannot lock: its directory does not "
              "exist")]:
-        code = Supervisor(command, 1, None, 3, 1, hydra(fake)).run()
+        code = Supervisor(command, 1, None, 3, 1, hydra(fake),
+                          first_line="said once the locks are held").run()
         assert code == 2 and capfd.readouterr().err == f"mpidp.run: error: {line}\n"
     assert sorted(os.listdir(tmp_path)) == ["mpiexec"]  # nothing created, nothing launched
 
