@@ -128,14 +128,19 @@ NETMOD_VARIABLES = ("MPIR_CVAR_CH4_NETMOD", "MPICH_CH4_NETMOD", "MPIR_PARAM_CH4_
 FINALIZE_WITHOUT_FENCE = "OMPI_MCA_async_mpi_finalize"  # Open MPI's; set by --with-ft ulfm
 
 
+def fault_tolerance_asked(env: Mapping[str, str]) -> bool:
+    """Whether Open MPI's launcher started this process with fault tolerance on (``mpiexec
+    --with-ft ulfm`` sets OMPI_MCA_mpi_ft_enable in every process it starts)."""
+    return env.get("OMPI_MCA_mpi_ft_enable", "") not in ("", "0", "false")
+
+
 def mpi_start_settings(env: Mapping[str, str], mpich_wheel: bool) -> dict:
     """The variables to set in ``env`` before MPI starts (Note [PMI-1 lines under srun]):
     MPICH's ofi netmod under an srun step whose PMI is Slurm's pmi2 plugin, with the mpich
     wheel and no netmod chosen; under Open MPI with fault tolerance on, no process-manager
     fence in MPI_Finalize unless the user chose (Note [Ending a job that lost a process] in
     mpidp/runtime/recovery.py); nothing elsewhere."""
-    if env.get("OMPI_MCA_mpi_ft_enable", "") not in ("", "0", "false") \
-            and FINALIZE_WITHOUT_FENCE not in env:
+    if fault_tolerance_asked(env) and FINALIZE_WITHOUT_FENCE not in env:
         return {FINALIZE_WITHOUT_FENCE: "1"}
     view = launcher_view(env)
     if not mpich_wheel or view is None or view.launcher != "Slurm (PMI2)" \

@@ -50,6 +50,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..engine.library import loaded_libmpi, mpi
+from . import launcher
 
 REPLACEMENT = "mpidp-replaces"  # the -X option a replacement is started with (``respawn``)
 _lost = False  # this process's job lost a process: Note [Ending a job that lost a process]
@@ -83,7 +84,7 @@ def enabled() -> bool:
     flag = _ft_symbol()
     if flag is not None:
         return bool(flag)
-    return os.environ.get("OMPI_MCA_mpi_ft_enable", "") not in ("", "0", "false")
+    return launcher.fault_tolerance_asked(os.environ)
 
 
 def _ft_symbol() -> Optional[int]:

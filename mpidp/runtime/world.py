@@ -4,10 +4,10 @@ rank dies of an uncaught exception."""
 from __future__ import annotations
 
 import atexit
-import faulthandler
 import contextlib
 import contextvars
 import dataclasses
+import faulthandler
 import socket
 import sys
 import threading

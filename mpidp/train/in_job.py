@@ -80,8 +80,9 @@ class Snapshots:
         raise AssertionError(f"no snapshot of step {global_step}: Note [Recovering a run]")
 
 
-def recover(run, exc: BaseException, snapshots: Snapshots) -> tuple:
-    """A survivor's recovery from ``exc`` (a lost process: recovery.is_process_failure):
+def recover(run, snapshots: Snapshots) -> tuple:
+    """A survivor's recovery from a lost process (an error recovery.is_process_failure
+    recognised):
     the group remade (mpidp.runtime.world.recover), then ``rejoin``. Returns (the group,
     the position to go on from: epoch, its sample cursor). Every survivor calls it."""
     began = time.time()  # wall time: the replacements' clocks (Note [Recovering a run])

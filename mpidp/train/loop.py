@@ -137,11 +137,11 @@ class Trainer:
                 except Exception as exc:  # a lost rank, where the run can go on without it
                     if run.snapshots is None or not recovery.is_process_failure(exc):
                         raise
-                    g, (first_epoch, cursor) = in_job.recover(run, exc, run.snapshots)
+                    g, (first_epoch, cursor) = in_job.recover(run, run.snapshots)
         finally:
             if run.writer is not None:
                 run.writer.close()
-            if run.report is not report:
+            if run.report is not run.first_report:
                 run.report.close()
 
 
@@ -184,6 +184,7 @@ class _Run:
                  report: Report):
         s = self.settings = settings
         self.g, self.model, self.strategy, self.report = g, model, strategy, report
+        self.first_report = report  # the caller's, which it closes (``rebind`` makes others)
         self.train_data, self.test_data, self.loss_fn = train_data, test_data, loss_fn
         self.sampler = sampler
         self.steps = strategy.steps_per_epoch(sampler, len(train_data), s.batch_size) \
@@ -241,6 +242,8 @@ class _Run:
                                                    s.batch_size)
         self.lr_ranks = self.strategy.lr_ranks or g.size
         if (self.report.rank, self.report.size) != (g.rank, g.size):
+            if self.report is not self.first_report:  # one an earlier recovery made
+                self.report.close()
             self.report = Report(g.rank, g.size, s.progress, s.verbose, s.log_json)
         if self.writer is None and s.async_checkpoint and g.rank == 0:
             self.writer = async_checkpoint.Writer(s.checkpoint_dir, s.keep_checkpoints,

@@ -31,19 +31,26 @@ class SlowDataset(Dataset):
         return self.base[i]
 
 
+def _rank_here():
+    """This process's rank as its launcher (Hydra, Open MPI) says it, before mpidp.init; None
+    outside one."""
+    return os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+
+
 def _fault_here(rank_var="FAULT_RANK"):
     """Whether this process is the rank named by ``rank_var`` (read before mpidp.init)."""
-    here = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+    here = _rank_here()
     return here is not None and here == os.environ.get(rank_var)
 
 
 def inject(kind, once=None):
     """The fault ``kind`` happens now: raise, sleep (a stall: FAULT_SLEEP_S, default 600 s),
     stop (SIGSTOP: the process neither runs nor dies), kill (SIGKILL of this process, its
-    pid first written to FAULT_PID_FILE and the time to FAULT_TIME_FILE if set) or usr1 (SIGUSR1 to this process alone, as
-    a signal that reaches one rank before the others) or lost_int (Ctrl-C to this process
-    alone, its KeyboardInterrupt caught and dropped, as a library's bare ``except`` or
-    Python's "Exception ignored" would: Note [A lost interrupt] in mpidp/train/interrupts.py).
+    pid first written to FAULT_PID_FILE and the time to FAULT_TIME_FILE if set) or usr1
+    (SIGUSR1 to this process alone, as a signal that reaches one rank before the others) or
+    lost_int (Ctrl-C to this process alone, its KeyboardInterrupt caught and dropped, as a
+    library's bare ``except`` or Python's "Exception ignored" would: Note [A lost interrupt]
+    in mpidp/train/interrupts.py).
     With FAULT_ONCE_FILE set, only where that file does not exist yet, which the fault
     creates: a job the supervisor relaunches (python -m mpidp.run) meets it once; ``once``, a
     path of its own instead."""
@@ -100,7 +107,7 @@ class DyingDataset(FaultyDataset):
     FAULT_ONCE_FILE is set (that path, "-" and the rank): failures one after another."""
 
     def __init__(self, base):
-        here = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+        here = _rank_here()
         ranks = os.environ.get("DIE_RANK", "").split(",")
         items = os.environ.get("DIE_AT_ITEM", "-1").split(",")
         super().__init__(base, "kill", int(items[ranks.index(here)]) if here in ranks else -1)
