@@ -93,8 +93,7 @@ def post(g, comm, tensors, peer: int, tag: int, send: bool) -> P2PWork:
         request = mpi.isend_bytes(comm, staged.bytes, peer, tag)
         return P2PWork(g, request, ("send to rank {} (tag {})", peer, tag),
                        lambda *_: staged)  # keeps the staged bytes alive until sent
-    request = mpi.irecv_bytes(comm, staged.bytes, mpi.any_source() if peer is ANY else peer,
-                              tag)
+    request = mpi.irecv_bytes(comm, staged.bytes, peer, tag)  # ANY: through a matched probe
 
     def finish(source, got):
         if got != staged.bytes.nbytes:

@@ -58,11 +58,6 @@ def tag_limit() -> int:
     return MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
 
 
-def any_source() -> int:
-    """MPI_ANY_SOURCE, for ``irecv``."""
-    return _mpi().ANY_SOURCE
-
-
 def rank_size(comm) -> tuple:
     """(this process's rank, the number of ranks) of ``comm``."""
     return comm.Get_rank(), comm.Get_size()
@@ -198,9 +193,68 @@ def isend_bytes(comm, buf, dest: int, tag: int):
     return comm.Isend([buf, _mpi().BYTE], dest=dest, tag=tag)
 
 
-def irecv_bytes(comm, buf, source: int, tag: int):
-    """A receive's request (``wait``, ``test``); ``source`` may be ``any_source()``."""
+def irecv_bytes(comm, buf, source: Optional[int], tag: int):
+    """A receive's request (``wait``, ``test``, ``cancel``); ``source`` None: from any
+    source (an ``AnySourceReceive``)."""
+    if source is None:
+        return AnySourceReceive(comm, [buf, _mpi().BYTE], tag)
     return comm.Irecv([buf, _mpi().BYTE], source=source, tag=tag)
+
+
+# Note [A receive from any source]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# MPICH 5.0.2 over UCX (the mpich wheel's default netmod) loses the message that a posted
+# MPI_ANY_SOURCE receive should match when another thread drives MPI's progress meanwhile, as
+# mpidp's scheduler and watchdog threads do. Across two emulated nodes, with mpi4py alone (a
+# second thread testing a receive of its own), 5 runs of 6 hung within 750 round trips; with
+# the netmod ofi, or without the second thread, none of 5 runs of 3000; with MPICH's shared
+# memory off, 2 of 2 still hung; with a matched probe, none of 13 runs of 3000 to 5000.
+# Through the backend (body_dist.py's 300 round trips on 2 x 1 nodes): 3 runs of 3 hung
+# before, none of 7 since; CI hung there once, in the 2 x 1 launch of 2026-12-01.
+# So mpidp posts no receive from any source: it matches the message with MPI_Improbe (at each
+# test; MPI_Mprobe when waited for) and receives exactly that message (MPI_Imrecv), which no
+# other receive can take once matched. One difference from a posted receive, where receives
+# of one tag are mixed: a receive from any source matches when it is tested or waited for,
+# so a receive from a named rank posted after it can take a message that MPI would have
+# given the earlier receive from any source.
+
+class AnySourceReceive:
+    """A receive from any source of ``tag`` on ``comm`` into ``spec`` (a buffer as mpi4py
+    takes it), through a matched probe (Note [A receive from any source]); it answers MPI's
+    request calls — ``Test``, ``Wait`` (each with an optional status) and ``Cancel`` — so
+    that the helpers here and the watchdog take it as a request."""
+
+    def __init__(self, comm, spec, tag: int):
+        self.comm, self.spec, self.tag = comm, spec, tag
+        self.request = None  # the matched message's receive
+        self.cancelled = False
+        self._match(block=False)
+
+    def _match(self, block: bool):
+        if self.request is None and not self.cancelled:
+            MPI = _mpi()
+            message = (self.comm.Mprobe if block else self.comm.Improbe)(MPI.ANY_SOURCE,
+                                                                          self.tag)
+            if message is not None:
+                self.request = message.Irecv(self.spec)
+        return self.request
+
+    def Test(self, status=None) -> bool:
+        if self.cancelled and self.request is None:
+            return True
+        request = self._match(block=False)
+        return request is not None and bool(request.Test(status))
+
+    def Wait(self, status=None) -> None:
+        if self.cancelled and self.request is None:
+            return
+        self._match(block=True).Wait(status)
+
+    def Cancel(self) -> None:
+        """As MPI cancels a posted receive: one that a message already here matches receives
+        it (``Wait`` completes it), one that none matches ends having received nothing."""
+        if self._match(block=False) is None:
+            self.cancelled = True
 
 
 def recv_bytes(comm, buf, source: int, tag: int) -> None:
