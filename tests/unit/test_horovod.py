@@ -10,6 +10,7 @@ import torch
 
 import mpidp.horovod as hvd
 from mpidp.horovod import backward, ops, run
+from mpidp.runtime.launcher import Mpiexec
 
 
 def test_import_starts_no_mpi_and_exports_horovods_names():
@@ -157,19 +158,35 @@ def test_horovodrun_maps_its_timeline_and_fusion_flags_to_horovods_variables():
         run.variables(None, -1)
 
 
+HYDRA = Mpiexec("mpiexec", "MPICH (Hydra 5.0.2)", False, False)
+OPEN_MPI = Mpiexec("mpirun", "Open MPI 5.0.11", True, True)
+
+
 def test_horovodrun_maps_onto_mpiexec():
-    assert run.command(4, ["python", "train.py"], "a:2,b:2", launcher="mpiexec") == \
+    assert run.command(HYDRA, 4, ["python", "train.py"], "a:2,b:2") == \
         ["mpiexec", "-n", "4", "-hosts", "a:2,b:2", "python", "train.py"]
-    assert run.command(2, ["python", "t.py"], None, "/tmp/x/ssh", "mpiexec") == \
+    assert run.command(HYDRA, 2, ["python", "t.py"], None, 2222, "/tmp/x/ssh",
+                       ["HOROVOD_TIMELINE"]) == \
         ["mpiexec", "-n", "2", "-launcher", "ssh", "-launcher-exec", "/tmp/x/ssh", "python", "t.py"]
     text = "# the cluster\nnode1 slots=4\n\nnode2   slots=2  # the small one\nnode3\n"
     assert run.hosts_of_file(text) == "node1:4,node2:2,node3:1"
     with pytest.raises(ValueError, match="hf:1: expected 'host slots=N' or 'host:N', got 'n1 slots=x'"):
         run.hosts_of_file("n1 slots=x\n", "hf")
     with pytest.raises(ValueError, match="expected host:slots"):
-        run.command(2, ["python"], "a:0")
+        run.command(HYDRA, 2, ["python"], "a:0")
     with pytest.raises(ValueError, match="no command to run"):
-        run.command(2, [])
+        run.command(HYDRA, 2, [])
+
+
+def test_horovodrun_maps_onto_open_mpis_mpiexec():
+    """Open MPI's host list, its slots on this machine, horovodrun's own ssh-port option and
+    the variables named with -x (Note [horovodrun on mpiexec])."""
+    assert run.command(OPEN_MPI, 4, ["python", "train.py"], "a:2,b:2", 2222,
+                       passed=["HOROVOD_TIMELINE", "HOROVOD_FUSION_THRESHOLD"]) == \
+        ["mpirun", "-n", "4", "--host", "a:2,b:2", "-mca", "plm_rsh_args", "-p 2222",
+         "-x", "HOROVOD_TIMELINE", "-x", "HOROVOD_FUSION_THRESHOLD", "python", "train.py"]
+    assert run.command(OPEN_MPI, 3, ["python", "t.py"]) == \
+        ["mpirun", "-n", "3", "--oversubscribe", "python", "t.py"]
 
 
 @pytest.mark.parametrize("flag,words", [("--gloo", "mpidp runs on MPI only"),
