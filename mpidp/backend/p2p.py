@@ -30,29 +30,43 @@ class P2PWork(dist.Work):
         super().__init__()
         self.g, self.request, self.what, self.finish = g, request, what, finish
         self.source = -1
+        self._error: Optional[BaseException] = None  # what the finish raised, for wait
         self._lock = threading.Lock()
+
+    def _completed(self, source: int, nbytes: int) -> None:
+        self.request, self.source = None, source
+        if self.finish is not None:
+            try:
+                self.finish(source, nbytes)
+            except BaseException as exc:  # noqa: BLE001 - raised by wait, as torch's Work
+                self._error = exc
 
     def _complete(self) -> None:
         with self._lock:
-            if self.request is None:
-                return
-            with self.g.board.waiting(self.what):
-                source, nbytes = mpi.wait(self.request)
-            self.request = None
-            self.source = source
-            if self.finish is not None:
-                self.finish(source, nbytes)
+            if self.request is not None:
+                with self.g.board.waiting(self.what):
+                    done = mpi.wait(self.request)
+                self._completed(*done)
+        if self._error is not None:
+            raise self._error
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         self._complete()
         return True
 
     def is_completed(self) -> bool:
+        """True once the message has gone or come (a receive's copy done, or its error kept
+        for ``wait``): a ``wait`` after it returns at once."""
         with self._lock:
-            return self.request is None or mpi.test(self.request)
+            if self.request is None:
+                return True
+            done = mpi.test_status(self.request)
+            if done is not None:
+                self._completed(*done)
+            return done is not None
 
     def is_success(self) -> bool:
-        return self.is_completed()
+        return self.is_completed() and self._error is None
 
     def _source_rank(self) -> int:  # torch's recv from any source asks it
         self._complete()

@@ -22,12 +22,15 @@ from ..runtime.launcher import Mpiexec, describe, mpiexec
 # -np N is mpiexec's -n N; -H a:2,b:2 (the same host:slots list) is Hydra's -hosts and Open
 # MPI's --host (a Horovod hostfile, "host slots=N" per line with # comments, becomes that list
 # too); without hosts the job runs on this machine, as horovodrun's does (on Open MPI with
-# --oversubscribe: as many ranks as asked, whatever its cores). -p PORT, the ssh port: Open
-# MPI's -mca plm_rsh_args "-p PORT", as horovodrun passes it; Hydra has no such flag and its
-# ssh launcher runs one executable, so the port goes into a two-line script given as
-# -launcher-exec, removed when the job ends. --timeline-filename and --fusion-threshold-mb set
-# the HOROVOD_* variables mpidp.horovod maps, in the job's environment: Hydra passes it all
-# to every rank, Open MPI only what -x names, so each is named. horovodrun's other options
+# --oversubscribe: as many ranks as asked, whatever its cores). On Open MPI, as horovodrun
+# writes it: --bind-to none --map-by slot (a rank's threads not pinned to one core) and, for a
+# job of root, --allow-run-as-root. -p PORT, the ssh port: Open MPI's --mca plm_rsh_args
+# "-p PORT"; Hydra has no such flag and its ssh launcher runs one executable, so the port goes
+# into a two-line script given as -launcher-exec, removed when the job ends.
+# --timeline-filename and --fusion-threshold-mb set the HOROVOD_* variables mpidp.horovod
+# maps, in the job's environment: Hydra passes all of it to every rank, Open MPI to other
+# hosts only what -x names, so those are named, and with hosts every variable of the
+# environment but OLDPWD and BASH_FUNC_* (as horovodrun does). horovodrun's other options
 # (elastic, gloo, the cycle) are refused naming what mpidp offers instead.
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,24 +72,39 @@ def hosts_of_file(text: str, path: str = "hostfile") -> str:
 
 def command(launcher: Mpiexec, np: int, command: Sequence[str], hosts: Optional[str] = None,
             ssh_port: Optional[int] = None, launcher_exec: Optional[str] = None,
-            passed: Sequence[str] = ()) -> list:
+            passed: Sequence[str] = (), as_root: bool = False) -> list:
     """The line of the mpiexec ``launcher`` for horovodrun's ``-np``, ``-H`` and ``-p``
-    (on Hydra, its script ``launcher_exec``), passing the variables ``passed`` on (Note
-    [horovodrun on mpiexec])."""
+    (on Hydra, its script ``launcher_exec``), passing the variables ``passed`` on; on Open
+    MPI, ``as_root`` allows a job of root (Note [horovodrun on mpiexec])."""
     if np < 1:
         raise ValueError(f"-np {np}: at least one process")
     if not command:
         raise ValueError("no command to run: python -m mpidp.horovod.run -np N python train.py")
+    if ssh_port is not None and not 0 < ssh_port < 65536:
+        raise ValueError(f"-p {ssh_port}: expected a port, 1 to 65535")
     line = [launcher.path, "-n", str(np)]
     line += launcher.hosts(hostlist.format_hosts(hostlist.parse(hosts))) if hosts else \
         launcher.here()
+    if launcher.open_mpi:
+        line += ["--bind-to", "none", "--map-by", "slot", *(["--allow-run-as-root"] * as_root)]
     if ssh_port is not None:
-        line += ["-mca", "plm_rsh_args", f"-p {int(ssh_port)}"] if launcher.open_mpi else \
+        line += ["--mca", "plm_rsh_args", f"-p {ssh_port}"] if launcher.open_mpi else \
             ["-launcher", "ssh", "-launcher-exec", launcher_exec]
     if launcher.open_mpi:
         for name in passed:
             line += ["-x", name]
     return line + list(command)
+
+
+def exported(environ: dict, extra: dict, hosts: Optional[str]) -> list:
+    """The variables an Open MPI job is given with -x: those horovodrun's flags set, and with
+    hosts every variable of the environment but a shell's own (as horovodrun passes them:
+    Open MPI gives the ranks on other hosts only the named ones)."""
+    names = list(extra)
+    if hosts:
+        names += sorted(k for k in environ if k not in extra and k != "OLDPWD"
+                        and not k.startswith("BASH_FUNC_"))
+    return names
 
 
 def variables(timeline: Optional[str], fusion_mb: Optional[float]) -> dict:
@@ -132,9 +150,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         launcher = describe(mpiexec())
         with tempfile.TemporaryDirectory(prefix="mpidp-hvdrun-") as tmp:
             exec_ = _ssh_with_port(args.ssh_port, tmp) \
-                if args.ssh_port and not launcher.open_mpi else None
+                if args.ssh_port is not None and not launcher.open_mpi else None
             extra = variables(args.timeline_filename, args.fusion_threshold_mb)
-            line = command(launcher, args.np, cmd, hosts, args.ssh_port, exec_, list(extra))
+            line = command(launcher, args.np, cmd, hosts, args.ssh_port, exec_,
+                           exported(dict(os.environ), extra, hosts), os.geteuid() == 0)
             shown = [f"{k}={v}" for k, v in extra.items()] + line
             print(f"mpidp.horovod.run: {shlex.join(shown)}", file=sys.stderr, flush=True)
             if args.verbose and exec_:

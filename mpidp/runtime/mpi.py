@@ -216,7 +216,8 @@ def irecv_bytes(comm, buf, source: Optional[int], tag: int):
 # other receive can take once matched. One difference from a posted receive, where receives
 # of one tag are mixed: a receive from any source matches when it is tested or waited for,
 # so a receive from a named rank posted after it can take a message that MPI would have
-# given the earlier receive from any source.
+# given the earlier receive from any source, and of two receives from any source the one
+# tested or waited for first takes the first message.
 
 class AnySourceReceive:
     """A receive from any source of ``tag`` on ``comm`` into ``spec`` (a buffer as mpi4py
@@ -288,6 +289,16 @@ def wait(request) -> tuple:
 def test(request) -> bool:
     """True once ``request`` is complete."""
     return bool(request.Test())
+
+
+def test_status(request) -> Optional[tuple]:
+    """(source, bytes) of what ``request`` received once it is complete (a send's are MPI's
+    values for none), else None; as ``wait``, without waiting."""
+    MPI = _mpi()
+    status = MPI.Status()
+    if not request.Test(status):
+        return None
+    return status.Get_source(), status.Get_count(MPI.BYTE)
 
 
 def test_all(requests: list) -> bool:

@@ -64,7 +64,7 @@ def test_the_bodies_pass_together_on_open_mpi(open_mpi):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert proc.stderr.startswith(f"mpidp.horovod.run: {open_mpi / 'mpiexec'} -n 2 "
-                                  f"--oversubscribe {open_mpi / 'python'} "), out[-6000:]
+                                  "--oversubscribe --bind-to none --map-by slot "), out[-6000:]
     for name in names:
         assert proc.stdout.count(f"body_together: {name}") == 2, (name, out[-6000:])
     for r in range(2):

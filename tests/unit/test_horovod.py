@@ -179,14 +179,24 @@ def test_horovodrun_maps_onto_mpiexec():
 
 
 def test_horovodrun_maps_onto_open_mpis_mpiexec():
-    """Open MPI's host list, its slots on this machine, horovodrun's own ssh-port option and
-    the variables named with -x (Note [horovodrun on mpiexec])."""
-    assert run.command(OPEN_MPI, 4, ["python", "train.py"], "a:2,b:2", 2222,
-                       passed=["HOROVOD_TIMELINE", "HOROVOD_FUSION_THRESHOLD"]) == \
-        ["mpirun", "-n", "4", "--host", "a:2,b:2", "-mca", "plm_rsh_args", "-p 2222",
-         "-x", "HOROVOD_TIMELINE", "-x", "HOROVOD_FUSION_THRESHOLD", "python", "train.py"]
+    """Open MPI's host list, its slots on this machine, horovodrun's own placement, ssh-port
+    and root options, and the variables named with -x: with hosts, the whole environment
+    but a shell's own (Note [horovodrun on mpiexec])."""
+    extra = {"HOROVOD_TIMELINE": "t.json"}
+    passed = run.exported({"PATH": "/bin", "OLDPWD": "/", "BASH_FUNC_f%%": "() {}",
+                           "MPIDP_TIMEOUT_S": "30"}, extra, "a:2,b:2")
+    assert passed == ["HOROVOD_TIMELINE", "MPIDP_TIMEOUT_S", "PATH"]
+    assert run.exported({"PATH": "/bin"}, extra, None) == ["HOROVOD_TIMELINE"]
+    assert run.command(OPEN_MPI, 4, ["python", "train.py"], "a:2,b:2", 2222, passed=passed,
+                       as_root=True) == \
+        ["mpirun", "-n", "4", "--host", "a:2,b:2", "--bind-to", "none", "--map-by", "slot",
+         "--allow-run-as-root", "--mca", "plm_rsh_args", "-p 2222", "-x", "HOROVOD_TIMELINE",
+         "-x", "MPIDP_TIMEOUT_S", "-x", "PATH", "python", "train.py"]
     assert run.command(OPEN_MPI, 3, ["python", "t.py"]) == \
-        ["mpirun", "-n", "3", "--oversubscribe", "python", "t.py"]
+        ["mpirun", "-n", "3", "--oversubscribe", "--bind-to", "none", "--map-by", "slot",
+         "python", "t.py"]
+    with pytest.raises(ValueError, match="-p 0: expected a port, 1 to 65535"):
+        run.command(HYDRA, 2, ["python"], ssh_port=0)
 
 
 @pytest.mark.parametrize("flag,words", [("--gloo", "mpidp runs on MPI only"),
