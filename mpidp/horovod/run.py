@@ -22,9 +22,9 @@ from ..runtime.launcher import Mpiexec, describe, mpiexec
 # -np N is mpiexec's -n N; -H a:2,b:2 (the same host:slots list) is Hydra's -hosts and Open
 # MPI's --host (a Horovod hostfile, "host slots=N" per line with # comments, becomes that list
 # too); without hosts the job runs on this machine, as horovodrun's does (on Open MPI with
-# --oversubscribe: as many ranks as asked, whatever its cores). On Open MPI, as horovodrun
-# writes it: --bind-to none --map-by slot (a rank's threads not pinned to one core) and, for a
-# job of root, --allow-run-as-root. -p PORT, the ssh port: Open MPI's --mca plm_rsh_args
+# --oversubscribe: as many ranks as asked, whatever its cores); on Open MPI with --bind-to
+# none --map-by slot too (runtime.launcher.OPEN_MPI_UNBOUND, as horovodrun writes them) and,
+# for a job of root, --allow-run-as-root. -p PORT, the ssh port: Open MPI's --mca plm_rsh_args
 # "-p PORT"; Hydra has no such flag and its ssh launcher runs one executable, so the port goes
 # into a two-line script given as -launcher-exec, removed when the job ends.
 # --timeline-filename and --fusion-threshold-mb set the HOROVOD_* variables mpidp.horovod
@@ -85,8 +85,8 @@ def command(launcher: Mpiexec, np: int, command: Sequence[str], hosts: Optional[
     line = [launcher.path, "-n", str(np)]
     line += launcher.hosts(hostlist.format_hosts(hostlist.parse(hosts))) if hosts else \
         launcher.here()
-    if launcher.open_mpi:
-        line += ["--bind-to", "none", "--map-by", "slot", *(["--allow-run-as-root"] * as_root)]
+    if launcher.open_mpi and as_root:
+        line.append("--allow-run-as-root")
     if ssh_port is not None:
         line += ["--mca", "plm_rsh_args", f"-p {ssh_port}"] if launcher.open_mpi else \
             ["-launcher", "ssh", "-launcher-exec", launcher_exec]

@@ -210,12 +210,20 @@ class Mpiexec(NamedTuple):
     fault_tolerant: bool  # Open MPI built with ULFM: a job outlives a lost rank
 
     def hosts(self, text: str) -> list:
-        """The options that place the job on the hosts ``text`` ("a:2,b:2")."""
-        return ["--host", text] if self.open_mpi else ["-hosts", text]
+        """The options that place the job on the hosts ``text`` ("a:2,b:2"), each rank's
+        threads free on its node's cores (OPEN_MPI_UNBOUND)."""
+        return ["--host", text, *OPEN_MPI_UNBOUND] if self.open_mpi else ["-hosts", text]
 
     def here(self) -> list:
         """The options for a job on this machine alone, its ranks however many its cores."""
-        return ["--oversubscribe"] if self.open_mpi else []
+        return ["--oversubscribe", *OPEN_MPI_UNBOUND] if self.open_mpi else []
+
+
+# Open MPI binds each rank to one core where its ranks fit the slots (a rank's torch threads,
+# and mpidp's communication and watchdog threads, then share that core); Hydra binds nothing
+# unless asked. So mpidp's launch lines ask Open MPI for no binding and ranks placed slot by
+# slot, as horovodrun's do.
+OPEN_MPI_UNBOUND = ("--bind-to", "none", "--map-by", "slot")
 
 
 def parse_mpiexec(path: str, version: str, ompi_info: str = "") -> Mpiexec:

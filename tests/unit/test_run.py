@@ -755,14 +755,17 @@ def test_in_job_recovery_is_chosen_where_the_mpi_offers_it_and_said_first():
 
 def test_open_mpis_launch_line_names_hosts_its_way_and_outlives_a_lost_rank():
     from mpidp.run.supervisor import Attempt, launch_line
-    from mpidp.runtime.launcher import OPEN_MPI_FT_ARGS
+    from mpidp.runtime.launcher import OPEN_MPI_FT_ARGS, OPEN_MPI_UNBOUND
     ft = Mpiexec("/v/mpiexec", "Open MPI 5.0.11", True, True)
     here, there = Attempt(3, None, None), Attempt(4, [Host("a", 2), Host("b", 2)], None)
     assert launch_line(ft, here, ["p"], in_job=True) == ["/v/mpiexec", "-n", "3",
-                                                         *OPEN_MPI_FT_ARGS, "p"]
-    assert launch_line(ft, here, ["p"]) == ["/v/mpiexec", "-n", "3", "--oversubscribe", "p"]
+                                                         *OPEN_MPI_FT_ARGS, *OPEN_MPI_UNBOUND,
+                                                         "p"]
+    assert launch_line(ft, here, ["p"]) == ["/v/mpiexec", "-n", "3", "--oversubscribe",
+                                            *OPEN_MPI_UNBOUND, "p"]
     assert launch_line(ft, there, ["p"], in_job=True) == [
-        "/v/mpiexec", "-n", "4", *OPEN_MPI_FT_ARGS, "--host", "a:2,b:2", "p"]
+        "/v/mpiexec", "-n", "4", *OPEN_MPI_FT_ARGS, "--host", "a:2,b:2", *OPEN_MPI_UNBOUND,
+        "p"]
     hydra_ = Mpiexec("/m/mpiexec", "MPICH (Hydra 5.0.2)", False, False)
     assert launch_line(hydra_, there, ["p"]) == ["/m/mpiexec", "-n", "4", "-hosts", "a:2,b:2",
                                                  "p"]
