@@ -34,6 +34,10 @@ phase = ["setup"]  # "step" once the set-up is done: the walk docs/architecture.
 
 
 def profile(frame, event, arg):
+    # rank 0's store server (mpidp-store, started by init_process_group inside the walk) polls
+    # for requests on its own clock: a poll that falls in the step is not the all-reduce's walk
+    if threading.current_thread().name == "mpidp-store":
+        return
     if event == "c_call":
         caller = frame.f_globals.get("__name__", "")
         if caller.startswith("mpidp.") and type(arg).__module__ in (None, "builtins") and \
