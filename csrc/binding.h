@@ -33,5 +33,10 @@ extern const char mp_host_view_doc[];
 /* tensor_view(x, Tensor, strided, formats): Note [Tensor views in C] in view.c. */
 PyObject *mp_tensor_view(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 extern const char mp_tensor_view_doc[];
+/* atomic_add, atomic_load, atomic_store: int64 words of a shared buffer (atomics.c). */
+PyObject *mp_atomic_add(PyObject *module, PyObject *args);
+PyObject *mp_atomic_load(PyObject *module, PyObject *args);
+PyObject *mp_atomic_store(PyObject *module, PyObject *args);
+extern const char mp_atomic_add_doc[], mp_atomic_load_doc[], mp_atomic_store_doc[];
 
 #endif

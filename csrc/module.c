@@ -6,7 +6,8 @@
  * Note [One direction in C]
  * The extension's files call one way: a file names only files on lower rows.
  *   module.c                 the entry: method table, init, argument-parsing wrappers
- *   context_type.c view.c    Python types: ShmContext (what it holds, its methods), HostView
+ *   context_type.c view.c    Python types: ShmContext (what it holds, its methods), HostView;
+ *   atomics.c                atomic int64 words of a shared buffer
  *   exchange.c               CheckedContext: the one-call all-reduce across nodes
  *   small.c                  allreduce_array on one node, and what both one-call paths share
  *   context.c                ShmContext's calls into the protocol (mp_ctx_enter enters it)
@@ -267,6 +268,9 @@ static PyMethodDef methods[] = {
     {"host_view", (PyCFunction)(void (*)(void))mp_host_view, METH_FASTCALL, mp_host_view_doc},
     {"tensor_view", (PyCFunction)(void (*)(void))mp_tensor_view, METH_FASTCALL,
      mp_tensor_view_doc},
+    {"atomic_add", mp_atomic_add, METH_VARARGS, mp_atomic_add_doc},
+    {"atomic_load", mp_atomic_load, METH_VARARGS, mp_atomic_load_doc},
+    {"atomic_store", mp_atomic_store, METH_VARARGS, mp_atomic_store_doc},
     {NULL, NULL, 0, NULL},
 };
 

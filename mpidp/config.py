@@ -21,6 +21,7 @@ ALGORITHMS = NAMES[HOST]
 SHM_PEER_MODES = ("auto", "cma", "window")
 AUDIT_ACTIONS = ("raise", "warn")
 RECOVERY_MODES = ("auto", "respawn", "shrink", "off")  # Note [In-job recovery]
+PS_MEMORIES = ("auto", "window")  # Note [Node-local shards] in mpidp/modes/ps_shared.py
 # the control block's inline payload: csrc/shm.h's SHM_INLINE_BYTES (mpidp._ext exports it; a
 # test compares them)
 SHM_INLINE_MAX_BYTES = 4096
@@ -49,13 +50,14 @@ class Config:
     audit_action: str = "raise"        # MPIDP_AUDIT_ACTION: raise | warn (Note [Replica audit])
     horovod_fusion_bytes: int = 128 << 20  # MPIDP_HOROVOD_FUSION_BYTES: hvd's fused buckets
     recovery: str = "auto"             # MPIDP_RECOVERY: auto | respawn | shrink | off (recovery.py)
+    ps_memory: str = "auto"            # MPIDP_PS_MEMORY: auto | window (Note [Node-local shards])
 
 
 # settings of the algorithms that must be the same on every rank (compared by mpidp.init):
 # ranks that disagree would move data differently, pair the wrong calls or hang
 AGREED = ("algorithm", "ring_piece_bytes", "shm_chunk_bytes", "shm_inline_bytes", "shm_peers",
           "hier_min_bytes", "doubling_max_bytes", "emulate_node_size", "debug", "extension", "timeline",
-          "audit_every", "audit_action", "horovod_fusion_bytes", "recovery")
+          "audit_every", "audit_action", "horovod_fusion_bytes", "recovery", "ps_memory")
 
 
 def agreed(cfg: Config) -> tuple:
@@ -150,6 +152,8 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
         kw["horovod_fusion_bytes"] = _parse_int("MPIDP_HOROVOD_FUSION_BYTES", v, 1)
     if (v := get("MPIDP_RECOVERY")) is not None:
         kw["recovery"] = _parse_choice("MPIDP_RECOVERY", v, RECOVERY_MODES)
+    if (v := get("MPIDP_PS_MEMORY")) is not None:
+        kw["ps_memory"] = _parse_choice("MPIDP_PS_MEMORY", v, PS_MEMORIES)
     v = get("MPIDP_REQUIRE_EXTENSION")
     if v is not None:
         kw["require_extension"] = _parse_bool("MPIDP_REQUIRE_EXTENSION", v)

@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
 MPIEXEC=$(dirname "$PY")/mpiexec
-OUT=bench/out/straggler
+OUT=${OUT:-bench/out/straggler}
 rm -rf "$OUT" && mkdir -p "$OUT"
 JOB=(--batch-size 16 --epochs 20 --no-progress --threads-per-rank 1)
 declare -A FLAGS=(
@@ -21,25 +21,30 @@ declare -A FLAGS=(
   [localsgd-16]="--strategy localsgd --sync-every 16"
   [diloco-16]="--strategy diloco --sync-every 16"
   [diloco-64]="--strategy diloco --sync-every 64"
-  [ps]="--strategy ps")
-ORDER=(mirrored localsgd-4 localsgd-16 diloco-16 diloco-64 ps)
+  [ps]="--strategy ps"
+  [ps-window]="--strategy ps")
+# CONFIGS and CONDITIONS (space-separated) run a subset; ps-window is ps with its shards in
+# MPI windows on one node too (MPIDP_PS_MEMORY=window: Note [Node-local shards])
+read -r -a ORDER <<< "${CONFIGS:-mirrored localsgd-4 localsgd-16 diloco-16 diloco-64 ps ps-window}"
+read -r -a WHERE <<< "${CONDITIONS:-local straggler cluster}"
 run() {  # condition, config, repetition
   local condition=$1 config=$2 rep=$3 n=2 extra=()
-  [ "$config" = ps ] && n=3
+  case $config in ps*) n=3 ;; esac
+  local memory=auto; [ "$config" = ps-window ] && memory=window
   [ "$condition" = local ] || extra=(--straggler 1:2)
   local log="$OUT/$condition.$config.$rep.jsonl"
   # shellcheck disable=SC2086
   local cmd=("$MPIEXEC" -n "$n" "$PY" -m mpidp.train "${JOB[@]}" ${FLAGS[$config]}
              "${extra[@]}" --log-json "$log")
   if [ "$condition" = cluster ]; then
-    "$PY" tests/harness/multinode_cluster.py --nodes "$n" --rate 1gbit -- \
-      "${cmd[0]}" -ppn 1 "${cmd[@]:1}" > /dev/null
+    MPIDP_PS_MEMORY=$memory "$PY" tests/harness/multinode_cluster.py --nodes "$n" --rate 1gbit -- \
+      "${cmd[0]}" -genv MPIDP_PS_MEMORY "$memory" -ppn 1 "${cmd[@]:1}" > /dev/null
   else
-    "${cmd[@]}" > /dev/null
+    MPIDP_PS_MEMORY=$memory "${cmd[@]}" > /dev/null
   fi
 }
 for rep in $(seq "${REPEATS:-3}"); do
-  for condition in local straggler cluster; do
+  for condition in "${WHERE[@]}"; do
     for config in "${ORDER[@]}"; do
       run "$condition" "$config" "$rep"
     done
@@ -47,4 +52,4 @@ for rep in $(seq "${REPEATS:-3}"); do
   echo "repetition $rep done" >&2
 done
 "$PY" bench/training/summarize_straggler.py "$OUT" --target "${TARGET:-0.98}" \
-  --plot bench/straggler.png | tee bench/out/straggler.md
+  --plot "${PLOT:-bench/straggler.png}" | tee "${TABLE:-bench/out/straggler.md}"

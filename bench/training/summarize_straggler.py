@@ -14,7 +14,7 @@ from mpidp.report import read_run
 
 CONDITIONS = {"local": "one machine", "straggler": "one machine, straggler 1:2",
               "cluster": "2 nodes at 1 Gbit/s, straggler 1:2"}
-ORDER = ("mirrored", "localsgd-4", "localsgd-16", "diloco-16", "diloco-64", "ps")
+ORDER = ("mirrored", "localsgd-4", "localsgd-16", "diloco-16", "diloco-64", "ps", "ps-window")
 
 
 def figures(path: Path, target: float) -> dict:

@@ -1,7 +1,9 @@
 """Asynchronous parameter server on dedicated MPI ranks: parameters sharded across servers by
 bytes, held in MPI one-sided windows; workers pull with ``Get`` and push with
 ``Accumulate(SUM)`` while servers apply the optimizer and publish, with bounded staleness
-(SSP: a worker is at most S steps ahead of the slowest).
+(SSP: a worker is at most S steps ahead of the slowest). When every rank of the job is on one
+node the shards are in the node's shared memory instead (Note [Node-local shards] in
+ps_shared.py); the windows' protocol follows.
 
 Note [Publishing a shard]
 A pull must never see a half-updated shard, and a push must be applied exactly once. Workers
@@ -32,13 +34,15 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .. import runtime
+from .. import config, runtime
 from ..runtime import mpi, timeline
+from ..engine import host_ops
 from ..engine.blocks import partition
 from ..comm import objects
 from ..runtime.frame import collective
 from ..runtime.watchdog import board_of
 from ..runtime.windows import Window, layout
+from .ps_shared import SharedShards, eligible
 
 # control words of every server's window, then per-worker pending[W], applied[W], done[W]
 VERSION, FINISHED, NEXT_BATCH, CONTROL_WORDS = 0, 1, 2, 3
@@ -88,10 +92,11 @@ class ParameterServer:
     """The servers and workers of one job over ``comm`` (every rank constructs it, a
     collective): the last ``num_servers`` ranks are servers, the others workers. ``counts``:
     element counts of the float32 tensors shared (the same on every rank); ``initial_flat``:
-    every tensor concatenated, from which each server takes its shard (zeros when None)."""
+    every tensor concatenated, from which each server takes its shard (zeros when None);
+    ``memory``: "auto" or "window" (Note [Node-local shards]; None: MPIDP_PS_MEMORY's)."""
 
     def __init__(self, comm, num_servers: int, counts: Sequence[int],
-                 initial_flat: Optional[np.ndarray] = None):
+                 initial_flat: Optional[np.ndarray] = None, memory: Optional[str] = None):
         rank, size = mpi.rank_size(comm)
         if not 1 <= num_servers < size:
             raise ValueError(f"num_servers must be between 1 and the number of ranks - 1 "
@@ -107,14 +112,34 @@ class ParameterServer:
         self.counts = tuple(int(c) for c in counts)
         self.layouts = tuple(Layout(sum(p[2] for p in s), self.num_workers)
                              for s in self.shards)
+        self.starts = tuple(int(sum(self.counts[:p[0][0]])) + p[0][1] if p else 0
+                            for p in self.shards)  # each shard's start in the flat vector
         self.index = self.rank - self.num_workers if self.is_server else None
         mine = self.layouts[self.index] if self.is_server else None
-        self.window = Window(comm, mine.nbytes if mine else 0)
+        # Note [Node-local shards] in ps_shared.py: one node, the shards in its shared memory
+        self.why_windows = eligible(g, comm, host_ops.EXTENSION,
+                                    memory or config.get().ps_memory)
+        self.shared, self.window = None, None
+        if self.why_windows is None:
+            with collective(self.group, "ps: mapping the node's shared shards"):
+                self.shared = SharedShards(g.node_comm, [lay.count for lay in self.layouts],
+                                           self.num_workers, self.servers, rank,
+                                           host_ops.EXTENSION)
+        else:
+            self.window = Window(comm, mine.nbytes if mine else 0)
         if self.is_server and initial_flat is not None:
-            with self.window.locked(self.rank, exclusive=True):
-                self.window.local(mine.params)[...] = self.gather_shard(initial_flat,
-                                                                        self.index)
+            shard = self.gather_shard(initial_flat, self.index)
+            if self.shared is not None:
+                self.shared.publish_initial(self.index, shard)
+            else:
+                with self.window.locked(self.rank, exclusive=True):
+                    self.window.local(mine.params)[...] = shard
         self.barrier("ps: initial shards published")  # before any pull
+
+    @property
+    def memory(self) -> str:
+        """Where the shards are: "shared" (the node's memory) or "window" (MPI windows)."""
+        return "shared" if self.shared is not None else "window"
 
     def barrier(self, name: str) -> None:
         """A barrier over ``comm`` named ``name`` under the watchdog. Collective."""
@@ -123,17 +148,10 @@ class ParameterServer:
     # ---- flat vector <-> shards --------------------------------------------------------
 
     def gather_shard(self, flat: np.ndarray, s: int) -> np.ndarray:
-        """Server ``s``'s part of the full flat vector ``flat``."""
-        starts = np.cumsum((0,) + self.counts)
-        out = np.empty(self.layouts[s].count, np.float32)
-        for t, off, n, at in self.shards[s]:
-            out[at:at + n] = flat[starts[t] + off:starts[t] + off + n]
-        return out
-
-    def scatter_shard(self, shard: np.ndarray, s: int, flat: np.ndarray) -> None:
-        starts = np.cumsum((0,) + self.counts)
-        for t, off, n, at in self.shards[s]:
-            flat[starts[t] + off:starts[t] + off + n] = shard[at:at + n]
+        """Server ``s``'s part of the full flat vector ``flat``: a view (a shard is one
+        contiguous range of the vector: shard_map)."""
+        lo = self.starts[s]
+        return flat[lo:lo + self.layouts[s].count]
 
     def read(self, k: int, shard: Optional[np.ndarray], control: np.ndarray) -> None:
         """Server ``k``'s control words and (unless None) published shard, read together
@@ -152,17 +170,22 @@ class ParameterServer:
         """Every server's published parameters into ``flat`` (no staleness wait); returns
         the version each shard was read at."""
         versions = []
-        for k, (lay, control) in enumerate(zip(self.layouts, self.controls())):
-            shard = np.empty(lay.count, np.float32)
-            self.read(k, shard, control)
-            self.scatter_shard(shard, k, flat)
-            versions.append(int(control[VERSION]))
+        for k, control in enumerate(self.controls()):
+            shard = self.gather_shard(flat, k)  # read into its place
+            if self.shared is not None:
+                versions.append(self.shared.read(k, shard))
+            else:
+                self.read(k, shard, control)
+                versions.append(int(control[VERSION]))
         return versions
 
     def free(self) -> None:
         """Collective over ``comm``."""
         with collective(self.group, "ps: freeing the window"):
-            self.window.free()
+            if self.shared is not None:
+                self.shared.free()
+            else:
+                self.window.free()
 
 
 class Worker:
@@ -181,6 +204,8 @@ class Worker:
         """The next batch number of this epoch, shared among the workers (fetch-and-add on
         the first server): a fast worker takes more batches."""
         s0, lay = self.ps.servers[0], self.ps.layouts[0]
+        if self.ps.shared is not None:
+            return self.ps.shared.next_batch()
         with self.ps.board.waiting(("ps worker: taking the next batch from server rank {}", s0)):
             with self.ps.window.locked(s0):
                 return self.ps.window.fetch_add(s0, lay.control, NEXT_BATCH, 1)
@@ -199,19 +224,30 @@ class Worker:
 
     def _pull(self, flat: np.ndarray) -> None:
         ps = self.ps
-        controls = ps.controls()
+        if ps.shared is not None:  # Note [Node-local shards]: its own pushes applied first
+            ps.shared.wait_applied(self.w, self.steps)
         while self.staleness is not None:
-            for k in range(len(ps.servers)):
-                ps.read(k, None, controls[k])
-            lay0 = ps.layouts[0]
-            done = controls[0][lay0.done(0):lay0.done(0) + lay0.workers]  # final steps + 1
-            need = np.full(lay0.workers, self.steps - self.staleness, np.int64)
+            done, applied = self._counts()
+            need = np.full(len(done), self.steps - self.staleness, np.int64)
             need = np.where(done > 0, np.minimum(need, done - 1), need)
-            if all((c[lay.applied(0):lay.applied(0) + lay.workers] >= need).all()
-                   for c, lay in zip(controls, ps.layouts)):
+            if all((a >= need).all() for a in applied):
                 break
             time.sleep(IDLE_SLEEP_S)
         self.pulled_versions = ps.read_all(flat)
+
+    def _counts(self) -> tuple:
+        """(every worker's DONE word: final steps + 1 or 0, [its applied pushes on each
+        server])."""
+        ps = self.ps
+        if ps.shared is not None:
+            return ps.shared.done(), [ps.shared.applied(k) for k in range(len(ps.servers))]
+        controls = ps.controls()
+        for k in range(len(ps.servers)):
+            ps.read(k, None, controls[k])
+        lay0 = ps.layouts[0]
+        return (controls[0][lay0.done(0):lay0.done(0) + lay0.workers],
+                [c[lay.applied(0):lay.applied(0) + lay.workers]
+                 for c, lay in zip(controls, ps.layouts)])
 
     @timeline.traced("push")
     def push(self, grad_flat: np.ndarray, scale_by_staleness: bool = False) -> None:
@@ -229,10 +265,17 @@ class Worker:
         for k, s in enumerate(ps.servers):
             lay = ps.layouts[k]
             part = ps.gather_shard(grad_flat, k)
+            if ps.shared is not None:  # staleness: the version as the push lands
+                stale = ps.shared.version(k) - self.pulled_versions[k]
+                if scale_by_staleness and stale > 1:
+                    part = part * np.float32(1.0 / stale)  # not the caller's vector
+                ps.shared.push(k, self.w, part)
+                worst = max(worst, stale)
+                continue
             with win.locked(s):
                 stale = win.fetch_add(s, lay.control, VERSION, 0) - self.pulled_versions[k]
                 if scale_by_staleness and stale > 1:
-                    part *= np.float32(1.0 / stale)
+                    part = part * np.float32(1.0 / stale)  # not the caller's vector
                 win.accumulate(part, s, lay.grads)
                 win.fetch_add(s, lay.control, lay.pending(self.w), 1)
             worst = max(worst, stale)
@@ -244,6 +287,10 @@ class Worker:
         ps, win = self.ps, self.ps.window
         lay0 = ps.layouts[0]
         with ps.board.waiting(("ps worker: telling the servers it finished the epoch",)):
+            if ps.shared is not None:
+                ps.shared.finish(self.w, self.steps)
+                self.steps = 0
+                return
             with win.locked(ps.servers[0]):
                 win.fetch_add(ps.servers[0], lay0.control, lay0.done(self.w), self.steps + 1)
             self.steps = 0
@@ -265,9 +312,15 @@ class Server:
         self.applies = 0
         self.pushes = 0
         self.busy_s = 0.0
+        self.consumed = [0] * ps.num_workers  # node-local shards: CONSUMED, this server's
+        self.applied = np.zeros(ps.num_workers, np.int64)  # and APPLIED this epoch
 
     def params(self) -> np.ndarray:
         """A copy of this server's published shard."""
+        if self.ps.shared is not None:
+            out = np.empty(self.lay.count, np.float32)
+            self.ps.shared.read(self.ps.index, out)
+            return out
         win = self.ps.window
         with win.locked(self.ps.rank, exclusive=True):
             return win.local(self.lay.params).copy()
@@ -278,7 +331,35 @@ class Server:
                             "epoch",)):
             self._serve(apply, board)
 
+    def _serve_shared(self, apply, board) -> None:
+        """Note [Node-local shards]: drain the slots, apply, publish; no MPI call."""
+        shared, k = self.ps.shared, self.ps.index
+        grads = np.empty(self.lay.count, np.float32)
+        params = self.params()
+        while True:
+            taken = shared.drain(k, grads, self.consumed)
+            if not taken.any():
+                if shared.finished(k, self.consumed):
+                    return
+                time.sleep(IDLE_SLEEP_S)
+                continue
+            self._applied_now(apply, params, grads, int(taken.sum()), board)
+            shared.publish(k, params, taken, self.applied)
+
+    def _applied_now(self, apply, params, grads, n: int, board) -> None:
+        """``apply`` of ``n`` pushes summed in ``grads`` to ``params``, counted."""
+        t0 = time.perf_counter()
+        with timeline.span("apply", {"pushes": n}):
+            apply(params, grads, n)
+        self.applies += 1
+        self.pushes += n
+        self.epoch_pushes += n
+        self.busy_s += time.perf_counter() - t0
+        board.progress()
+
     def _serve(self, apply, board) -> None:
+        if self.ps.shared is not None:
+            return self._serve_shared(apply, board)
         ps, win, lay = self.ps, self.ps.window, self.lay
         me = ps.rank
         control_of = win.local(lay.control)
@@ -298,25 +379,21 @@ class Server:
                     return
                 time.sleep(IDLE_SLEEP_S)
                 continue
-            t0 = time.perf_counter()
-            n = int(pending.sum())
-            with timeline.span("apply", {"pushes": n}):
-                apply(params, grads, n)
+            self._applied_now(apply, params, grads, int(pending.sum()), board)
             with win.locked(me, exclusive=True):  # publish
                 win.local(lay.params)[...] = params
                 applied = slice(lay.applied(0), lay.applied(0) + lay.workers)
                 control_of[applied] += pending
                 control_of[VERSION] += 1
-            self.applies += 1
-            self.pushes += n
-            self.epoch_pushes += n
-            self.busy_s += time.perf_counter() - t0
-            board.progress()
 
     def reset_epoch(self) -> None:
         """Between epochs, when no worker is active: clocks, flags and the batch counter."""
         win, lay = self.ps.window, self.lay
         self.epoch_pushes = 0
+        if self.ps.shared is not None:
+            self.applied[...] = 0
+            self.ps.shared.reset_epoch(self.ps.index)
+            return
         with self.ps.board.waiting(("ps server: resetting its epoch counters",)):
             with win.locked(self.ps.rank, exclusive=True):
                 control = win.local(lay.control)

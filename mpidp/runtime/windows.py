@@ -1,8 +1,8 @@
 """MPI one-sided windows, owned: allocated with ``Win.Allocate`` by the owner (measured 3–7×
 faster than ``Win.Create`` with MPICH), locked in a ``with``, freed explicitly; and typed
 regions inside them that peers read with ``Get``, add to with ``Accumulate`` and count with
-``Fetch_and_op`` — the parameter server's (mpidp.modes.ps) — and the doctor's probe of a
-node's shared window. Below the line of Note [MPI below one line] (mpidp/runtime/__init__.py).
+``Fetch_and_op`` — the parameter server's (mpidp.modes.ps) — a node's shared memory (its
+node-local shards), and the doctor's probe of a node's shared window. Below the line of Note [MPI below one line] (mpidp/runtime/__init__.py).
 """
 from __future__ import annotations
 
@@ -105,6 +105,34 @@ class Window:
         """Collective: every rank of ``comm`` frees the window together."""
         if self.win is not None:
             self.memory = np.zeros(0, np.uint8)
+            self.win.Free()
+            self.win = None
+
+
+class SharedWindow:
+    """Memory that every rank of node communicator ``node`` maps (``Win.Allocate_shared``):
+    this rank exposes ``nbytes`` (0 on ranks that only reach others'), and ``memory_of(r)``
+    is local rank r's part as a numpy byte array, loaded and stored directly (the callers
+    synchronise with atomics: Note [Node-local shards] in mpidp/modes/ps_shared.py).
+    Collective over ``node`` to create and to ``free``; zeroed."""
+
+    def __init__(self, node: Any, nbytes: int):
+        self.win = _mpi().Win.Allocate_shared(nbytes, 1, comm=node)
+        self._memory = {}
+        if nbytes:
+            self.memory_of(node.Get_rank())[...] = 0
+        node.Barrier()  # zeroed before anyone reads
+
+    def memory_of(self, local_rank: int) -> np.ndarray:
+        if local_rank not in self._memory:
+            buf, _ = self.win.Shared_query(local_rank)
+            self._memory[local_rank] = np.frombuffer(buf, np.uint8)
+        return self._memory[local_rank]
+
+    def free(self) -> None:
+        """Collective over the node."""
+        if self.win is not None:
+            self._memory.clear()
             self.win.Free()
             self.win = None
 

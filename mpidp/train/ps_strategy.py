@@ -114,10 +114,12 @@ class ParameterServerStrategy(Strategy):
         if self.lookahead:  # Note [Lookahead]
             if self._previous is None:
                 self._previous = self.flat.copy()
-            else:
-                change = self.flat - self._previous
+                self._change = np.empty_like(self.flat)
+            else:  # in place: no vector allocated per step
+                change = np.subtract(self.flat, self._previous, out=self._change)
                 self._previous[...] = self.flat
-                self.flat += self.lookahead * change
+                change *= self.lookahead
+                self.flat += change
         self._load_flat()
 
     def _load_flat(self) -> None:
@@ -151,11 +153,10 @@ class ParameterServerStrategy(Strategy):
             progress = min(1.0, self.server.epoch_pushes / max(batches_per_epoch, 1))
             for group in self.optimizer.param_groups:
                 group["lr"] = scaled_lr(s, 1, epoch + progress)
-            with torch.no_grad():
-                self.shard.copy_(torch.from_numpy(params))
+            # the step updates ``params`` in place: the shard's storage is re-pointed to it
+            self.shard.data = torch.from_numpy(params)
             self.shard.grad = torch.from_numpy(grad_sum)
             self.optimizer.step()
-            params[...] = self.shard.detach().numpy()
 
         self.server.serve_epoch(apply)
         return self.server.busy_s - busy
@@ -220,7 +221,8 @@ class ParameterServerStrategy(Strategy):
                 "server_applies": [x[0] for x in servers],
                 "server_applies_per_s": [x[0] * rate for x in servers],
                 "server_busy_s": [x[2] for x in servers],
-                "workers": self.ps.num_workers, "servers": len(servers)}
+                "workers": self.ps.num_workers, "servers": len(servers),
+                "ps_memory": self.ps.memory}
 
     def free(self) -> None:
         self.ps.free()

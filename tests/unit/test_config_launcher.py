@@ -54,6 +54,7 @@ GARBAGE = {
     "MPIDP_AUDIT_ACTION": ("stop", "expected one of raise, warn"),
     "MPIDP_HOROVOD_FUSION_BYTES": ("64M", "expected an integer >= 1"),
     "MPIDP_RECOVERY": ("restart", "expected one of auto, respawn, shrink, off"),
+    "MPIDP_PS_MEMORY": ("shared", "expected one of auto, window"),
 }
 DOCS = Path(__file__).parents[2] / "docs" / "configuration.md"
 

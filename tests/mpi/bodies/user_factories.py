@@ -259,7 +259,8 @@ def ps_faulty_digits():
     (counted from 0; default 1, so that the first epoch's checkpoint exists), FAULT_AT
     counting within that epoch. FAULT=kill_push: a worker dies inside its FAULT_AT-th push,
     after adding its gradient on the server and before counting the push, holding a lock on
-    the server's window; FAULT=stop_push: it stops there instead (SIGSTOP: a death the
+    the server's window (with the shards in shared memory: its slot written, not announced;
+    Note [Node-local shards]); FAULT=stop_push: it stops there instead (SIGSTOP: a death the
     launcher does not see); FAULT=sleep_push: it stalls before that push; FAULT=kill_server:
     the server dies in its FAULT_AT-th optimizer step (pushes drained, not yet published)."""
     if _fault_here():
@@ -274,10 +275,11 @@ def ps_faulty_digits():
 
 def _arm_ps_fault(kind, at, epoch):
     from mpidp.modes import ps
+    from mpidp.modes import ps_shared
     from mpidp.runtime import windows
     state = {"epoch": 0, "pushing": False}
     finish, push, serve = ps.Worker.finish_epoch, ps.Worker.push, ps.Server.serve_epoch
-    accumulate = windows.Window.accumulate
+    accumulate, announce = windows.Window.accumulate, ps_shared.SharedShards.announce
 
     def due(count):  # the count-th event (1-based) of this epoch is the fault's
         return state["epoch"] == epoch and count == at
@@ -297,6 +299,11 @@ def _arm_ps_fault(kind, at, epoch):
         if state["pushing"]:
             inject(kind.split("_")[0])
 
+    def faulty_announce(self, *args):
+        if state["pushing"]:
+            inject(kind.split("_")[0])
+        announce(self, *args)
+
     def serve_epoch(self, apply):
         applies = [0]
 
@@ -311,3 +318,4 @@ def _arm_ps_fault(kind, at, epoch):
     ps.Worker.finish_epoch, ps.Worker.push = finish_epoch, faulty_push
     ps.Server.serve_epoch = serve_epoch
     windows.Window.accumulate = faulty_accumulate
+    ps_shared.SharedShards.announce = faulty_announce
