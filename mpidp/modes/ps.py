@@ -116,30 +116,39 @@ class ParameterServer:
                             for p in self.shards)  # each shard's start in the flat vector
         self.index = self.rank - self.num_workers if self.is_server else None
         mine = self.layouts[self.index] if self.is_server else None
-        # Note [Node-local shards] in ps_shared.py: one node, the shards in its shared memory
-        self.why_windows = eligible(g, comm, host_ops.EXTENSION,
-                                    memory or config.get().ps_memory)
+        # Note [Node-local shards] in ps_shared.py: a node's own worker-server pairs meet in
+        # its shared memory; the windows carry the rest, and on several nodes every count
+        cfg = config.get()
+        self.why_windows = eligible(g, comm, host_ops.EXTENSION, memory or cfg.ps_memory,
+                                    cfg.emulate_node_size)
         self.shared, self.window = None, None
         if self.why_windows is None:
             with collective(self.group, "ps: mapping the node's shared shards"):
-                self.shared = SharedShards(g.node_comm, [lay.count for lay in self.layouts],
+                self.shared = SharedShards(g.node_comm, g.node_ranks,
+                                           [lay.count for lay in self.layouts],
                                            self.num_workers, self.servers, rank,
                                            host_ops.EXTENSION)
-        else:
+        if self.shared is None or g.node_count > 1:
             self.window = Window(comm, mine.nbytes if mine else 0)
         if self.is_server and initial_flat is not None:
             shard = self.gather_shard(initial_flat, self.index)
             if self.shared is not None:
                 self.shared.publish_initial(self.index, shard)
-            else:
+            if self.window is not None:
                 with self.window.locked(self.rank, exclusive=True):
                     self.window.local(mine.params)[...] = shard
         self.barrier("ps: initial shards published")  # before any pull
 
     @property
     def memory(self) -> str:
-        """Where the shards are: "shared" (the node's memory) or "window" (MPI windows)."""
-        return "shared" if self.shared is not None else "window"
+        """Where the shards are: "shared" (the node's memory: one node), "mixed" (each node's
+        own pairs in its memory, the rest and every count in MPI windows) or "window"."""
+        return "window" if self.shared is None else "shared" if self.window is None \
+            else "mixed"
+
+    def near(self, k: int) -> bool:
+        """Server k's shard is in this node's shared memory."""
+        return self.shared is not None and self.shared.near(k)
 
     def barrier(self, name: str) -> None:
         """A barrier over ``comm`` named ``name`` under the watchdog. Collective."""
@@ -172,7 +181,7 @@ class ParameterServer:
         versions = []
         for k, control in enumerate(self.controls()):
             shard = self.gather_shard(flat, k)  # read into its place
-            if self.shared is not None:
+            if self.near(k):
                 versions.append(self.shared.read(k, shard))
             else:
                 self.read(k, shard, control)
@@ -184,7 +193,7 @@ class ParameterServer:
         with collective(self.group, "ps: freeing the window"):
             if self.shared is not None:
                 self.shared.free()
-            else:
+            if self.window is not None:
                 self.window.free()
 
 
@@ -204,7 +213,7 @@ class Worker:
         """The next batch number of this epoch, shared among the workers (fetch-and-add on
         the first server): a fast worker takes more batches."""
         s0, lay = self.ps.servers[0], self.ps.layouts[0]
-        if self.ps.shared is not None:
+        if self.ps.window is None:
             return self.ps.shared.next_batch()
         with self.ps.board.waiting(("ps worker: taking the next batch from server rank {}", s0)):
             with self.ps.window.locked(s0):
@@ -225,7 +234,7 @@ class Worker:
     def _pull(self, flat: np.ndarray) -> None:
         ps = self.ps
         if ps.shared is not None:  # Note [Node-local shards]: its own pushes applied first
-            ps.shared.wait_applied(self.w, self.steps)
+            ps.shared.wait_applied(self.w, self.steps)  # (by this node's servers)
         while self.staleness is not None:
             done, applied = self._counts()
             need = np.full(len(done), self.steps - self.staleness, np.int64)
@@ -239,7 +248,7 @@ class Worker:
         """(every worker's DONE word: final steps + 1 or 0, [its applied pushes on each
         server])."""
         ps = self.ps
-        if ps.shared is not None:
+        if ps.window is None:
             return ps.shared.done(), [ps.shared.applied(k) for k in range(len(ps.servers))]
         controls = ps.controls()
         for k in range(len(ps.servers)):
@@ -265,7 +274,7 @@ class Worker:
         for k, s in enumerate(ps.servers):
             lay = ps.layouts[k]
             part = ps.gather_shard(grad_flat, k)
-            if ps.shared is not None:  # staleness: the version as the push lands
+            if ps.near(k):  # staleness: the version as the push lands
                 stale = ps.shared.version(k) - self.pulled_versions[k]
                 if scale_by_staleness and stale > 1:
                     part = part * np.float32(1.0 / stale)  # not the caller's vector
@@ -287,7 +296,7 @@ class Worker:
         ps, win = self.ps, self.ps.window
         lay0 = ps.layouts[0]
         with ps.board.waiting(("ps worker: telling the servers it finished the epoch",)):
-            if ps.shared is not None:
+            if ps.window is None:
                 ps.shared.finish(self.w, self.steps)
                 self.steps = 0
                 return
@@ -297,106 +306,3 @@ class Worker:
             for k, s in enumerate(ps.servers):
                 with win.locked(s):
                     win.fetch_add(s, ps.layouts[k].control, FINISHED, 1)
-
-
-class Server:
-    """A server's side: ``serve_epoch`` drains pushes, calls ``apply(shard_params,
-    gradient_sum, pushes)`` (which updates ``shard_params`` in place) and publishes, until
-    every worker has finished the epoch and every push is applied."""
-
-    def __init__(self, ps: ParameterServer):
-        assert ps.is_server
-        self.ps = ps
-        self.epoch_pushes = 0
-        self.lay = ps.layouts[ps.index]
-        self.applies = 0
-        self.pushes = 0
-        self.busy_s = 0.0
-        self.consumed = [0] * ps.num_workers  # node-local shards: CONSUMED, this server's
-        self.applied = np.zeros(ps.num_workers, np.int64)  # and APPLIED this epoch
-
-    def params(self) -> np.ndarray:
-        """A copy of this server's published shard."""
-        if self.ps.shared is not None:
-            out = np.empty(self.lay.count, np.float32)
-            self.ps.shared.read(self.ps.index, out)
-            return out
-        win = self.ps.window
-        with win.locked(self.ps.rank, exclusive=True):
-            return win.local(self.lay.params).copy()
-
-    def serve_epoch(self, apply: Callable[[np.ndarray, np.ndarray, int], None]) -> None:
-        board = self.ps.board
-        with board.waiting(("ps server: waiting for a push, or for every worker to finish the "
-                            "epoch",)):
-            self._serve(apply, board)
-
-    def _serve_shared(self, apply, board) -> None:
-        """Note [Node-local shards]: drain the slots, apply, publish; no MPI call."""
-        shared, k = self.ps.shared, self.ps.index
-        grads = np.empty(self.lay.count, np.float32)
-        params = self.params()
-        while True:
-            taken = shared.drain(k, grads, self.consumed)
-            if not taken.any():
-                if shared.finished(k, self.consumed):
-                    return
-                time.sleep(IDLE_SLEEP_S)
-                continue
-            self._applied_now(apply, params, grads, int(taken.sum()), board)
-            shared.publish(k, params, taken, self.applied)
-
-    def _applied_now(self, apply, params, grads, n: int, board) -> None:
-        """``apply`` of ``n`` pushes summed in ``grads`` to ``params``, counted."""
-        t0 = time.perf_counter()
-        with timeline.span("apply", {"pushes": n}):
-            apply(params, grads, n)
-        self.applies += 1
-        self.pushes += n
-        self.epoch_pushes += n
-        self.busy_s += time.perf_counter() - t0
-        board.progress()
-
-    def _serve(self, apply, board) -> None:
-        if self.ps.shared is not None:
-            return self._serve_shared(apply, board)
-        ps, win, lay = self.ps, self.ps.window, self.lay
-        me = ps.rank
-        control_of = win.local(lay.control)
-        workers = slice(CONTROL_WORDS, CONTROL_WORDS + lay.workers)
-        grads = np.empty(lay.count, np.float32)
-        while True:
-            with win.locked(me, exclusive=True):  # Note [Publishing a shard]: drain
-                pending = control_of[workers].copy()
-                finished = int(control_of[FINISHED])
-                if pending.any():
-                    grads[...] = win.local(lay.grads)
-                    win.local(lay.grads)[...] = 0
-                    control_of[workers] = 0
-                params = win.local(lay.params).copy() if pending.any() else None
-            if params is None:
-                if finished >= lay.workers:
-                    return
-                time.sleep(IDLE_SLEEP_S)
-                continue
-            self._applied_now(apply, params, grads, int(pending.sum()), board)
-            with win.locked(me, exclusive=True):  # publish
-                win.local(lay.params)[...] = params
-                applied = slice(lay.applied(0), lay.applied(0) + lay.workers)
-                control_of[applied] += pending
-                control_of[VERSION] += 1
-
-    def reset_epoch(self) -> None:
-        """Between epochs, when no worker is active: clocks, flags and the batch counter."""
-        win, lay = self.ps.window, self.lay
-        self.epoch_pushes = 0
-        if self.ps.shared is not None:
-            self.applied[...] = 0
-            self.ps.shared.reset_epoch(self.ps.index)
-            return
-        with self.ps.board.waiting(("ps server: resetting its epoch counters",)):
-            with win.locked(self.ps.rank, exclusive=True):
-                control = win.local(lay.control)
-                version = control[VERSION]
-                control[...] = 0
-                control[VERSION] = version

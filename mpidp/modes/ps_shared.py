@@ -69,25 +69,36 @@ class SharedLayout:
 
 
 class SharedShards:
-    """Every server's segment, mapped by every rank of ``node`` (all of the job's ranks, in
-    the job's rank order). ``counts[k]``: server k's shard size; ``servers``: their ranks;
-    ``atomics``: the C extension (atomic_add, atomic_load, atomic_store). Collective over
-    ``node``."""
+    """The segments of the servers on this rank's node, mapped by every rank of ``node``
+    (this node's ranks; ``node_ranks``: their job ranks in local-rank order). ``counts[k]``:
+    server k's shard size; ``servers``: every server's job rank; ``workers``: how many the
+    job has (ranks 0 to workers - 1), of which those on this node get a slot and words;
+    ``atomics``: the C extension (atomic_add, atomic_load, atomic_store). ``near(k)``: server
+    k is on this node. Collective over ``node``."""
 
-    def __init__(self, node, counts: Sequence[int], workers: int, servers: Sequence[int],
-                 rank: int, atomics):
+    def __init__(self, node, node_ranks: Sequence[int], counts: Sequence[int], workers: int,
+                 servers: Sequence[int], rank: int, atomics):
         self.x = atomics
+        self.total_workers = workers
+        self.local = tuple(w for w in node_ranks if w < workers)  # this node's workers
+        self.index_of = {w: i for i, w in enumerate(self.local)}
+        workers = len(self.local)
         self.layouts = [SharedLayout(c, workers) for c in counts]
         self.servers = tuple(servers)
         mine = self.servers.index(rank) if rank in self.servers else None
         self.window = SharedWindow(node, self.layouts[mine].nbytes if mine is not None else 0)
-        self.control, self.buffers, self.slots = [], [], []
+        self.control, self.buffers, self.slots = {}, {}, {}
         for k, (s, lay) in enumerate(zip(self.servers, self.layouts)):
-            memory = self.window.memory_of(s)
-            self.control.append(_view(memory, lay.control))
-            self.buffers.append(_view(memory, lay.params).reshape(2, lay.count))
-            self.slots.append(_view(memory, lay.slots).reshape(workers, SLOTS, lay.count))
+            if s not in node_ranks:
+                continue
+            memory = self.window.memory_of(list(node_ranks).index(s))
+            self.control[k] = _view(memory, lay.control)
+            self.buffers[k] = _view(memory, lay.params).reshape(2, lay.count)
+            self.slots[k] = _view(memory, lay.slots).reshape(workers, SLOTS, lay.count)
         self.filled = [0] * len(self.servers)  # a worker's own FILLED, per server
+
+    def near(self, k: int) -> bool:
+        return k in self.control
 
     # ---- every rank ---------------------------------------------------------------------
 
@@ -109,21 +120,23 @@ class SharedShards:
 
     def applied(self, k: int) -> np.ndarray:
         lay = self.layouts[k]
-        return np.array([self.load(k, lay.word(w, APPLIED)) for w in range(lay.workers)],
+        return np.array([self.load(k, lay.word(i, APPLIED)) for i in range(lay.workers)],
                         np.int64)
 
     def done(self) -> np.ndarray:
         """Each worker's DONE word (on the first server): its final steps + 1, or 0."""
         lay = self.layouts[0]
-        return np.array([self.load(0, lay.word(w, DONE)) for w in range(lay.workers)],
+        return np.array([self.load(0, lay.word(i, DONE)) for i in range(lay.workers)],
                         np.int64)
 
     # ---- workers ------------------------------------------------------------------------
 
     def wait_applied(self, w: int, pushes: int) -> None:
-        """Until every server has applied worker w's first ``pushes`` pushes of the epoch."""
-        for k, lay in enumerate(self.layouts):
-            while self.load(k, lay.word(w, APPLIED)) < pushes:
+        """Until every server on this node has applied worker w's first ``pushes`` pushes
+        of the epoch."""
+        for k in self.control:
+            lay = self.layouts[k]
+            while self.load(k, lay.word(self.index_of[w], APPLIED)) < pushes:
                 time.sleep(WAIT_SLEEP_S)
 
     def next_batch(self) -> int:
@@ -132,23 +145,24 @@ class SharedShards:
     def push(self, k: int, w: int, part: np.ndarray) -> int:
         """Waits for a free slot on server k, writes ``part`` into it and announces it;
         returns server k's version as the push landed."""
-        lay, control, x = self.layouts[k], self.control[k], self.x
+        lay, control, x, i = self.layouts[k], self.control[k], self.x, self.index_of[w]
         f = self.filled[k]
-        while f - x.atomic_load(control, lay.word(w, CONSUMED)) >= SLOTS:
+        while f - x.atomic_load(control, lay.word(i, CONSUMED)) >= SLOTS:
             time.sleep(WAIT_SLEEP_S)
-        self.slots[k][w, f % SLOTS] = part
+        self.slots[k][i, f % SLOTS] = part
         self.announce(k, w)
         return x.atomic_load(control, VERSION)
 
     def announce(self, k: int, w: int) -> None:
         """Worker w's slot on server k is written: the server may take it."""
         self.filled[k] += 1
-        self.x.atomic_store(self.control[k], self.layouts[k].word(w, FILLED), self.filled[k])
+        self.x.atomic_store(self.control[k], self.layouts[k].word(self.index_of[w], FILLED),
+                            self.filled[k])
 
     def finish(self, w: int, steps: int) -> None:
         """After worker w's last push of the epoch: its final count, on every server."""
         for k, lay in enumerate(self.layouts):
-            self.x.atomic_store(self.control[k], lay.word(w, DONE), steps + 1)
+            self.x.atomic_store(self.control[k], lay.word(self.index_of[w], DONE), steps + 1)
 
     # ---- a server -----------------------------------------------------------------------
 
@@ -160,24 +174,24 @@ class SharedShards:
         ``consumed``: the server's own CONSUMED counts, advanced. Returns the pushes taken
         per worker."""
         lay, control, x = self.layouts[k], self.control[k], self.x
-        taken = np.zeros(lay.workers, np.int64)
+        taken = np.zeros(self.total_workers, np.int64)
         grads[...] = 0
-        for w in range(lay.workers):
-            f = x.atomic_load(control, lay.word(w, FILLED))
-            for i in range(consumed[w], f):
-                grads += self.slots[k][w, i % SLOTS]
+        for i, w in enumerate(self.local):
+            f = x.atomic_load(control, lay.word(i, FILLED))
+            for j in range(consumed[w], f):
+                grads += self.slots[k][i, j % SLOTS]
             if f > consumed[w]:
                 taken[w] = f - consumed[w]
                 consumed[w] = f
-                x.atomic_store(control, lay.word(w, CONSUMED), f)
+                x.atomic_store(control, lay.word(i, CONSUMED), f)
         return taken
 
     def finished(self, k: int, consumed: list) -> bool:
         """Every worker has said it finished the epoch and every push it made is drained."""
         lay, control = self.layouts[k], self.control[k]
-        return all(self.load(k, lay.word(w, DONE)) > 0 and
-                   self.load(k, lay.word(w, FILLED)) == consumed[w]
-                   for w in range(lay.workers))
+        return all(self.load(k, lay.word(i, DONE)) > 0 and
+                   self.load(k, lay.word(i, FILLED)) == consumed[w]
+                   for i, w in enumerate(self.local))
 
     def publish(self, k: int, params: np.ndarray, taken: np.ndarray, applied: np.ndarray) -> None:
         """Version + 1 of server k's shard; then the applied counts (``applied`` += ``taken``,
@@ -188,8 +202,9 @@ class SharedShards:
         self.buffers[k][(v + 1) % 2] = params
         x.atomic_store(control, VERSION, v + 1)
         applied += taken
-        for w in np.flatnonzero(taken):
-            x.atomic_store(control, lay.word(int(w), APPLIED), int(applied[w]))
+        for i, w in enumerate(self.local):
+            if taken[w]:
+                x.atomic_store(control, lay.word(i, APPLIED), int(applied[w]))
 
     def reset_epoch(self, k: int) -> None:
         """Between epochs, no worker active: the batch counter, DONE and APPLIED."""
@@ -201,7 +216,7 @@ class SharedShards:
 
     def free(self) -> None:
         """Collective over the node."""
-        self.control, self.buffers, self.slots = [], [], []
+        self.control, self.buffers, self.slots = {}, {}, {}
         self.window.free()
 
 
@@ -209,15 +224,16 @@ def _view(memory: np.ndarray, region) -> np.ndarray:
     return memory[region.offset:region.offset + region.nbytes].view(region.dtype)
 
 
-def eligible(group, comm, extension, setting: str) -> Optional[str]:
-    """Why the shards stay in MPI windows (None: they go in shared memory): another
-    communicator than the group's, more than one node, no C extension, or MPIDP_PS_MEMORY."""
+def eligible(group, comm, extension, setting: str, emulated: int) -> Optional[str]:
+    """Why the shards stay in MPI windows alone (None: shared memory serves each node's own
+    pairs): MPIDP_PS_MEMORY, another communicator than the group's, nodes emulated by
+    MPIDP_EMULATE_NODE_SIZE (their ranks may not share memory), or no C extension."""
     if setting == "window":
         return "MPIDP_PS_MEMORY=window"
     if group is None or group.comm != comm:
         return "not the job's group"
-    if group.node_count != 1:
-        return f"{group.node_count} nodes"
+    if emulated:
+        return "MPIDP_EMULATE_NODE_SIZE"
     if extension is None or not hasattr(extension, "atomic_add"):
         return "no C extension"
     return None

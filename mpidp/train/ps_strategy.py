@@ -14,7 +14,8 @@ from ..runtime import timeline
 from ..workloads.data import ShardSampler, batches
 from ..comm.fingerprint import check_same_model
 from ..comm.state_broadcast import broadcast_tensors_
-from ..modes.ps import ParameterServer, Server, Worker
+from ..modes.ps import ParameterServer, Worker
+from ..modes.ps_server import Server
 from ..comm import objects
 from .settings import scaled_lr
 from .ps_state import reshard_optimizer_states

@@ -56,11 +56,13 @@ def test_node_map_and_shared_memory_per_node(cluster, nodes, per_node):
 # collectives, every algorithm exact; the torch.distributed backend (every operation, the store
 # over MPI, point-to-point, sub-groups, errors, torch's DDP, ZeRO, checkpoint); and on 2 x 2
 # mpidp's DDP against one process, uneven inputs with Join, torch's communication hooks,
-# SyncBatchNorm and a script written for Horovod (cross_rank and cross_size across the nodes);
+# SyncBatchNorm, a script written for Horovod (cross_rank and cross_size across the nodes) and
+# the parameter server (its shards "mixed": worker 2 meets server 3 in node1's memory);
 # hvd.join on 2 x 1 (the all-reduce in one C call across nodes) and 2 x 2
 ACROSS = {(2, 1): ("body_collectives.py", "body_dist.py", "body_horovod_join.py"),
           (2, 2): ("body_collectives.py", "body_ddp.py", "body_dist.py", "body_syncbn.py",
-                   "body_join.py", "body_hooks.py", "body_horovod.py", "body_horovod_join.py"),
+                   "body_join.py", "body_hooks.py", "body_horovod.py", "body_horovod_join.py",
+                   "body_ps.py"),
           (3, 1): ("body_collectives.py",)}
 
 

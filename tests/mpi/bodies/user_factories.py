@@ -275,10 +275,10 @@ def ps_faulty_digits():
 
 def _arm_ps_fault(kind, at, epoch):
     from mpidp.modes import ps
-    from mpidp.modes import ps_shared
+    from mpidp.modes import ps_server, ps_shared
     from mpidp.runtime import windows
     state = {"epoch": 0, "pushing": False}
-    finish, push, serve = ps.Worker.finish_epoch, ps.Worker.push, ps.Server.serve_epoch
+    finish, push, serve = ps.Worker.finish_epoch, ps.Worker.push, ps_server.Server.serve_epoch
     accumulate, announce = windows.Window.accumulate, ps_shared.SharedShards.announce
 
     def due(count):  # the count-th event (1-based) of this epoch is the fault's
@@ -316,6 +316,6 @@ def _arm_ps_fault(kind, at, epoch):
         state["epoch"] += 1
 
     ps.Worker.finish_epoch, ps.Worker.push = finish_epoch, faulty_push
-    ps.Server.serve_epoch = serve_epoch
+    ps_server.Server.serve_epoch = serve_epoch
     windows.Window.accumulate = faulty_accumulate
     ps_shared.SharedShards.announce = faulty_announce
