@@ -5,7 +5,8 @@
 # diloco (H = 16, 64) and ps (2 workers + 1 server, against 2 ranks for the others), in three
 # conditions: one machine; one machine with --straggler 1:2 (rank 1 computes 2x slower); and
 # the emulated cluster (tests/harness/multinode_cluster.py, root) with every link shaped to
-# 1 Gbit/s, one rank per node, and the straggler. REPEATS times, interleaved; each run's JSON log
+# 1 Gbit/s, one rank per node, and the straggler; cluster2: 2 such nodes, the ranks placed
+# round-robin (ps's server on worker 0's node). REPEATS times, interleaved; each run's JSON log
 # goes to bench/out/straggler/, and bench/training/summarize_straggler.py makes the table and the plot
 # (samples/s, seconds to TARGET held-out accuracy, final accuracy).
 set -euo pipefail
@@ -36,7 +37,10 @@ run() {  # condition, config, repetition
   # shellcheck disable=SC2086
   local cmd=("$MPIEXEC" -n "$n" "$PY" -m mpidp.train "${JOB[@]}" ${FLAGS[$config]}
              "${extra[@]}" --log-json "$log")
-  if [ "$condition" = cluster ]; then
+  if [ "$condition" = cluster2 ]; then  # 2 nodes, ranks round-robin: ps's server beside worker 0
+    MPIDP_PS_MEMORY=$memory "$PY" tests/harness/multinode_cluster.py --nodes 2 --rate 1gbit -- \
+      "${cmd[0]}" -genv MPIDP_PS_MEMORY "$memory" -hosts node0,node1 "${cmd[@]:1}" > /dev/null
+  elif [ "$condition" = cluster ]; then
     MPIDP_PS_MEMORY=$memory "$PY" tests/harness/multinode_cluster.py --nodes "$n" --rate 1gbit -- \
       "${cmd[0]}" -genv MPIDP_PS_MEMORY "$memory" -ppn 1 "${cmd[@]:1}" > /dev/null
   else

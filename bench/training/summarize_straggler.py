@@ -13,7 +13,8 @@ from pathlib import Path
 from mpidp.report import read_run
 
 CONDITIONS = {"local": "one machine", "straggler": "one machine, straggler 1:2",
-              "cluster": "2 nodes at 1 Gbit/s, straggler 1:2"}
+              "cluster": "nodes at 1 Gbit/s, a rank each, straggler 1:2",
+              "cluster2": "2 nodes at 1 Gbit/s, ranks round-robin, straggler 1:2"}
 ORDER = ("mirrored", "localsgd-4", "localsgd-16", "diloco-16", "diloco-64", "ps", "ps-window")
 
 

@@ -44,6 +44,16 @@ from ..runtime.watchdog import board_of
 from ..runtime.windows import Window, layout
 from .ps_shared import SharedShards, eligible
 
+# Note [Claims in chunks]
+# Through a window every batch number costs a worker a lock, a fetch-and-add and an unlock on
+# the first server, which MPICH serves only while that server is inside MPI: across 2
+# emulated nodes that was about a millisecond a batch even for a worker on the server's
+# node. So a worker takes up to MAX_CLAIM at once, fewer as the epoch runs out (the batches
+# it guesses are left, over CLAIM_SHARE times the number of workers, as OpenMP's guided
+# schedule does), so that a slow worker holds few batches at the end. In shared memory a
+# claim is one atomic add, and a worker takes one batch at a time.
+MAX_CLAIM, CLAIM_SHARE = 8, 4
+
 # control words of every server's window, then per-worker pending[W], applied[W], done[W]
 VERSION, FINISHED, NEXT_BATCH, CONTROL_WORDS = 0, 1, 2, 3
 IDLE_SLEEP_S = 0.0002  # a server with nothing to apply yields the core this long
@@ -208,22 +218,33 @@ class Worker:
         self.steps = 0               # pushes this epoch (this worker's clock)
         self.pulled_versions = [0] * len(ps.servers)
         self.staleness_seen: list = []   # per push: server updates since the pull it used
+        self._claimed: list = []  # batches taken and not yet handed out (last first)
+        self._claim_end = 0       # where the last claim ended
 
-    def next_batch(self) -> int:
+    def next_batch(self, total: Optional[int] = None) -> int:
         """The next batch number of this epoch, shared among the workers (fetch-and-add on
-        the first server): a fast worker takes more batches."""
+        the first server): a fast worker takes more batches. Through the window, given the
+        epoch's ``total``, it takes them a few at a time (Note [Claims in chunks])."""
         s0, lay = self.ps.servers[0], self.ps.layouts[0]
         if self.ps.window is None:
             return self.ps.shared.next_batch()
-        with self.ps.board.waiting(("ps worker: taking the next batch from server rank {}", s0)):
-            with self.ps.window.locked(s0):
-                return self.ps.window.fetch_add(s0, lay.control, NEXT_BATCH, 1)
+        if not self._claimed:
+            left = (total - self._claim_end) if total is not None else 0
+            chunk = max(1, min(MAX_CLAIM, left // (CLAIM_SHARE * self.ps.num_workers)))
+            with self.ps.board.waiting(("ps worker: taking the next batch from server rank {}",
+                                        s0)):
+                with self.ps.window.locked(s0):
+                    start = self.ps.window.fetch_add(s0, lay.control, NEXT_BATCH, chunk)
+            self._claimed = list(range(start + chunk - 1, start - 1, -1))
+            self._claim_end = start + chunk
+        return self._claimed.pop()
 
     @timeline.traced("pull")
     def pull(self, flat: np.ndarray) -> None:
         """Fills ``flat`` (every tensor concatenated) with the servers' parameters, first
-        waiting (SSP) until every worker has at least (steps - S) pushes applied, or, if it
-        has finished the epoch, all of its pushes. Only control words are polled; the
+        waiting until this worker's own pushes are applied (Note [Node-local shards]) and
+        (SSP) until every worker has at least (steps - S) pushes applied, or, if it has
+        finished the epoch, all of its pushes. Only control words are polled; the
         applied counts only grow within an epoch, so the shards read afterwards satisfy it."""
         what = ("ps worker: pull, waiting until every worker has at least {} pushes applied "
                 "(staleness {})", self.steps - self.staleness, self.staleness) \
@@ -235,11 +256,17 @@ class Worker:
         ps = self.ps
         if ps.shared is not None:  # Note [Node-local shards]: its own pushes applied first
             ps.shared.wait_applied(self.w, self.steps)  # (by this node's servers)
-        while self.staleness is not None:
+        far = [k for k in range(len(ps.servers)) if not ps.near(k)]
+        while self.staleness is not None or far:  # SSP, and its own pushes on the others
             done, applied = self._counts()
-            need = np.full(len(done), self.steps - self.staleness, np.int64)
-            need = np.where(done > 0, np.minimum(need, done - 1), need)
-            if all((a >= need).all() for a in applied):
+            need = np.zeros(len(done), np.int64)
+            if self.staleness is not None:
+                need = np.full(len(done), self.steps - self.staleness, np.int64)
+                need = np.where(done > 0, np.minimum(need, done - 1), need)
+            own = need.copy()
+            own[self.w] = max(own[self.w], self.steps)
+            if all((applied[k] >= (own if k in far else need)).all()
+                   for k in range(len(applied))):
                 break
             time.sleep(IDLE_SLEEP_S)
         self.pulled_versions = ps.read_all(flat)
@@ -303,6 +330,7 @@ class Worker:
             with win.locked(ps.servers[0]):
                 win.fetch_add(ps.servers[0], lay0.control, lay0.done(self.w), self.steps + 1)
             self.steps = 0
+            self._claimed, self._claim_end = [], 0  # what is left of a claim is past the end
             for k, s in enumerate(ps.servers):
                 with win.locked(s):
                     win.fetch_add(s, ps.layouts[k].control, FINISHED, 1)

@@ -18,12 +18,14 @@ guards.
   writer of buffer v % 2) before the copy ended, so the copy is whole; otherwise it reads
   again (a publish takes far longer than a copy, so a retry is rare).
 - A pull does wait until the worker's own pushes of the epoch are applied (APPLIED[w] >= its
-  steps): it reads its own writes, as a pull through the windows did by queueing behind the
-  server. Without it a worker computes its next gradient at parameters that lack its own
-  last one, whatever the other workers do, and on 2 cores, where the server is often off the
-  CPU, two such gradients were summed into one momentum step: the digits job (2 workers,
-  batches of 16, SGD with momentum 0.9) ended its 5th epoch at 10-77% held-out accuracy in
-  9 runs, against 92-96% over windows and 94-98% with this wait.
+  steps): it reads its own writes. Without it a worker computes its next gradient at
+  parameters that lack its own last one, whatever the other workers do, and on 2 cores,
+  where the server is often off the CPU, two such gradients were summed into one momentum
+  step: the digits job (2 workers, batches of 16, SGD with momentum 0.9) ended its 5th epoch
+  at 10-77% held-out accuracy in 9 runs, against 94-98% with this wait. A pull through the
+  windows waits for the same (Worker._pull): it used to get it by queueing behind the
+  server, until the batch claims in chunks (Note [Claims in chunks] in ps.py) removed that
+  queue, and the digits fell to 31% after 3 epochs.
 - So a worker has at most one push outstanding (SLOTS = 1). Worker w owns its slot and the
   count FILLED[w]; the server owns CONSUMED[w]. A push waits until FILLED - CONSUMED <
   SLOTS, writes slot FILLED % SLOTS, then stores FILLED + 1. The server adds every filled

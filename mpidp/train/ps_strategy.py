@@ -100,7 +100,7 @@ class ParameterServerStrategy(Strategy):
         total = -(-len(order) // batch_size)
         while True:
             t0 = time.perf_counter()
-            b = self.worker.next_batch()
+            b = self.worker.next_batch(total)
             self.stats["wait_s"] += time.perf_counter() - t0
             if b >= total:
                 return
