@@ -7,8 +7,10 @@
  *                (a numpy copy out of the shared buffer, say) moves after it, and none after
  *                it moves before;
  *   atomic_store a full fence, a store-release, then a full fence: what was written before
- *                (a copy into the shared buffer, non-temporal stores too) is visible to
- *                whoever loads the new value, and nothing after the call moves before it.
+ *                (a copy into the shared buffer) is visible to whoever loads the new value,
+ *                and nothing after the call moves before it. On x86 the fence GCC emits
+ *                (a locked instruction) does not order non-temporal stores, which a large
+ *                memcpy may use, so an sfence comes first there.
  * Each takes the buffer and the index of an 8-byte-aligned int64 word in it. */
 #include "binding.h"
 
@@ -73,6 +75,9 @@ PyObject *mp_atomic_store(PyObject *module, PyObject *args) {
     if (mp_get_buffer(obj, &view, 1, "buf") < 0) return NULL;
     int64_t *w = word_of(&view, index);
     if (w) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_sfence();
+#endif
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
         __atomic_store_n(w, (int64_t)value, __ATOMIC_RELEASE);
         __atomic_thread_fence(__ATOMIC_SEQ_CST);

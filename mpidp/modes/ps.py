@@ -1,9 +1,11 @@
 """Asynchronous parameter server on dedicated MPI ranks: parameters sharded across servers by
 bytes, held in MPI one-sided windows; workers pull with ``Get`` and push with
 ``Accumulate(SUM)`` while servers apply the optimizer and publish, with bounded staleness
-(SSP: a worker is at most S steps ahead of the slowest). When every rank of the job is on one
-node the shards are in the node's shared memory instead (Note [Node-local shards] in
-ps_shared.py); the windows' protocol follows.
+(SSP: a worker is at most S steps ahead of the slowest). With the C extension the shards are
+also in shared memory (Note [Node-local shards] in ps_shared.py): on one node only there
+(memory "shared"), across nodes for each node's own worker-server pairs, the windows carrying
+the rest and every count ("mixed"); MPIDP_PS_MEMORY=window, MPIDP_EMULATE_NODE_SIZE or no
+extension keep them in windows alone. The windows' protocol follows.
 
 Note [Publishing a shard]
 A pull must never see a half-updated shard, and a push must be applied exactly once. Workers
@@ -129,6 +131,9 @@ class ParameterServer:
         # Note [Node-local shards] in ps_shared.py: a node's own worker-server pairs meet in
         # its shared memory; the windows carry the rest, and on several nodes every count
         cfg = config.get()
+        if memory not in (None, *config.PS_MEMORIES):
+            raise ValueError(f"memory must be one of {', '.join(config.PS_MEMORIES)} or None, "
+                             f"got {memory!r}")
         self.why_windows = eligible(g, comm, host_ops.EXTENSION, memory or cfg.ps_memory,
                                     cfg.emulate_node_size)
         self.shared, self.window = None, None
@@ -185,17 +190,22 @@ class ParameterServer:
         """Buffers for every server's control words."""
         return [np.empty(CONTROL_WORDS + 3 * lay.workers, np.int64) for lay in self.layouts]
 
-    def read_all(self, flat: np.ndarray) -> list:
+    def read_all(self, flat: np.ndarray, own: Optional[tuple] = None) -> list:
         """Every server's published parameters into ``flat`` (no staleness wait); returns
-        the version each shard was read at."""
+        the version each shard was read at. ``own``: (worker, pushes): a shard read through
+        a window is read again until its counts show that worker's first pushes applied
+        (Note [Node-local shards]; one epoch a try)."""
         versions = []
         for k, control in enumerate(self.controls()):
             shard = self.gather_shard(flat, k)  # read into its place
             if self.near(k):
                 versions.append(self.shared.read(k, shard))
-            else:
+                continue
+            self.read(k, shard, control)
+            while own is not None and control[self.layouts[k].applied(own[0])] < own[1]:
+                time.sleep(IDLE_SLEEP_S)
                 self.read(k, shard, control)
-                versions.append(int(control[VERSION]))
+            versions.append(int(control[VERSION]))
         return versions
 
     def free(self) -> None:
@@ -256,13 +266,14 @@ class Worker:
         ps = self.ps
         if ps.shared is not None:  # Note [Node-local shards]: its own pushes applied first
             ps.shared.wait_applied(self.w, self.steps)  # (by this node's servers)
+        if self.staleness is None:  # the others' counts read with their shards
+            self.pulled_versions = ps.read_all(flat, own=(self.w, self.steps))
+            return
         far = [k for k in range(len(ps.servers)) if not ps.near(k)]
-        while self.staleness is not None or far:  # SSP, and its own pushes on the others
+        while True:  # SSP, and its own pushes on the servers of other nodes
             done, applied = self._counts()
-            need = np.zeros(len(done), np.int64)
-            if self.staleness is not None:
-                need = np.full(len(done), self.steps - self.staleness, np.int64)
-                need = np.where(done > 0, np.minimum(need, done - 1), need)
+            need = np.full(len(done), self.steps - self.staleness, np.int64)
+            need = np.where(done > 0, np.minimum(need, done - 1), need)
             own = need.copy()
             own[self.w] = max(own[self.w], self.steps)
             if all((applied[k] >= (own if k in far else need)).all()

@@ -41,8 +41,7 @@ class Server:
         self.applies = 0
         self.pushes = 0
         self.busy_s = 0.0
-        self.consumed = [0] * ps.num_workers  # node-local shards: CONSUMED, this server's
-        self.applied = np.zeros(ps.num_workers, np.int64)  # and APPLIED this epoch
+        self.applied = np.zeros(ps.num_workers, np.int64)  # node-local shards: APPLIED
 
     def params(self) -> np.ndarray:
         """A copy of this server's published shard."""
@@ -71,9 +70,9 @@ class Server:
         grads = np.empty(self.lay.count, np.float32)
         params = self.params()
         while True:
-            taken = shared.drain(k, grads, self.consumed)
+            taken = shared.drain(k, grads)
             if not taken.any():
-                if shared.finished(k, self.consumed):
+                if shared.finished(k):
                     return
                 time.sleep(IDLE_SLEEP_S)
                 continue
@@ -95,7 +94,7 @@ class Server:
             with win.locked(me, exclusive=True):  # Note [Publishing a shard]: drain
                 pending, finished = _drain(win, lay, grads)
             if shared is not None:
-                taken = shared.drain(k, near, self.consumed)
+                taken = shared.drain(k, near)
                 if taken.any():
                     if pending.any():
                         grads += near
@@ -123,7 +122,7 @@ class Server:
         try:
             while True:
                 remote, finished = side.take(grads)  # before the slots: a finished worker's
-                taken = shared.drain(k, side.near, self.consumed)  # last push is in one
+                taken = shared.drain(k, side.near)  # last push is in one
                 pushes = remote + taken
                 if pushes.any():
                     if taken.any():
@@ -230,6 +229,9 @@ class WindowSide(threading.Thread):
         self.join()
         if self.error is not None:
             raise self.error
+        if self._pending.any():  # FINISHED is read with the pushes it follows: never
+            raise RuntimeError(f"ps server: pushes {self._pending.tolist()} drained from the "
+                               "window after every worker had finished")
 
     def run(self) -> None:
         win, lay, me = self.ps.window, self.lay, self.ps.rank

@@ -98,6 +98,9 @@ class SharedShards:
             self.buffers[k] = _view(memory, lay.params).reshape(2, lay.count)
             self.slots[k] = _view(memory, lay.slots).reshape(workers, SLOTS, lay.count)
         self.filled = [0] * len(self.servers)  # a worker's own FILLED, per server
+        # a server's own CONSUMED, per job worker: kept here, beside FILLED, so that a Server
+        # built again on the same shards (each epoch, say) starts where the last one ended
+        self.consumed = [0] * self.total_workers
 
     def near(self, k: int) -> bool:
         return k in self.control
@@ -171,11 +174,10 @@ class SharedShards:
     def publish_initial(self, k: int, shard: np.ndarray) -> None:
         self.buffers[k][0] = shard  # version 0, before the barrier that precedes any pull
 
-    def drain(self, k: int, grads: np.ndarray, consumed: list) -> np.ndarray:
-        """Adds every filled slot of server k into ``grads`` (zeroed first) and releases it;
-        ``consumed``: the server's own CONSUMED counts, advanced. Returns the pushes taken
-        per worker."""
-        lay, control, x = self.layouts[k], self.control[k], self.x
+    def drain(self, k: int, grads: np.ndarray) -> np.ndarray:
+        """Adds every filled slot of server k into ``grads`` (zeroed first) and releases it.
+        Returns the pushes taken per job worker."""
+        lay, control, x, consumed = self.layouts[k], self.control[k], self.x, self.consumed
         taken = np.zeros(self.total_workers, np.int64)
         grads[...] = 0
         for i, w in enumerate(self.local):
@@ -188,11 +190,11 @@ class SharedShards:
                 x.atomic_store(control, lay.word(i, CONSUMED), f)
         return taken
 
-    def finished(self, k: int, consumed: list) -> bool:
+    def finished(self, k: int) -> bool:
         """Every worker has said it finished the epoch and every push it made is drained."""
-        lay, control = self.layouts[k], self.control[k]
+        lay = self.layouts[k]
         return all(self.load(k, lay.word(i, DONE)) > 0 and
-                   self.load(k, lay.word(i, FILLED)) == consumed[w]
+                   self.load(k, lay.word(i, FILLED)) == self.consumed[w]
                    for i, w in enumerate(self.local))
 
     def publish(self, k: int, params: np.ndarray, taken: np.ndarray, applied: np.ndarray) -> None:

@@ -29,12 +29,14 @@ def expect(cond, what):
         failures.append(what)
 
 
-def run_epochs(ps, epochs, worker_step, apply, staleness=None):
+def run_epochs(ps, epochs, worker_step, apply, staleness=None, fresh_server=False):
     """Servers serve, workers run worker_step(worker, flat) per shared batch; returns the
-    final flat parameters on workers."""
+    final flat parameters on workers. ``fresh_server``: a new Server object every epoch."""
     flat = np.zeros(sum(ps.counts), np.float32)
     role = Server(ps) if ps.is_server else Worker(ps, staleness)
     for _ in range(epochs):
+        if ps.is_server and fresh_server:
+            role = Server(ps)
         if ps.is_server:
             role.serve_epoch(apply)
         else:
@@ -86,9 +88,10 @@ for MEMORY in ("window", "auto"):
         expect_(p == 2 * M * ps.num_workers, f"server applied {p} pushes, want {2 * M * ps.num_workers}")
     ps.free()
 
-    # 1b. lock-step (S=0) with every worker, over epochs: still every push exactly once
+    # 1b. lock-step (S=0) with every worker, over epochs, a new Server object for each:
+    # still every push exactly once
     ps = ParameterServer(comm, K, counts, memory=MEMORY)
-    role, flat = run_epochs(ps, 2, pushes, add, staleness=0)
+    role, flat = run_epochs(ps, 2, pushes, add, staleness=0, fresh_server=True)
     if not ps.is_server:
         expect_(np.array_equal(flat, want), "S=0: sum of pushes")
     ps.free()
