@@ -28,53 +28,24 @@ static int64_t *word_of(Py_buffer *view, Py_ssize_t index) {
     return w;
 }
 
-const char mp_atomic_add_doc[] = "atomic_add(buf, index, value) -> the word's old value\n\n"
-    "Adds value to int64 word index of buf atomically (sequentially consistent).";
+enum { ADD, LOAD, STORE };
 
-PyObject *mp_atomic_add(PyObject *module, PyObject *args) {
+/* The one body of the three calls: (buf, index[, value]) parsed, the word found, `op` done. */
+static PyObject *word_call(PyObject *args, int op) {
     PyObject *obj;
     Py_ssize_t index;
-    long long value;
-    if (!PyArg_ParseTuple(args, "OnL", &obj, &index, &value)) return NULL;
+    long long value = 0;
+    if (!PyArg_ParseTuple(args, op == LOAD ? "On" : "OnL", &obj, &index, &value)) return NULL;
     Py_buffer view;
-    if (mp_get_buffer(obj, &view, 1, "buf") < 0) return NULL;
+    if (mp_get_buffer(obj, &view, op != LOAD, "buf") < 0) return NULL;
     int64_t *w = word_of(&view, index);
-    int64_t old = w ? __atomic_fetch_add(w, (int64_t)value, __ATOMIC_SEQ_CST) : 0;
-    PyBuffer_Release(&view);
-    return w ? PyLong_FromLongLong(old) : NULL;
-}
-
-const char mp_atomic_load_doc[] = "atomic_load(buf, index) -> int\n\n"
-    "A full fence, then int64 word index of buf loaded with acquire order.";
-
-PyObject *mp_atomic_load(PyObject *module, PyObject *args) {
-    PyObject *obj;
-    Py_ssize_t index;
-    if (!PyArg_ParseTuple(args, "On", &obj, &index)) return NULL;
-    Py_buffer view;
-    if (mp_get_buffer(obj, &view, 0, "buf") < 0) return NULL;
-    int64_t *w = word_of(&view, index);
-    int64_t value = 0;
-    if (w) {
+    int64_t out = 0;
+    if (w && op == ADD) {
+        out = __atomic_fetch_add(w, (int64_t)value, __ATOMIC_SEQ_CST);
+    } else if (w && op == LOAD) {
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
-        value = __atomic_load_n(w, __ATOMIC_ACQUIRE);
-    }
-    PyBuffer_Release(&view);
-    return w ? PyLong_FromLongLong(value) : NULL;
-}
-
-const char mp_atomic_store_doc[] = "atomic_store(buf, index, value)\n\n"
-    "A full fence, int64 word index of buf stored with release order, then a full fence.";
-
-PyObject *mp_atomic_store(PyObject *module, PyObject *args) {
-    PyObject *obj;
-    Py_ssize_t index;
-    long long value;
-    if (!PyArg_ParseTuple(args, "OnL", &obj, &index, &value)) return NULL;
-    Py_buffer view;
-    if (mp_get_buffer(obj, &view, 1, "buf") < 0) return NULL;
-    int64_t *w = word_of(&view, index);
-    if (w) {
+        out = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+    } else if (w) {
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_sfence();
 #endif
@@ -84,5 +55,21 @@ PyObject *mp_atomic_store(PyObject *module, PyObject *args) {
     }
     PyBuffer_Release(&view);
     if (!w) return NULL;
-    Py_RETURN_NONE;
+    if (op == STORE) Py_RETURN_NONE;
+    return PyLong_FromLongLong(out);
 }
+
+const char mp_atomic_add_doc[] = "atomic_add(buf, index, value) -> the word's old value\n\n"
+    "Adds value to int64 word index of buf atomically (sequentially consistent).";
+
+PyObject *mp_atomic_add(PyObject *module, PyObject *args) { return word_call(args, ADD); }
+
+const char mp_atomic_load_doc[] = "atomic_load(buf, index) -> int\n\n"
+    "A full fence, then int64 word index of buf loaded with acquire order.";
+
+PyObject *mp_atomic_load(PyObject *module, PyObject *args) { return word_call(args, LOAD); }
+
+const char mp_atomic_store_doc[] = "atomic_store(buf, index, value)\n\n"
+    "A full fence, int64 word index of buf stored with release order, then a full fence.";
+
+PyObject *mp_atomic_store(PyObject *module, PyObject *args) { return word_call(args, STORE); }

@@ -136,6 +136,9 @@ class ParameterServer:
                              f"got {memory!r}")
         self.why_windows = eligible(g, comm, host_ops.EXTENSION, memory or cfg.ps_memory,
                                     cfg.emulate_node_size)
+        if self.why_windows is None and g.node_count > 1 and mpi.thread_level() != "multiple":
+            self.why_windows = "across nodes without MPI_THREAD_MULTIPLE (Note [A server " \
+                "across nodes] in ps_server.py)"
         self.shared, self.window = None, None
         if self.why_windows is None:
             with collective(self.group, "ps: mapping the node's shared shards"):

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..runtime import mpi, timeline
+from ..runtime import timeline
 from .ps import CONTROL_WORDS, FINISHED, IDLE_SLEEP_S, VERSION, ParameterServer
 
 # Note [A server across nodes]
@@ -59,7 +59,7 @@ class Server:
                             "epoch",)):
             if self.ps.window is None:
                 self._serve_shared(apply, board)
-            elif self.ps.shared is not None and mpi.thread_level() == "multiple":
+            elif self.ps.shared is not None:  # across nodes, with THREAD_MULTIPLE
                 self._serve_mixed(apply, board)  # Note [A server across nodes]
             else:
                 self._serve_window(apply, board)
@@ -80,27 +80,15 @@ class Server:
             shared.publish(k, params, taken, self.applied)
 
     def _serve_window(self, apply, board) -> None:
-        """Note [Publishing a shard]; where this node's shared memory holds the shard too
-        (memory "mixed"), its workers' slots are drained after the window's counts are read,
-        so that a worker counted as finished has its last push in one or the other."""
-        ps, win, lay, shared, k = self.ps, self.ps.window, self.lay, self.ps.shared, \
-            self.ps.index
+        """Note [Publishing a shard]: the window alone."""
+        ps, win, lay = self.ps, self.ps.window, self.lay
         me = ps.rank
         applied = win.local(lay.control)[lay.applied(0):lay.applied(0) + lay.workers]
         grads = np.empty(lay.count, np.float32)
-        near = np.empty(lay.count, np.float32) if shared is not None else None
         params = self.params()  # the server is its shard's one writer
         while True:
             with win.locked(me, exclusive=True):  # Note [Publishing a shard]: drain
                 pending, finished = _drain(win, lay, grads)
-            if shared is not None:
-                taken = shared.drain(k, near)
-                if taken.any():
-                    if pending.any():
-                        grads += near
-                    else:
-                        grads[...] = near
-                    pending = pending + taken
             if not pending.any():
                 if finished >= lay.workers:
                     return
@@ -109,8 +97,6 @@ class Server:
             self._applied_now(apply, params, grads, int(pending.sum()), board)
             with win.locked(me, exclusive=True):  # publish
                 _publish(win, lay, params, applied + pending)
-            if shared is not None:
-                shared.publish(k, params, pending, self.applied)
 
     def _serve_mixed(self, apply, board) -> None:
         """Note [A server across nodes]: shared memory here, the window in ``WindowSide``."""
