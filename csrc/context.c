@@ -29,7 +29,8 @@ static int set_item(PyObject *t, Py_ssize_t i, PyObject *item) {
 
 /* (status, info) of a finished call: OK -> every rank's free header word (handshake) or None;
  * MISMATCH -> every rank's header; TIMEOUT -> the ranks that had not arrived; DEPARTED -> the
- * ranks that shut down without arriving (Note [A rank that has shut down]); PEER_ERROR ->
+ * ranks that shut down without arriving (Note [A rank that has shut down]); LOST -> those
+ * whose process ended without arriving (Note [A lost peer]); PEER_ERROR ->
  * (rank, peer, errno); OUT_OF_STEP -> the call number of every rank's record. */
 static PyObject *result_tuple(const shm_result *r, int nranks, int data) {
     PyObject *info = NULL;
@@ -52,6 +53,7 @@ static PyObject *result_tuple(const shm_result *r, int nranks, int data) {
         break;
     case SHM_TIMEOUT:
     case SHM_DEPARTED:
+    case SHM_LOST:
         info = PyList_New(0);
         for (int q = 0; info && q < nranks; q++)
             if (r->missing[q]) {
@@ -103,6 +105,7 @@ PyObject *mp_ctx_enter(ShmContext *self, shm_call *c, int64_t *header) {
     c->timeout_s = self->timeout_s;
     c->interrupted = poll_interrupt;
     c->interrupt_arg = self;
+    c->pids = self->pids;
     shm_result result; /* large but cheap: only the fields a status uses are read */
     result.status = SHM_OK;
     result.peer_rank = result.peer_errno = 0;

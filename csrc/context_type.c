@@ -69,6 +69,21 @@ static PyObject *ctx_set_segments(ShmContext *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *ctx_watch(ShmContext *self, PyObject *pids) {
+    if (!mp_ctx_ready(self)) return NULL;
+    if (!PyTuple_Check(pids) || PyTuple_GET_SIZE(pids) != self->nranks) {
+        PyErr_Format(PyExc_TypeError, "watch(pids): a tuple of %d ints", self->nranks);
+        return NULL;
+    }
+    int64_t got[SHM_MAX_RANKS];
+    for (int q = 0; q < self->nranks; q++) {
+        got[q] = PyLong_AsLongLong(PyTuple_GET_ITEM(pids, q));
+        if (got[q] == -1 && PyErr_Occurred()) return NULL;
+    }
+    memcpy(self->pids, got, (size_t)self->nranks * sizeof(int64_t));
+    Py_RETURN_NONE;
+}
+
 static PyObject *ctx_set_board(ShmContext *self, PyObject *board) {
     Py_XSETREF(self->board, Py_NewRef(board));
     Py_RETURN_NONE;
@@ -94,6 +109,9 @@ static PyMethodDef ctx_methods[] = {
      mp_ctx_allreduce_doc},
     {"allreduce_array", (PyCFunction)(void (*)(void))mp_ctx_allreduce_array, METH_FASTCALL,
      mp_allreduce_array_doc},
+    {"watch", (PyCFunction)ctx_watch, METH_O,
+     "watch(pids): each local rank's process (0: not watched), whose end a wait notices\n"
+     "(SHM_LOST: Note [A lost peer] in shm.c)"},
     {"set_board", (PyCFunction)ctx_set_board, METH_O,
      "set_board(board): the watchdog's board allreduce_array posts on"},
     {"close", (PyCFunction)ctx_close, METH_NOARGS,

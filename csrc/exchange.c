@@ -13,19 +13,37 @@
 /* Note [MPI from C]
  * The extension is built without MPI's headers (it needs none to install), so it calls the
  * MPI functions it uses through pointers that Python found in the MPI library mpi4py
- * loaded (mpidp/engine/exchange.py: c_context), with that library's handles for the communicator
- * and MPI_BYTE. It is only made where those handles are C ints (MPICH's ABI: mpi4py's
- * MPI._sizeof says so); elsewhere the Python path runs. The GIL is released around the
+ * loaded (mpidp/engine/exchange.py: c_context), with that library's handles for the
+ * communicator and MPI_BYTE. Two ABIs are met: MPICH's handles are C ints, Open MPI's are
+ * pointers (mpi4py's MPI._sizeof says which); the context keeps each handle, and each
+ * request, as an mpi_handle and calls the functions through the types of its ABI (the
+ * mpi_* wrappers below: the one place that knows). Statuses are written into 64 bytes,
+ * more than either library's MPI_Status, and never read. The GIL is released around the
  * exchange, as mpi4py releases it around a blocking call, so the watchdog thread can answer
  * while this rank waits. A receive longer than this rank's record (a peer with another
- * count) is MPI_ERR_TRUNCATE on a communicator that returns errors: a disagreement. */
-typedef int (*sendrecv_fn)(const void *, int, int, int, int, void *, int, int, int, int, int,
-                           void *);
-typedef int (*send_fn)(const void *, int, int, int, int, int);
-typedef int (*recv_fn)(void *, int, int, int, int, int, void *);
-typedef int (*isend_fn)(const void *, int, int, int, int, int, int *);
-typedef int (*irecv_fn)(void *, int, int, int, int, int, int *);
-typedef int (*wait_fn)(int *, void *);
+ * count) is MPI_ERR_TRUNCATE on a communicator that returns errors: a disagreement; the
+ * first error code of a call is kept (`error`), so that Python raises any other (a lost
+ * process under fault tolerance, Note [In-job recovery] in mpidp/runtime/recovery.py) as
+ * MPI's error rather than as a disagreement. */
+typedef union {
+    int i;   /* MPICH */
+    void *p; /* Open MPI */
+} mpi_handle;
+typedef void (*mpi_fn)(void);
+typedef int (*sendrecv_i)(const void *, int, int, int, int, void *, int, int, int, int, int,
+                          void *);
+typedef int (*sendrecv_p)(const void *, int, void *, int, int, void *, int, void *, int, int,
+                          void *, void *);
+typedef int (*send_i)(const void *, int, int, int, int, int);
+typedef int (*send_p)(const void *, int, void *, int, int, void *);
+typedef int (*recv_i)(void *, int, int, int, int, int, void *);
+typedef int (*recv_p)(void *, int, void *, int, int, void *, void *);
+typedef int (*isend_i)(const void *, int, int, int, int, int, int *);
+typedef int (*isend_p)(const void *, int, void *, int, int, void *, void **);
+typedef int (*irecv_i)(void *, int, int, int, int, int, int *);
+typedef int (*irecv_p)(void *, int, void *, int, int, void *, void **);
+typedef int (*wait_i)(int *, void *);
+typedef int (*wait_p)(void **, void *);
 
 /* Note [Chunks after the record]
  * Above `inline_bytes` the record and the data travel apart. In each round the partners
@@ -46,29 +64,27 @@ enum { REC_OK = 0, REC_DISAGREE = 1, CHECK_TAG = 0x6D63, DATA_TAG = 0x6D64, MAX_
 
 typedef struct {
     PyObject_HEAD
-    sendrecv_fn sendrecv;
-    send_fn send;
-    recv_fn recv;
-    isend_fn isend;
-    irecv_fn irecv;
-    wait_fn wait;
-    int comm, byte_type, rank, size, fold_out, fold_in, nrounds, rounds[MAX_ROUNDS];
+    mpi_fn sendrecv, send, recv, isend, irecv, wait;
+    int pointers;             /* Open MPI's ABI: handles are pointers */
+    mpi_handle comm, byte_type;
+    int error;                /* the first MPI error code of the last call, or 0 */
+    int rank, size, fold_out, fold_in, nrounds, rounds[MAX_ROUNDS];
     Py_ssize_t inline_bytes, max_bytes, chunk_bytes, words;
     int window;
     int64_t *mine, *theirs; /* two records: (1 + 8 + size) words, then inline_bytes of data */
     char *peer_data;        /* window x chunk_bytes: the partner's chunks in flight */
-    int *requests;          /* 2 per chunk in flight: its receive, its send */
+    mpi_handle *requests;   /* 2 per chunk in flight: its receive, its send */
     PyObject *board;
 } CheckedContext;
 
 static int checked_init(CheckedContext *self, PyObject *args, PyObject *kw) {
-    unsigned long long f[6];
-    int comm, byte_type, rank, size, window;
+    unsigned long long f[6], comm, byte_type;
+    int pointers, rank, size, window;
     Py_ssize_t inline_bytes, max_bytes, chunk_bytes;
     PyObject *board;
-    if (!PyArg_ParseTuple(args, "(KKKKKK)iiiinnniO", &f[0], &f[1], &f[2], &f[3], &f[4], &f[5],
-                          &comm, &byte_type, &rank, &size, &inline_bytes, &max_bytes,
-                          &chunk_bytes, &window, &board))
+    if (!PyArg_ParseTuple(args, "(KKKKKK)pKKiinnniO", &f[0], &f[1], &f[2], &f[3], &f[4], &f[5],
+                          &pointers, &comm, &byte_type, &rank, &size, &inline_bytes,
+                          &max_bytes, &chunk_bytes, &window, &board))
         return -1;
     int fns_ok = 1;
     for (int i = 0; i < 6; i++) fns_ok &= f[i] != 0;
@@ -79,13 +95,19 @@ static int checked_init(CheckedContext *self, PyObject *args, PyObject *kw) {
                         "CheckedContext: bad rank, size, bytes, chunk, window or function");
         return -1;
     }
-    self->sendrecv = (sendrecv_fn)(uintptr_t)f[0];
-    self->send = (send_fn)(uintptr_t)f[1];
-    self->recv = (recv_fn)(uintptr_t)f[2];
-    self->isend = (isend_fn)(uintptr_t)f[3];
-    self->irecv = (irecv_fn)(uintptr_t)f[4];
-    self->wait = (wait_fn)(uintptr_t)f[5];
-    self->comm = comm, self->byte_type = byte_type, self->rank = rank, self->size = size;
+    self->sendrecv = (mpi_fn)(uintptr_t)f[0];
+    self->send = (mpi_fn)(uintptr_t)f[1];
+    self->recv = (mpi_fn)(uintptr_t)f[2];
+    self->isend = (mpi_fn)(uintptr_t)f[3];
+    self->irecv = (mpi_fn)(uintptr_t)f[4];
+    self->wait = (mpi_fn)(uintptr_t)f[5];
+    self->pointers = pointers;
+    if (pointers) { /* mpi4py gives a handle as an unsigned number: its address or its int */
+        self->comm.p = (void *)(uintptr_t)comm, self->byte_type.p = (void *)(uintptr_t)byte_type;
+    } else {
+        self->comm.i = (int)(uint32_t)comm, self->byte_type.i = (int)(uint32_t)byte_type;
+    }
+    self->error = 0, self->rank = rank, self->size = size;
     int m = 1;
     while (m * 2 <= size) m *= 2;
     self->fold_out = rank >= m ? rank - m : -1;
@@ -103,7 +125,7 @@ static int checked_init(CheckedContext *self, PyObject *args, PyObject *kw) {
     free(self->requests);
     self->mine = malloc(bytes), self->theirs = malloc(bytes);
     self->peer_data = malloc((size_t)window * (size_t)chunk_bytes);
-    self->requests = malloc(2 * (size_t)window * sizeof(int));
+    self->requests = calloc(2 * (size_t)window, sizeof(mpi_handle));
     if (!self->mine || !self->theirs || !self->peer_data || !self->requests) {
         PyErr_NoMemory();
         return -1;
@@ -119,6 +141,54 @@ static void checked_dealloc(CheckedContext *self) {
     free(self->requests);
     Py_XDECREF(self->board);
     Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The MPI calls, through the types of the library's ABI (Note [MPI from C]); each returns
+ * MPI's code and keeps the first nonzero one of a call in `error`. */
+static int kept(CheckedContext *self, int rc) {
+    if (rc && !self->error) self->error = rc;
+    return rc;
+}
+
+/* MPI_Sendrecv of n bytes with `peer`, both ways under one tag. */
+static int mpi_sendrecv(CheckedContext *self, const void *out, void *in, int n, int peer,
+                        int tag, void *status) {
+    mpi_handle c = self->comm, t = self->byte_type;
+    return kept(self, self->pointers
+        ? ((sendrecv_p)self->sendrecv)(out, n, t.p, peer, tag, in, n, t.p, peer, tag, c.p, status)
+        : ((sendrecv_i)self->sendrecv)(out, n, t.i, peer, tag, in, n, t.i, peer, tag, c.i, status));
+}
+
+static int mpi_send(CheckedContext *self, const void *out, int n, int peer, int tag) {
+    mpi_handle c = self->comm, t = self->byte_type;
+    return kept(self, self->pointers ? ((send_p)self->send)(out, n, t.p, peer, tag, c.p)
+                                     : ((send_i)self->send)(out, n, t.i, peer, tag, c.i));
+}
+
+static int mpi_recv(CheckedContext *self, void *in, int n, int peer, int tag, void *status) {
+    mpi_handle c = self->comm, t = self->byte_type;
+    return kept(self, self->pointers ? ((recv_p)self->recv)(in, n, t.p, peer, tag, c.p, status)
+                                     : ((recv_i)self->recv)(in, n, t.i, peer, tag, c.i, status));
+}
+
+static int mpi_isend(CheckedContext *self, const void *out, int n, int peer, int tag,
+                     mpi_handle *rq) {
+    mpi_handle c = self->comm, t = self->byte_type;
+    return kept(self, self->pointers
+        ? ((isend_p)self->isend)(out, n, t.p, peer, tag, c.p, &rq->p)
+        : ((isend_i)self->isend)(out, n, t.i, peer, tag, c.i, &rq->i));
+}
+
+static int mpi_irecv(CheckedContext *self, void *in, int n, int peer, int tag, mpi_handle *rq) {
+    mpi_handle c = self->comm, t = self->byte_type;
+    return kept(self, self->pointers
+        ? ((irecv_p)self->irecv)(in, n, t.p, peer, tag, c.p, &rq->p)
+        : ((irecv_i)self->irecv)(in, n, t.i, peer, tag, c.i, &rq->i));
+}
+
+static int mpi_wait(CheckedContext *self, mpi_handle *rq, void *status) {
+    return kept(self, self->pointers ? ((wait_p)self->wait)(&rq->p, status)
+                                     : ((wait_i)self->wait)(&rq->i, status));
 }
 
 /* Merges the peer's record in `theirs` (rc: how its receive ended) into `mine`. */
@@ -140,25 +210,24 @@ static void merge(CheckedContext *self, int rc, int mine_first, size_t len, int 
 
 /* The exchange of `len` data bytes, the GIL released; the outcome in mine[0]. */
 static void exchange(CheckedContext *self, size_t len, int dtype, int op) {
-    int n = (int)(self->words * 8 + (Py_ssize_t)len), c = self->comm, t = self->byte_type;
+    int n = (int)(self->words * 8 + (Py_ssize_t)len);
     char status[64]; /* MPI_Status, whatever its layout: never read */
     if (self->fold_out >= 0) {
-        int rc = self->send(self->mine, n, t, self->fold_out, CHECK_TAG, c);
-        rc = rc ? rc : self->recv(self->theirs, n, t, self->fold_out, CHECK_TAG, c, status);
+        int rc = mpi_send(self, self->mine, n, self->fold_out, CHECK_TAG);
+        rc = rc ? rc : mpi_recv(self, self->theirs, n, self->fold_out, CHECK_TAG, status);
         if (rc) self->mine[0] = REC_DISAGREE;
         else memcpy(self->mine, self->theirs, (size_t)n);
         return;
     }
     if (self->fold_in >= 0)
-        merge(self, self->recv(self->theirs, n, t, self->fold_in, CHECK_TAG, c, status), 1, len,
+        merge(self, mpi_recv(self, self->theirs, n, self->fold_in, CHECK_TAG, status), 1, len,
               dtype, op);
     for (int k = 0; k < self->nrounds; k++) {
         int peer = self->rounds[k];
-        int rc = self->sendrecv(self->mine, n, t, peer, CHECK_TAG, self->theirs, n, t, peer,
-                                CHECK_TAG, c, status);
+        int rc = mpi_sendrecv(self, self->mine, self->theirs, n, peer, CHECK_TAG, status);
         merge(self, rc, self->rank < peer, len, dtype, op);
     }
-    if (self->fold_in >= 0 && self->send(self->mine, n, t, self->fold_in, CHECK_TAG, c))
+    if (self->fold_in >= 0 && mpi_send(self, self->mine, n, self->fold_in, CHECK_TAG))
         self->mine[0] = REC_DISAGREE;
 }
 
@@ -172,11 +241,11 @@ static size_t chunk_length(const CheckedContext *self, size_t len, size_t i) {
  * an MPI error code. */
 static int post_chunk(CheckedContext *self, int peer, char *buf, size_t len, size_t i) {
     size_t chunk = (size_t)self->chunk_bytes, at = i * chunk, n = chunk_length(self, len, i);
-    int slot = (int)(i % (size_t)self->window), *rq = self->requests + 2 * slot;
-    int rc = self->irecv(self->peer_data + (size_t)slot * chunk, (int)n, self->byte_type, peer,
-                         DATA_TAG, self->comm, &rq[0]);
-    return rc ? rc : self->isend(buf + at, (int)n, self->byte_type, peer, DATA_TAG, self->comm,
-                                 &rq[1]);
+    int slot = (int)(i % (size_t)self->window);
+    mpi_handle *rq = self->requests + 2 * slot;
+    int rc = mpi_irecv(self, self->peer_data + (size_t)slot * chunk, (int)n, peer, DATA_TAG,
+                       &rq[0]);
+    return rc ? rc : mpi_isend(self, buf + at, (int)n, peer, DATA_TAG, &rq[1]);
 }
 
 /* The data of one round in chunks, `window` of them in flight (Note [Chunks after the
@@ -193,9 +262,10 @@ static int swap_chunks(CheckedContext *self, int peer, char *buf, size_t len, in
         if (!(err = post_chunk(self, peer, buf, len, posted))) posted++;
     for (size_t i = 0; i < posted; i++) {
         size_t at = i * chunk, n = chunk_length(self, len, i);
-        int slot = (int)(i % (size_t)self->window), *rq = self->requests + 2 * slot;
-        int rc = self->wait(&rq[0], status);
-        rc = self->wait(&rq[1], status) || rc;
+        int slot = (int)(i % (size_t)self->window);
+        mpi_handle *rq = self->requests + 2 * slot;
+        int rc = mpi_wait(self, &rq[0], status);
+        rc = mpi_wait(self, &rq[1], status) || rc;
         err = err ? err : rc;
         if (err) continue;
         char *x = buf + at, *y = self->peer_data + (size_t)slot * chunk;
@@ -208,12 +278,11 @@ static int swap_chunks(CheckedContext *self, int peer, char *buf, size_t len, in
 /* Above inline_bytes: in each round the records alone, then (agreed) the data in chunks; the
  * outcome in mine[0]. */
 static void exchange_chunked(CheckedContext *self, char *buf, size_t len, int dtype, int op) {
-    int n = (int)(self->words * 8), c = self->comm, t = self->byte_type;
+    int n = (int)(self->words * 8);
     char status[64];
     for (int k = 0; k < self->nrounds; k++) {
         int peer = self->rounds[k];
-        int rc = self->sendrecv(self->mine, n, t, peer, CHECK_TAG, self->theirs, n, t, peer,
-                                CHECK_TAG, c, status);
+        int rc = mpi_sendrecv(self, self->mine, self->theirs, n, peer, CHECK_TAG, status);
         merge(self, rc, self->rank < peer, 0, dtype, op);
         if (self->mine[0] == REC_OK && swap_chunks(self, peer, buf, len, dtype, op,
                                                    self->rank < peer))
@@ -228,6 +297,7 @@ static int64_t run(CheckedContext *self, const int64_t *header, char *buf, size_
                    int dtype, int op) {
     int64_t *rec = self->mine;
     rec[0] = REC_OK;
+    self->error = 0;
     memcpy(rec + 1, header, MP_HEADER_WORDS * 8);
     memset(rec + 1 + MP_HEADER_WORDS, 0, (size_t)self->size * 8); /* a slot: its owner's only */
     rec[1 + MP_HEADER_WORDS + self->rank] = header[MP_FREE_WORD];
@@ -323,8 +393,14 @@ static PyObject *checked_get_max_bytes(CheckedContext *self, void *closure) {
     return PyLong_FromSsize_t(self->max_bytes);
 }
 
+static PyObject *checked_get_error(CheckedContext *self, void *closure) {
+    return PyLong_FromLong(self->error);
+}
+
 static PyGetSetDef checked_getset[] = {
     {"max_bytes", (getter)checked_get_max_bytes, NULL, "the largest array a call takes", NULL},
+    {"error", (getter)checked_get_error, NULL,
+     "the first MPI error code of the last call, 0 if none (Note [MPI from C])", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -343,7 +419,8 @@ static PyTypeObject CheckedContextType = {
     .tp_name = "mpidp._ext.CheckedContext",
     .tp_basicsize = sizeof(CheckedContext),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "CheckedContext((sendrecv, send, recv, isend, irecv, wait), comm, byte, rank, "
+    .tp_doc = "CheckedContext((sendrecv, send, recv, isend, irecv, wait), pointers, comm, "
+              "byte, rank, "
               "size, inline_bytes, max_bytes, chunk_bytes, window, board): the all-reduce "
               "across nodes in one call (csrc/exchange.c)",
     .tp_new = PyType_GenericNew,

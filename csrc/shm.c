@@ -35,6 +35,8 @@
 #include "kernels.h"
 #include <errno.h>
 #include <sched.h>
+#include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -115,6 +117,48 @@ static int departed(const shm_call *c, int second, shm_result *r) {
     return any;
 }
 
+/* Note [A lost peer]
+ * A rank whose process ends without shutting down (killed, crashed, os._exit) leaves no word
+ * in its slot. Where the launcher does not end the job for it (srun without
+ * --kill-on-bad-exit, an MPI with fault tolerance), the ranks waiting for it would wait until
+ * the watchdog's timeout. So each context knows the process of every rank of the node
+ * (ShmContext.watch, from mpidp/engine/shm.py: the pids the ranks exchanged at set-up, those
+ * this process cannot see, in another pid namespace, left unwatched), and a wait's poll (its
+ * slow path, every SHM_POLL_S) asks the kernel about each rank that has not arrived: no such
+ * process (kill(pid, 0): ESRCH), or one that has ended and not yet been reaped (a zombie in
+ * /proc/<pid>/stat), ends the call at once with SHM_LOST naming it, on every rank that waits
+ * for it. A pid that was reused in the meantime reads as alive: the timeout still ends that
+ * wait. The fast spin of a call whose ranks arrive together asks nothing. */
+
+/* 1 when process `pid` has ended: there is none, or it is a zombie; 0 while it runs or
+ * where it cannot be told. */
+static int process_ended(pid_t pid) {
+    if (kill(pid, 0) != 0) return errno == ESRCH;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *paren = strrchr(buf, ')'); /* "pid (comm) S ...": the name may hold spaces */
+    return paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
+}
+
+/* 1 when a rank that has not arrived at counter `second` of this call has lost its process
+ * (Note [A lost peer]), those ranks marked in r->missing; else 0. */
+static int lost(const shm_call *c, int second, shm_result *r) {
+    int any = 0;
+    for (int q = 0; q < c->nranks; q++) {
+        slot_t *s = slot_of(c, q);
+        r->missing[q] = q != c->rank && c->pids && c->pids[q] > 0 &&
+                        __atomic_load_n(second ? &s->arrive2 : &s->arrive1, __ATOMIC_ACQUIRE) < c->seq &&
+                        process_ended((pid_t)c->pids[q]);
+        any |= r->missing[q];
+    }
+    return any;
+}
+
 /* Note [Waiting for a late rank]
  * A wait spins briefly (a call whose ranks arrive together costs no system call), then
  * yields the core. Linux's scheduler hands a yielding process the core again as soon as its
@@ -131,8 +175,9 @@ static int departed(const shm_call *c, int second, shm_result *r) {
 
 /* Waits until every rank's counter (arrive1 or arrive2) reaches seq (Note [Waiting for a
  * late rank]). Returns 0, -1 on timeout with the ranks that had not arrived marked in
- * r->missing, -2 when interrupted (Note [Interrupting a wait]), or -3 when a rank that has
- * shut down will never arrive, marked in r->missing (Note [A rank that has shut down]). */
+ * r->missing, -2 when interrupted (Note [Interrupting a wait]), -3 when a rank that has
+ * shut down will never arrive, marked in r->missing (Note [A rank that has shut down]), or
+ * -4 when a rank's process has ended, marked in r->missing (Note [A lost peer]). */
 static int wait_all(const shm_call *c, int second, shm_result *r) {
     double deadline = 0.0, next_poll = 0.0, nap_at = 0.0;
     int napping = 0;
@@ -160,6 +205,7 @@ static int wait_all(const shm_call *c, int second, shm_result *r) {
                     napping = 1;
                 } else if (t >= next_poll) {
                     if (departed(c, second, r)) return -3;
+                    if (lost(c, second, r)) return -4;
                     if (c->interrupted && c->interrupted(c->interrupt_arg)) return -2;
                     next_poll = now_s() + SHM_POLL_S;
                 }
@@ -171,7 +217,8 @@ static int wait_all(const shm_call *c, int second, shm_result *r) {
 
 /* The status of a call whose wait ended with `waited` (wait_all's nonzero answer). */
 static int wait_status(int waited) {
-    return waited == -1 ? SHM_TIMEOUT : waited == -2 ? SHM_INTERRUPTED : SHM_DEPARTED;
+    return waited == -1 ? SHM_TIMEOUT : waited == -2 ? SHM_INTERRUPTED :
+           waited == -3 ? SHM_DEPARTED : SHM_LOST;
 }
 
 static int peer_read(const shm_call *c, int q, void *local, size_t offset, size_t n) {

@@ -17,7 +17,7 @@
 #define SHM_DIRECT_CHUNK_BYTES (64 << 10)
 
 enum { SHM_OK = 0, SHM_MISMATCH = 1, SHM_TIMEOUT = 2, SHM_PEER_ERROR = 3, SHM_OUT_OF_STEP = 4,
-       SHM_INTERRUPTED = 5, SHM_DEPARTED = 6 };
+       SHM_INTERRUPTED = 5, SHM_DEPARTED = 6, SHM_LOST = 7 };
 enum { SHM_PEERS_CMA = 0, SHM_PEERS_WINDOW = 1 };
 enum { SHM_DATA_NONE = 0, SHM_DATA_INLINE = 1, SHM_DATA_SLICED = 2 };
 
@@ -43,6 +43,7 @@ typedef struct {
      * every SHM_POLL_S; nonzero ends the call with SHM_INTERRUPTED. NULL: never polled. */
     int (*interrupted)(void *arg);
     void *interrupt_arg;
+    const int64_t *pids;   /* each rank's process, 0 where not watched (Note [A lost peer]) */
 } shm_call;
 
 #define SHM_POLL_S 0.05 /* seconds between two polls of `interrupted` in a wait */
@@ -53,7 +54,8 @@ typedef struct {
     int status;                 /* SHM_* */
     int64_t headers[SHM_MAX_RANKS][MP_HEADER_WORDS]; /* on mismatch, or for a handshake: every rank's */
     int missing[SHM_MAX_RANKS];            /* on timeout: 1 for each rank that had not arrived;
-                                              departed: for each that shut down before it */
+                                              departed: for each that shut down before it;
+                                              lost: for each whose process ended before it */
     int64_t seqs[SHM_MAX_RANKS];           /* out of step: the call number of every rank's record */
     int peer_rank, peer_errno;  /* on a peer error */
 } shm_result;

@@ -72,7 +72,11 @@ def _timed_out(links, exc: WaitTimeoutError, operation: str, leaders: bool):
 def disagreed(links, hdr: tuple, operation: str, local_error: Optional[BaseException]) -> None:
     """After an exchange found a disagreement (every rank did): the headers once more, in one
     MPI_Allgather, to raise on every rank what each called (``local_error`` on this rank).
-    Does not return."""
+    Does not return. Where the C call's MPI failed otherwise than by a longer record (a lost
+    process, Note [MPI from C] in csrc/exchange.c), MPI's error is raised instead."""
+    code = links.c_exchange.error if links.c_exchange is not None else 0
+    if code and mpi().Get_error_class(code) != mpi().ERR_TRUNCATE:
+        raise mpi().Exception(code)
     header.share_sites(links.comm, [hdr])  # every rank's call site named on every rank
     header.exchange_mpi(links.comm, hdr, operation, local_error)
     raise CommunicationError(links.rank, operation, "the ranks' headers agreed on a second "
@@ -118,14 +122,15 @@ CHUNK_BYTES, WINDOW = 32 << 10, 8  # Note [Chunks after the record] in csrc/exch
 def c_context(comm, inline_bytes: int, max_bytes: int, board):
     """The all-reduce across nodes in one C call (csrc/exchange.c, one rank per node) of
     arrays up to ``max_bytes`` (their data in the records up to ``inline_bytes``), or None
-    where it cannot be made: no C extension, MPI handles that are not C ints, MPI errors that
-    abort rather than return, or the MPI library not found (Note [MPI from C] in
-    csrc/exchange.c). Not collective."""
+    where it cannot be made: no C extension, MPI handles neither C ints (MPICH's ABI) nor
+    pointers (Open MPI's), MPI errors that abort rather than return, or the MPI library not
+    found (Note [MPI from C] in csrc/exchange.c). Not collective."""
     import ctypes
     MPI = mpi()
     ext = host_ops.EXTENSION
-    if ext is None or not hasattr(ext, "CheckedContext") or \
-            any(MPI._sizeof(t) != 4 for t in (MPI.Comm, MPI.Datatype, MPI.Request)) or \
+    sizes = {MPI._sizeof(t) for t in (MPI.Comm, MPI.Datatype, MPI.Request)}
+    if ext is None or not hasattr(ext, "CheckedContext") or len(sizes) != 1 or \
+            sizes.pop() not in (4, ctypes.sizeof(ctypes.c_void_p)) or \
             comm.Get_errhandler() != MPI.ERRORS_RETURN:
         return None
     try:
@@ -135,11 +140,8 @@ def c_context(comm, inline_bytes: int, max_bytes: int, board):
                               "MPI_Irecv", "MPI_Wait"))
     except (IndexError, OSError, AttributeError):
         return None
-    def as_int(handle: int) -> int:  # the C int of a handle mpi4py gives as unsigned
-        low = handle & 0xFFFFFFFF
-        return low - (1 << 32) if low >= 1 << 31 else low
-
-    return ext.CheckedContext(fns, as_int(MPI._handleof(comm)), as_int(MPI._handleof(MPI.BYTE)),
+    pointers = MPI._sizeof(MPI.Comm) != 4
+    return ext.CheckedContext(fns, pointers, MPI._handleof(comm), MPI._handleof(MPI.BYTE),
                               comm.Get_rank(), comm.Get_size(), inline_bytes,
                               max(inline_bytes, max_bytes), CHUNK_BYTES, WINDOW, board)
 

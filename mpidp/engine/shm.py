@@ -13,7 +13,7 @@ from .host_ops import extension
 from .library import mpi
 
 SHM_OK, SHM_MISMATCH, SHM_TIMEOUT, SHM_PEER_ERROR, SHM_OUT_OF_STEP, SHM_INTERRUPTED, \
-    SHM_DEPARTED = range(7)
+    SHM_DEPARTED, SHM_LOST = range(8)
 PEERS_CMA, PEERS_WINDOW = range(2)
 YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 # where an all-reduce waits for a rank that has shut down, the likely cause
@@ -60,6 +60,18 @@ def plan_peers(wanted: str, scope: int, parents: Sequence[int]) -> tuple:
     return "cma", 0
 
 
+def visible(pid: int) -> bool:
+    """Whether process ``pid`` can be seen from this one (a rank in another pid namespace
+    cannot: Note [A lost peer] in csrc/shm.c leaves it unwatched)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class ShmContext:
     """The control block and (in window mode) staging segments of one node's ranks.
 
@@ -86,12 +98,15 @@ class ShmContext:
         node_comm.Barrier()
         cfg = config.get()
         self.inline_bytes = inline_bytes
-        self.peers, self.peers_why = self._choose_peers(ext, cfg.shm_peers, ctrl_addr)
+        procs = node_comm.allgather((os.getpid(), os.getppid()))
+        self.peers, self.peers_why = self._choose_peers(ext, cfg.shm_peers, ctrl_addr,
+                                                        [parent for _, parent in procs])
         self._seg_win = None
         # the backstop behind the watchdog, which reports first (Note [Watchdog] in watchdog.py)
         self.backstop_s = 2 * cfg.timeout_s + 10
         self.c = ext.ShmContext(ctrl_addr, self.size, self.rank, self.peers, self.inline_bytes,
                                 cfg.shm_chunk_bytes, self.backstop_s)
+        self.c.watch(tuple(pid if visible(pid) else 0 for pid, _ in procs))
 
     @property
     def timeout_s(self) -> float:
@@ -106,9 +121,10 @@ class ShmContext:
         self.c.timeout_s = self.backstop_s if timeout_s is None else \
             min(float(timeout_s), self.backstop_s)
 
-    def _choose_peers(self, ext, wanted: str, ctrl_addr: int) -> tuple:
-        """(PEERS_CMA or PEERS_WINDOW, why) — Note [Cross-memory attach]."""
-        mode, detail = plan_peers(wanted, yama_scope(), self.comm.allgather(os.getppid()))
+    def _choose_peers(self, ext, wanted: str, ctrl_addr: int, parents: list) -> tuple:
+        """(PEERS_CMA or PEERS_WINDOW, why) — Note [Cross-memory attach] (``parents``: every
+        local rank's parent pid)."""
+        mode, detail = plan_peers(wanted, yama_scope(), parents)
         if mode == "window" and wanted == "cma":
             raise CommunicationError(self.rank, "shm set-up", f"MPIDP_SHM_PEERS=cma but {detail}")
         if mode == "window" or self.size == 1:
@@ -173,6 +189,13 @@ class ShmContext:
                 f"{'has' if len(gone) == 1 else 'have'} shut down (mpidp.shutdown, or the end "
                 "of its script) without reaching this collective, and never will; every rank "
                 "waiting for it raises this error" + (UNEVEN if operation == "allreduce" else ""))
+        if status == SHM_LOST:  # Note [A lost peer] in csrc/shm.c
+            gone = [self.ranks[q] for q in info]
+            raise CommunicationError(
+                self.ranks[self.rank], operation,
+                f"the process of {'rank' if len(gone) == 1 else 'ranks'} "
+                f"{', '.join(map(str, gone))} on this node has ended (killed or crashed) "
+                "without reaching this collective; every rank waiting for it raises this error")
         if status == SHM_INTERRUPTED:  # Note [Interrupting a wait] in csrc/shm.c
             raise CommunicationError(
                 self.rank, operation, "the node's shared-memory context was closed (mpidp is "

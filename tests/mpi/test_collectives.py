@@ -17,7 +17,8 @@ def test_collectives_with_each_rank_a_node():
     """MPIDP_EMULATE_NODE_SIZE=1 on one host: the all-reduce across nodes in one C call
     (csrc/exchange.c), its records inline and chunked, and their disagreements, also where
     tests/multinode (nodes in namespaces, root needed) cannot run; 3 x 1 runs there."""
-    env = {"MPIDP_EMULATE_NODE_SIZE": "1", "BODY_ALGORITHMS": "auto,hier,doubling,ring"}
+    env = {"MPIDP_EMULATE_NODE_SIZE": "1", "BODY_ALGORITHMS": "auto,hier,doubling,ring",
+           "BODY_EXPECT_C_EXCHANGE": "1"}
     assert_ok(body(2, "body_collectives.py", env=env), 2)
 
 

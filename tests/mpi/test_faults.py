@@ -5,13 +5,15 @@ the cause, and its newest checkpoint complete: one of an earlier step, loaded wi
 ``torch.load(weights_only=True)``. Also the watchdog's own cases
 (tests/mpi/bodies/body_watchdog.py): a stopped rank, a stall across emulated nodes, and
 debug-mode fingerprints."""
+import os
 import re
 import sys
 
 import pytest
 import torch
 
-from mpirun import BODIES, assert_ok, body, run
+from mpirun import BODIES, RUN_BODY, assert_ok, body, finished, run
+from mpidp.runtime.launcher import mpiexec
 
 sys.path.insert(0, str(BODIES))
 import user_factories  # noqa: E402
@@ -186,6 +188,24 @@ def test_rank_that_shut_down_is_an_error_on_every_waiting_rank():
     for r in (0, 1):
         assert re.search(rf"raised {r}: rank {r}: allreduce failed: {DEPARTED} this "
                          r"collective, and never will; every rank waiting for it raises", out), \
+            out[-5000:]
+
+
+def test_a_rank_whose_process_ended_is_an_error_on_every_waiting_rank():
+    """A rank's process ends abruptly (os._exit: no shutdown) while the others wait in the
+    node's shared memory, under a launcher that does not end the job for it (Hydra's
+    -disable-auto-cleanup, as srun without --kill-on-bad-exit): each raises a
+    CommunicationError naming it (Note [A lost peer] in csrc/shm.c), where it would wait for
+    the watchdog's long timeout."""
+    proc = finished([mpiexec(), "-disable-auto-cleanup", "-n", str(N), sys.executable,
+                     str(RUN_BODY), str(BODIES / "body_watchdog.py")],
+                    {**os.environ, "BODY_CASE": "lost", "MPIDP_TIMEOUT_S": "120"}, BOUND_S)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-5000:]
+    for r in (0, 1):
+        assert re.search(rf"raised {r}: rank {r}: allreduce failed: the process of rank 2 on "
+                         r"this node has ended \(killed or crashed\) without reaching this "
+                         r"collective; every rank waiting for it raises this error", out), \
             out[-5000:]
 
 

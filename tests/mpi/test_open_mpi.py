@@ -71,6 +71,22 @@ def test_the_bodies_pass_together_on_open_mpi(open_mpi):
         assert proc.stdout.count(f"ok {r}") == len(names), (r, out[-6000:])
 
 
+def test_the_one_call_across_nodes_runs_on_open_mpis_handles(open_mpi):
+    """Each rank a node of its own (MPIDP_EMULATE_NODE_SIZE=1): the all-reduce across nodes
+    in one C call, through Open MPI's handles, which are pointers (Note [MPI from C] in
+    csrc/exchange.c), its records inline and chunked and their disagreements (the
+    collectives body), and the body's own probe that the C call was made."""
+    env = {**os.environ, **AS_ROOT, "PYTHONUNBUFFERED": "1", "MPIDP_EMULATE_NODE_SIZE": "1",
+           "BODY_ALGORITHMS": "auto,doubling", "BODY_EXPECT_C_EXCHANGE": "1"}
+    proc = finished([str(open_mpi / "mpiexec"), "--oversubscribe", "-n", "2",
+                     str(open_mpi / "python"), str(RUN_BODY),
+                     str(BODIES / "body_collectives.py")], env, 300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    for r in range(2):
+        assert f"ok {r}" in proc.stdout, out[-6000:]
+
+
 def train_ft(bin_dir: Path, n: int, env=None, timeout_s=150, supervised=None):
     """``python -m mpidp.train FLAGS`` on n ranks under Open MPI with fault tolerance; under
     the supervisor (``python -m mpidp.run -n N -- ...``, which chooses the options) with the

@@ -1,6 +1,7 @@
 """Run under mpiexec at any world size: every collective, algorithm, dtype, op and edge count,
 checked exactly against numpy, bitwise equal across ranks; then bad inputs on one rank or all,
-each reported on every rank, with the runtime usable afterwards. Prints 'ok <rank>' at the end."""
+each reported on every rank, with the runtime usable afterwards. Prints 'ok <rank>' at the end.
+BODY_EXPECT_C_EXCHANGE=1 (each rank a node): the one C call across nodes must have been made."""
 import os
 import sys
 
@@ -22,6 +23,10 @@ BIG = int(os.environ.get("BODY_BIG_COUNT", str(3 << 20)))  # 12 MiB of float32 b
 def expect(cond, what):
     if not cond:
         failures.append(what)
+
+
+if os.environ.get("BODY_EXPECT_C_EXCHANGE"):  # each rank a node: the one C call was made
+    expect(g.resources.c_exchange is not None, "no C exchange across nodes (csrc/exchange.c)")
 
 
 def inputs(count, q, dtype, seed):

@@ -7,6 +7,10 @@
   are in an all-reduce: on one node each of them raises a CommunicationError naming rank 2
   and goes on to leave cleanly too (prints 'raised <rank>: <message>'); across emulated nodes
   (MPIDP_EMULATE_NODE_SIZE=1), waiting inside MPI, their watchdog ends the job naming it;
+- lost (a long MPIDP_TIMEOUT_S): rank 2's process ends abruptly (os._exit(0): no shutdown,
+  and a launcher that does not end the job for it) while the others are in an all-reduce on
+  one node: each of them raises a CommunicationError naming rank 2 as ended, and exits with
+  code 3 (MPI cannot finalize without rank 2);
 - debug (MPIDP_DEBUG=1, a short MPIDP_TIMEOUT_S): a rank that skips one of two identical
   all-reduces, and a rank in another object collective, are named on every rank; through
   every entry point (mpidp's, Horovod's, the torch.distributed backend's, on the caller's
@@ -46,15 +50,17 @@ elif case == "late":
     if rank == 2:
         time.sleep(600)
     mpidp.allreduce(x, op="max")  # never completes: the watchdog ends the job
-elif case == "departed":
-    if rank == 2:
-        sys.exit(0)  # mpidp's shutdown at exit: the others must not wait for the watchdog
+elif case in ("departed", "lost"):
+    if rank == 2:  # lost: no shutdown, no word left; the launcher does not end the job
+        sys.exit(0) if case == "departed" else os._exit(0)
     try:
         mpidp.allreduce(x)
         print(f"FAIL rank {rank}: an all-reduce completed without rank 2", flush=True)
         sys.exit(1)
     except CommunicationError as exc:  # on one node; across nodes the job ends before
         print(f"raised {rank}: {exc}", flush=True)
+        if case == "lost":  # MPI cannot finalize without rank 2; no abort either, which
+            os._exit(3)     # could end the other survivor before it has raised too
     sys.exit(0)
 assert case == "debug", case
 failures = []
