@@ -24,6 +24,7 @@ from .optimizer import (DistributedOptimizer, allgather_object, broadcast_object
                         broadcast_optimizer_state, broadcast_parameters)
 from .process_sets import (ProcessSet, add_process_set, global_process_set,
                            remove_process_set)
+from . import elastic
 
 header.binding(__name__)  # a call site is the script's line, not this package's
 
@@ -33,7 +34,7 @@ __all__ = ["Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodI
            "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier",
            "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
            "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank",
-           "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built",
+           "cross_size", "cuda_built", "ddl_built", "elastic", "global_process_set", "gloo_built",
            "gloo_enabled", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
            "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
            "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous",

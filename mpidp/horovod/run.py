@@ -53,10 +53,12 @@ def _parser() -> argparse.ArgumentParser:
 
 REFUSED = {
     "--gloo": "mpidp runs on MPI only",
-    "--min-np": "horovod elastic is not offered: a failed job resumes from its checkpoint on "
-                "any number of ranks (python -m mpidp.train --resume)",
-    "--max-np": "horovod elastic is not offered: resume from a checkpoint on any number of ranks",
-    "--host-discovery-script": "horovod elastic is not offered: resume from a checkpoint",
+    "--min-np": "mpidp has no elastic driver: hvd.elastic scripts recover inside the job where "
+                "the MPI has fault tolerance (docs/recovery.md); launch with -np N",
+    "--max-np": "mpidp has no elastic driver: hvd.elastic scripts recover inside the job where "
+                "the MPI has fault tolerance (docs/recovery.md); launch with -np N",
+    "--host-discovery-script": "mpidp has no elastic driver: a lost rank is replaced in the "
+                               "job, on its hosts (docs/recovery.md)",
     "--cycle-time-ms": "mpidp has no cycle: each collective runs when called",
 }
 

@@ -114,6 +114,13 @@ def mode(asked: str) -> str:
     return "respawn" if asked == "auto" else asked
 
 
+def describe(lost, before: int, size: int, replaced: bool) -> str:
+    """What a recovery did, as its line says it: "lost rank(s) 1 of 3; respawned, back at 3
+    ranks" (or "going on with 2")."""
+    return (f"lost rank(s) {', '.join(map(str, lost))} of {before}; "
+            + (f"respawned, back at {size} ranks" if replaced else f"going on with {size}"))
+
+
 def is_process_failure(exc: Optional[BaseException]) -> bool:
     """Whether ``exc`` (or an exception it was raised from) is MPI's report of a lost
     process: MPI_ERR_PROC_FAILED, its pending form, or MPI_ERR_REVOKED (Note [In-job

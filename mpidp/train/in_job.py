@@ -124,10 +124,8 @@ def rejoin(run, g, snapshots: Snapshots, loss: Optional[tuple] = None) -> tuple:
     snapshots.kept = [s for s in snapshots.kept if s["global_step"] <= step]
     epoch, _, cursor = position
     run.report.line(
-        f"in-job recovery: lost rank(s) {', '.join(map(str, lost))} of {before}; "
-        + (f"respawned, back at {g.size} ranks" if replaced else f"going on with {g.size}")
-        + f"; redoing from step {global_step} (epoch {epoch + 1}); the group remade in "
-        f"{group_s:.2f} s")
+        f"in-job recovery: {recovery.describe(lost, before, g.size, replaced)}; redoing from "
+        f"step {global_step} (epoch {epoch + 1}); the group remade in {group_s:.2f} s")
     snapshots.pending = {"event": "recovery", "lost": list(lost), "ranks": g.size,
                          "respawned": replaced, "global_step": global_step,
                          "group_s": round(group_s, 6), "began_at": began,

@@ -200,7 +200,7 @@ def test_horovodrun_maps_onto_open_mpis_mpiexec():
 
 
 @pytest.mark.parametrize("flag,words", [("--gloo", "mpidp runs on MPI only"),
-                                        ("--min-np", "horovod elastic is not offered")])
+                                        ("--min-np", "mpidp has no elastic driver")])
 def test_horovodrun_refuses_what_mpidp_does_not_do_in_one_line(flag, words):
     proc = subprocess.run([sys.executable, "-m", "mpidp.horovod.run", "-np", "2", flag, "1",
                            "python", "train.py"], capture_output=True, text=True, timeout=60)
