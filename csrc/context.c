@@ -106,6 +106,7 @@ PyObject *mp_ctx_enter(ShmContext *self, shm_call *c, int64_t *header) {
     c->interrupted = poll_interrupt;
     c->interrupt_arg = self;
     c->pids = self->pids;
+    c->starts = self->starts;
     shm_result result; /* large but cheap: only the fields a status uses are read */
     result.status = SHM_OK;
     result.peer_rank = result.peer_errno = 0;

@@ -17,7 +17,8 @@ typedef struct {
     PyObject *board; /* the watchdog's board (mpidp.runtime.watchdog.Board) the fast path posts on */
     int closed;      /* set by close(): every wait ends, no call enters (any thread reads it) */
     int interrupted; /* a call of this context was interrupted: its rank is out of step */
-    int64_t pids[SHM_MAX_RANKS]; /* each local rank's process, 0: not watched (watch()) */
+    int64_t pids[SHM_MAX_RANKS];   /* each local rank's process, 0: not watched (watch()), */
+    int64_t starts[SHM_MAX_RANKS]; /* and when it started */
 } ShmContext;
 
 /* Runs call `c` (its arguments checked) as the context's next call: NULL without an error

@@ -69,19 +69,34 @@ static PyObject *ctx_set_segments(ShmContext *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *ctx_watch(ShmContext *self, PyObject *pids) {
+static PyObject *ctx_watch(ShmContext *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!mp_ctx_ready(self)) return NULL;
-    if (!PyTuple_Check(pids) || PyTuple_GET_SIZE(pids) != self->nranks) {
-        PyErr_Format(PyExc_TypeError, "watch(pids): a tuple of %d ints", self->nranks);
+    if (nargs != 2 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[1]) ||
+        PyTuple_GET_SIZE(args[0]) != self->nranks || PyTuple_GET_SIZE(args[1]) != self->nranks) {
+        PyErr_Format(PyExc_TypeError, "watch(pids, starts): two tuples of %d ints", self->nranks);
         return NULL;
     }
-    int64_t got[SHM_MAX_RANKS];
+    int64_t pids[SHM_MAX_RANKS], starts[SHM_MAX_RANKS];
     for (int q = 0; q < self->nranks; q++) {
-        got[q] = PyLong_AsLongLong(PyTuple_GET_ITEM(pids, q));
-        if (got[q] == -1 && PyErr_Occurred()) return NULL;
+        pids[q] = PyLong_AsLongLong(PyTuple_GET_ITEM(args[0], q));
+        starts[q] = PyLong_AsLongLong(PyTuple_GET_ITEM(args[1], q));
+        if (PyErr_Occurred()) return NULL;
     }
-    memcpy(self->pids, got, (size_t)self->nranks * sizeof(int64_t));
+    memcpy(self->pids, pids, (size_t)self->nranks * sizeof(int64_t));
+    memcpy(self->starts, starts, (size_t)self->nranks * sizeof(int64_t));
     Py_RETURN_NONE;
+}
+
+/* process_stat(pid) -> (state, threads, start) from /proc/<pid>/stat, or None (Note [A lost
+ * peer] in shm.c: what a rank tells the others of its own process). */
+static PyObject *ctx_process_stat(PyObject *unused, PyObject *arg) {
+    long pid = PyLong_AsLong(arg);
+    if (pid == -1 && PyErr_Occurred()) return NULL;
+    char state;
+    long threads;
+    unsigned long long start;
+    if (mp_process_stat((pid_t)pid, &state, &threads, &start) < 0) Py_RETURN_NONE;
+    return Py_BuildValue("(CLK)", (int)state, (long long)threads, start);
 }
 
 static PyObject *ctx_set_board(ShmContext *self, PyObject *board) {
@@ -109,9 +124,11 @@ static PyMethodDef ctx_methods[] = {
      mp_ctx_allreduce_doc},
     {"allreduce_array", (PyCFunction)(void (*)(void))mp_ctx_allreduce_array, METH_FASTCALL,
      mp_allreduce_array_doc},
-    {"watch", (PyCFunction)ctx_watch, METH_O,
-     "watch(pids): each local rank's process (0: not watched), whose end a wait notices\n"
-     "(SHM_LOST: Note [A lost peer] in shm.c)"},
+    {"watch", (PyCFunction)(void (*)(void))ctx_watch, METH_FASTCALL,
+     "watch(pids, starts): each local rank's process (0: not watched) and its start time,\n"
+     "whose end a wait notices (SHM_LOST: Note [A lost peer] in shm.c)"},
+    {"process_stat", (PyCFunction)ctx_process_stat, METH_O | METH_STATIC,
+     "process_stat(pid) -> (state, threads, start) from /proc/<pid>/stat, or None"},
     {"set_board", (PyCFunction)ctx_set_board, METH_O,
      "set_board(board): the watchdog's board allreduce_array posts on"},
     {"close", (PyCFunction)ctx_close, METH_NOARGS,

@@ -22,9 +22,9 @@
  * exchange, as mpi4py releases it around a blocking call, so the watchdog thread can answer
  * while this rank waits. A receive longer than this rank's record (a peer with another
  * count) is MPI_ERR_TRUNCATE on a communicator that returns errors: a disagreement; the
- * first error code of a call is kept (`error`), so that Python raises any other (a lost
- * process under fault tolerance, Note [In-job recovery] in mpidp/runtime/recovery.py) as
- * MPI's error rather than as a disagreement. */
+ * first error code of a call is kept (`error`, read once by take_error()), so that Python
+ * raises any other (a lost process under fault tolerance, Note [In-job recovery] in
+ * mpidp/runtime/recovery.py) as MPI's error rather than as a disagreement. */
 typedef union {
     int i;   /* MPICH */
     void *p; /* Open MPI */
@@ -74,6 +74,7 @@ typedef struct {
     int64_t *mine, *theirs; /* two records: (1 + 8 + size) words, then inline_bytes of data */
     char *peer_data;        /* window x chunk_bytes: the partner's chunks in flight */
     mpi_handle *requests;   /* 2 per chunk in flight: its receive, its send */
+    char *sent;             /* per slot: its send was posted (its receive always is) */
     PyObject *board;
 } CheckedContext;
 
@@ -123,10 +124,12 @@ static int checked_init(CheckedContext *self, PyObject *args, PyObject *kw) {
     free(self->theirs);
     free(self->peer_data);
     free(self->requests);
+    free(self->sent);
     self->mine = malloc(bytes), self->theirs = malloc(bytes);
     self->peer_data = malloc((size_t)window * (size_t)chunk_bytes);
     self->requests = calloc(2 * (size_t)window, sizeof(mpi_handle));
-    if (!self->mine || !self->theirs || !self->peer_data || !self->requests) {
+    self->sent = calloc((size_t)window, 1);
+    if (!self->mine || !self->theirs || !self->peer_data || !self->requests || !self->sent) {
         PyErr_NoMemory();
         return -1;
     }
@@ -139,6 +142,7 @@ static void checked_dealloc(CheckedContext *self) {
     free(self->theirs);
     free(self->peer_data);
     free(self->requests);
+    free(self->sent);
     Py_XDECREF(self->board);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -237,15 +241,21 @@ static size_t chunk_length(const CheckedContext *self, size_t len, size_t i) {
     return len - at < chunk ? len - at : chunk;
 }
 
-/* Posts chunk i of `len` bytes (its receive into a window slot, its send from `buf`); 0 or
- * an MPI error code. */
-static int post_chunk(CheckedContext *self, int peer, char *buf, size_t len, size_t i) {
+/* Posts chunk i of `len` bytes (its receive into a window slot, its send from `buf`): 0 or
+ * an MPI error code. A chunk whose receive was posted counts in `posted` (it is waited for),
+ * its send too where that was posted (`sent`). */
+static int post_chunk(CheckedContext *self, int peer, char *buf, size_t len, size_t i,
+                      size_t *posted) {
     size_t chunk = (size_t)self->chunk_bytes, at = i * chunk, n = chunk_length(self, len, i);
     int slot = (int)(i % (size_t)self->window);
     mpi_handle *rq = self->requests + 2 * slot;
     int rc = mpi_irecv(self, self->peer_data + (size_t)slot * chunk, (int)n, peer, DATA_TAG,
                        &rq[0]);
-    return rc ? rc : mpi_isend(self, buf + at, (int)n, peer, DATA_TAG, &rq[1]);
+    if (rc) return rc;
+    (*posted)++;
+    rc = mpi_isend(self, buf + at, (int)n, peer, DATA_TAG, &rq[1]);
+    self->sent[slot] = rc == 0;
+    return rc;
 }
 
 /* The data of one round in chunks, `window` of them in flight (Note [Chunks after the
@@ -256,21 +266,21 @@ static int swap_chunks(CheckedContext *self, int peer, char *buf, size_t len, in
     size_t nchunks = (len + chunk - 1) / chunk, posted = 0;
     int err = 0;
     char status[64]; /* MPI_Status, whatever its layout: never read */
-    /* a chunk whose posting failed is not waited for (an MPI error here is a broken
-     * communicator, ended by the watchdog's abort): only what was posted is */
+    /* a request whose posting failed is not waited for (an MPI error here is a broken
+     * communicator, ended by the watchdog's abort, or a lost process): every one posted is */
     while (!err && posted < nchunks && posted < (size_t)self->window)
-        if (!(err = post_chunk(self, peer, buf, len, posted))) posted++;
+        err = post_chunk(self, peer, buf, len, posted, &posted);
     for (size_t i = 0; i < posted; i++) {
         size_t at = i * chunk, n = chunk_length(self, len, i);
         int slot = (int)(i % (size_t)self->window);
         mpi_handle *rq = self->requests + 2 * slot;
         int rc = mpi_wait(self, &rq[0], status);
-        rc = mpi_wait(self, &rq[1], status) || rc;
+        if (self->sent[slot]) rc = mpi_wait(self, &rq[1], status) || rc;
         err = err ? err : rc;
         if (err) continue;
         char *x = buf + at, *y = self->peer_data + (size_t)slot * chunk;
         mp_reduce2(x, mine_first ? x : y, mine_first ? y : x, n / item, dtype, op);
-        if (posted < nchunks && !(err = post_chunk(self, peer, buf, len, posted))) posted++;
+        if (posted < nchunks) err = post_chunk(self, peer, buf, len, posted, &posted);
     }
     return err;
 }
@@ -393,14 +403,15 @@ static PyObject *checked_get_max_bytes(CheckedContext *self, void *closure) {
     return PyLong_FromSsize_t(self->max_bytes);
 }
 
-static PyObject *checked_get_error(CheckedContext *self, void *closure) {
-    return PyLong_FromLong(self->error);
+static PyObject *checked_take_error(CheckedContext *self, PyObject *unused) {
+    int error = self->error;
+    self->error = 0;
+    return PyLong_FromLong(error);
 }
 
 static PyGetSetDef checked_getset[] = {
     {"max_bytes", (getter)checked_get_max_bytes, NULL, "the largest array a call takes", NULL},
-    {"error", (getter)checked_get_error, NULL,
-     "the first MPI error code of the last call, 0 if none (Note [MPI from C])", NULL},
+
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -408,6 +419,9 @@ static PyMethodDef checked_methods[] = {
     {"allreduce_array", (PyCFunction)(void (*)(void))checked_allreduce_array, METH_FASTCALL,
      "allreduce_array(x, op[, stamp]) -> x, (False, header) when the ranks disagree, or NotImplemented "
      "when it declines (nothing done, nothing posted)"},
+    {"take_error", (PyCFunction)checked_take_error, METH_NOARGS,
+     "take_error() -> the first MPI error code of the last call, 0 if none, and 0 from then "
+     "on (Note [MPI from C])"},
     {"exchange", (PyCFunction)(void (*)(void))checked_exchange, METH_FASTCALL,
      "exchange(header, x, dtype, op) -> every rank's free word, or None when the ranks "
      "disagree: x reduced in place, the header published by the caller"},

@@ -122,27 +122,43 @@ static int departed(const shm_call *c, int second, shm_result *r) {
  * in its slot. Where the launcher does not end the job for it (srun without
  * --kill-on-bad-exit, an MPI with fault tolerance), the ranks waiting for it would wait until
  * the watchdog's timeout. So each context knows the process of every rank of the node
- * (ShmContext.watch, from mpidp/engine/shm.py: the pids the ranks exchanged at set-up, those
- * this process cannot see, in another pid namespace, left unwatched), and a wait's poll (its
- * slow path, every SHM_POLL_S) asks the kernel about each rank that has not arrived: no such
- * process (kill(pid, 0): ESRCH), or one that has ended and not yet been reaped (a zombie in
- * /proc/<pid>/stat), ends the call at once with SHM_LOST naming it, on every rank that waits
- * for it. A pid that was reused in the meantime reads as alive: the timeout still ends that
- * wait. The fast spin of a call whose ranks arrive together asks nothing. */
+ * (ShmContext.watch, from mpidp/engine/shm.py: its pid and its start time, which the ranks
+ * exchanged at set-up; a rank in another pid namespace, whose pid means another process
+ * here, is not watched), and a wait's poll (its slow path, every SHM_POLL_S) asks the kernel
+ * about each rank that has not arrived: no such process (kill(pid, 0): ESRCH), a process of
+ * that pid started at another time (the pid reused), or one that has ended and not yet been
+ * reaped (a zombie in /proc/<pid>/stat with one thread: a live process whose main thread
+ * has exited also reads as a zombie, with its other threads) ends the call at once with
+ * SHM_LOST naming it, on every rank that waits for it. The fast spin of a call whose ranks
+ * arrive together asks nothing. */
 
-/* 1 when process `pid` has ended: there is none, or it is a zombie; 0 while it runs or
- * where it cannot be told. */
-static int process_ended(pid_t pid) {
-    if (kill(pid, 0) != 0) return errno == ESRCH;
-    char path[64], buf[256];
+/* From /proc/<pid>/stat: the state letter, the number of threads and the start time (fields
+ * 3, 20 and 22); 0, or -1 where it cannot be read. */
+int mp_process_stat(pid_t pid, char *state, long *threads, unsigned long long *start) {
+    char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
     FILE *f = fopen(path, "r");
-    if (!f) return 0;
+    if (!f) return -1;
     size_t n = fread(buf, 1, sizeof buf - 1, f);
     fclose(f);
     buf[n] = 0;
     const char *paren = strrchr(buf, ')'); /* "pid (comm) S ...": the name may hold spaces */
-    return paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
+    if (!paren || sscanf(paren + 1, " %c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u "
+                         "%*d %*d %*d %*d %ld %*d %llu", state, threads, start) != 3)
+        return -1;
+    return 0;
+}
+
+/* 1 when the process of `pid` that started at `start` has ended: there is no such process,
+ * another one started at another time has its pid, or it is a zombie; 0 while it runs or
+ * where it cannot be told. */
+static int process_ended(pid_t pid, unsigned long long start) {
+    if (kill(pid, 0) != 0) return errno == ESRCH;
+    char state;
+    long threads;
+    unsigned long long started;
+    if (mp_process_stat(pid, &state, &threads, &started) < 0) return 0;
+    return started != start || ((state == 'Z' || state == 'X') && threads <= 1);
 }
 
 /* 1 when a rank that has not arrived at counter `second` of this call has lost its process
@@ -153,7 +169,7 @@ static int lost(const shm_call *c, int second, shm_result *r) {
         slot_t *s = slot_of(c, q);
         r->missing[q] = q != c->rank && c->pids && c->pids[q] > 0 &&
                         __atomic_load_n(second ? &s->arrive2 : &s->arrive1, __ATOMIC_ACQUIRE) < c->seq &&
-                        process_ended((pid_t)c->pids[q]);
+                        process_ended((pid_t)c->pids[q], (unsigned long long)c->starts[q]);
         any |= r->missing[q];
     }
     return any;

@@ -43,12 +43,17 @@ typedef struct {
      * every SHM_POLL_S; nonzero ends the call with SHM_INTERRUPTED. NULL: never polled. */
     int (*interrupted)(void *arg);
     void *interrupt_arg;
-    const int64_t *pids;   /* each rank's process, 0 where not watched (Note [A lost peer]) */
+    const int64_t *pids;   /* each rank's process, 0 where not watched (Note [A lost peer]), */
+    const int64_t *starts; /* and its start time (/proc/<pid>/stat's field 22) */
 } shm_call;
 
 #define SHM_POLL_S 0.05 /* seconds between two polls of `interrupted` in a wait */
 
 #define SHM_MAX_RANKS 256
+
+/* /proc/<pid>/stat's state letter, thread count and start time: 0, or -1 (Note [A lost peer]
+ * in shm.c). */
+int mp_process_stat(pid_t pid, char *state, long *threads, unsigned long long *start);
 
 typedef struct {
     int status;                 /* SHM_* */

@@ -315,6 +315,13 @@ class BucketLaunch:
             return
         self.scheduler.submit((self.what, k + 1, len(self.pending)), fn, self.results.put)
 
+    def abandon(self) -> None:
+        """Forgets the buckets submitted and not waited for, without waiting (their group
+        lost a rank and its thread was stopped: Note [In-job recovery] in
+        mpidp/runtime/recovery.py); what they report later goes nowhere. A new pass next."""
+        self.results, self.queued = queue.SimpleQueue(), 0
+        self.begin(None)
+
     def wait(self) -> tuple:
         """Waits for every bucket submitted: (the first error a bucket met, or None; the
         seconds they ran on the thread)."""

@@ -74,7 +74,7 @@ def disagreed(links, hdr: tuple, operation: str, local_error: Optional[BaseExcep
     MPI_Allgather, to raise on every rank what each called (``local_error`` on this rank).
     Does not return. Where the C call's MPI failed otherwise than by a longer record (a lost
     process, Note [MPI from C] in csrc/exchange.c), MPI's error is raised instead."""
-    code = links.c_exchange.error if links.c_exchange is not None else 0
+    code = links.c_exchange.take_error() if links.c_exchange is not None else 0
     if code and mpi().Get_error_class(code) != mpi().ERR_TRUNCATE:
         raise mpi().Exception(code)
     header.share_sites(links.comm, [hdr])  # every rank's call site named on every rank

@@ -60,16 +60,25 @@ def plan_peers(wanted: str, scope: int, parents: Sequence[int]) -> tuple:
     return "cma", 0
 
 
-def visible(pid: int) -> bool:
-    """Whether process ``pid`` can be seen from this one (a rank in another pid namespace
-    cannot: Note [A lost peer] in csrc/shm.c leaves it unwatched)."""
+def identity(ext) -> tuple:
+    """(pid, parent pid, pid namespace, start time) of this process: what a rank tells the
+    others at set-up (Note [A lost peer] in csrc/shm.c); namespace and start time None where
+    /proc does not say."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = None
+    stat = ext.ShmContext.process_stat(os.getpid())
+    return os.getpid(), os.getppid(), namespace, None if stat is None else stat[2]
+
+
+def watched(procs: Sequence[tuple], rank: int) -> tuple:
+    """(pids, start times) to watch of every local rank's ``identity`` (0, 0: not watched):
+    the ranks of this rank's pid namespace that said when they started. Pure."""
+    mine = procs[rank][2]
+    keep = [mine is not None and ns == mine and start is not None for _, _, ns, start in procs]
+    return (tuple(p[0] if k else 0 for p, k in zip(procs, keep)),
+            tuple(p[3] if k else 0 for p, k in zip(procs, keep)))
 
 
 class ShmContext:
@@ -98,15 +107,15 @@ class ShmContext:
         node_comm.Barrier()
         cfg = config.get()
         self.inline_bytes = inline_bytes
-        procs = node_comm.allgather((os.getpid(), os.getppid()))
+        procs = node_comm.allgather(identity(ext))
         self.peers, self.peers_why = self._choose_peers(ext, cfg.shm_peers, ctrl_addr,
-                                                        [parent for _, parent in procs])
+                                                        [p[1] for p in procs])
         self._seg_win = None
         # the backstop behind the watchdog, which reports first (Note [Watchdog] in watchdog.py)
         self.backstop_s = 2 * cfg.timeout_s + 10
         self.c = ext.ShmContext(ctrl_addr, self.size, self.rank, self.peers, self.inline_bytes,
                                 cfg.shm_chunk_bytes, self.backstop_s)
-        self.c.watch(tuple(pid if visible(pid) else 0 for pid, _ in procs))
+        self.c.watch(*watched(procs, self.rank))
 
     @property
     def timeout_s(self) -> float:

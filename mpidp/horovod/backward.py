@@ -200,6 +200,15 @@ class Buckets:
             self._launch.scheduler = _scheduler()
         self._launch.submit(k, fn)
 
+    def abandon(self) -> None:
+        """Forgets this pass, launched buckets and all, without waiting (after a lost rank,
+        the state restored: hvd.elastic, Note [Elastic on in-job recovery] in
+        mpidp/horovod/elastic.py)."""
+        with _lock:
+            self._launch.abandon()
+            self._streams = []
+            active.pop(self.serial, None)
+
     def finish(self) -> None:
         """Launches the buckets not launched yet, waits for every one, and raises the first
         error a bucket met (every rank then raises: a refused or failed all-reduce fails on

@@ -14,20 +14,27 @@ process raises (recovery.is_process_failure); ``run`` restores the last commit, 
 remade by mpidp.runtime.world.recover — revoke, shrink and, under ``MPIDP_RECOVERY=respawn``
 (the default there), a replacement per lost rank, started with the script's own command line,
 whose ``hvd.init()`` joins the survivors — then the reset callbacks run and the state is
-synchronised, and the function is called again. Three differences from Horovod, each because
-mpidp's replacements keep the lost ranks' numbers:
+synchronised, and the function is called again. The differences from Horovod:
 - ``sync`` broadcasts from the first rank that holds the state (the lowest survivor; rank 0
-  when no process was replaced), where Horovod's broadcasts from rank 0, which its driver
-  gives to a survivor: a replacement of rank 0 would otherwise hand out its fresh state;
+  when no process was replaced; ``state.sync_root``, an mpidp addition, which a State of a
+  script's own should broadcast from too), where Horovod's broadcasts from rank 0, which its
+  driver gives to a survivor: mpidp's replacements keep the lost ranks' numbers, and a
+  replacement of rank 0 would otherwise hand out its fresh state;
+- after a sync every rank saves what it received as its restore point (Horovod's handlers
+  keep what they held before), so that a replacement that has not committed yet restores the
+  synchronised state at a second loss, not its fresh one;
 - the optimizer's state is synchronised by loading the holder's (``broadcast_optimizer_state``
   of mpidp.comm), without hvd.broadcast_optimizer_state's zero-gradient step on a rank whose
   optimizer has no state yet: that step would move a replacement's parameters after their
   broadcast wherever the optimizer decays weights;
 - ``commit`` checks no host updates (there is no driver to send them) and so calls no
-  collective; ``HostsUpdatedInterrupt`` exists for the scripts that raise or catch it.
-And one so that a run respawned to its size ends bit for bit as the uninterrupted run:
-ElasticSampler pads the epoch's last batch with the epoch's first samples, as the partition
-made at the epoch's start does, where Horovod's pads with the first of those left.
+  collective; ``HostsUpdatedInterrupt`` exists for the scripts that raise or catch it;
+- ElasticSampler pads the epoch's last batch with the epoch's first samples, as the partition
+  made at the epoch's start does, where Horovod's pads with the first of those left: so a run
+  respawned to its size ends bit for bit as the uninterrupted run.
+As in Horovod, DistributedOptimizer's ``load_state_dict`` forgets the pass in progress
+(gradients counted, buckets launched; Horovod clears its handles there), so that the restore
+after a failure that came between a backward and its step leaves the optimizer ready.
 Where the MPI has no fault tolerance (MPICH, the default) or recovery is off, a lost rank ends
 the job as without ``run`` (``python -m mpidp.run`` relaunches it); ``run`` still synchronises
 the state at the start, as Horovod's does."""
@@ -81,7 +88,9 @@ class State:
                  get_rank: Callable[[], int] = runtime.rank):
         self._bcast_object, self._rank = bcast_object, get_rank
         self._reset_callbacks: list = []
-        self._sync_root = 0  # set by run before each sync
+        # the rank sync broadcasts from, set by run before each sync (an mpidp addition: a
+        # State of a script's own broadcasts from it, Note [Elastic on in-job recovery])
+        self.sync_root = 0
 
     def register_reset_callbacks(self, callbacks) -> None:
         """Functions run after every reset (a rank lost, the group remade), before the sync:
@@ -136,8 +145,10 @@ class ObjectState(State):
         self._set_attrs()
 
     def sync(self) -> None:
-        if self._saved_state:
-            self._saved_state = self._bcast_object(self._saved_state, self._sync_root)
+        if self._saved_state:  # a bcast_object of the script's own takes one argument
+            self._saved_state = self._bcast_object(self._saved_state, self.sync_root) \
+                if self._bcast_object is broadcast_object else \
+                self._bcast_object(self._saved_state)
             self._set_attrs()
 
     def _set_attrs(self) -> None:
@@ -286,7 +297,7 @@ class TorchState(ObjectState):
 
     def sync(self) -> None:
         for handler in self._handlers.values():
-            handler.sync(self._sync_root)
+            handler.sync(self.sync_root)
         super().sync()
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -298,7 +309,7 @@ class TorchState(ObjectState):
 
 def _lost_a_process(exc: BaseException) -> bool:
     """Whether ``exc`` is a lost process that this job recovers from in the job."""
-    from ..runtime import recovery
+    from ..runtime import recovery  # loads the engine: not at import
     return runtime.is_initialized() and runtime.init_group().recovery != "off" and \
         recovery.is_process_failure(exc)
 
@@ -307,12 +318,13 @@ def _reset() -> None:
     """The survivors' side of a reset: the group remade (mpidp.runtime.world.recover), the
     process sets forgotten (as Horovod's reset forgets them: a reset callback adds them
     again), one line from the first survivor."""
-    from ..runtime import recovery, world
-    before = runtime.init_group().size
+    from ..runtime import recovery, world  # load the engine: not at import
+    old = runtime.init_group()
+    before, mine = old.size, old.rank
     g, lost, replaced, _ = world.recover()
     process_sets_.forget()
     process_sets_.started()
-    if g.rank == min(set(range(before)) - set(lost)):
+    if mine == min(set(range(before)) - set(lost)):
         print(f"mpidp.horovod.elastic: {recovery.describe(lost, before, g.size, replaced)}; "
               "going on from the last commit", flush=True)
 
@@ -331,8 +343,9 @@ def run(func: Callable) -> Callable:
         while True:
             try:
                 if not skip_sync:
-                    state._sync_root = _root()
+                    state.sync_root = _root()
                     state.sync()
+                    state.save()  # the holder's state, now every rank's to restore
                     _synced = True
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as exc:

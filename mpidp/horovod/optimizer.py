@@ -162,6 +162,17 @@ class _DistributedOptimizer:
         self._hvd_synchronized = False
         return super().step(closure)
 
+    def load_state_dict(self, state_dict):
+        """The optimizer's own, after this pass is forgotten (gradients counted, buckets
+        launched), as Horovod's clears its handles here: what hvd.elastic's restore relies on
+        after a failure that came between a backward and its step."""
+        if hasattr(self, "_hvd_buckets"):  # (set up once the class's own init is done)
+            self._hvd_buckets.abandon()
+            for p in self._hvd_params:
+                self._hvd_counts[p] = 0
+            self._hvd_synchronized = False
+        return super().load_state_dict(state_dict)
+
     def zero_grad(self, set_to_none: bool = True):
         if any(self._hvd_counts.values()):
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "

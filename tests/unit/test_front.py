@@ -1,6 +1,8 @@
 """Tier 1: the collective front door's pure parts — the algorithm table and its choices, the
-bucket planner, the cross-memory-attach plan, the header's words — and the C context type in
+bucket planner, the cross-memory-attach plan, which peers are watched, the header's words — and the C context type in
 one process."""
+import os
+
 import numpy as np
 import pytest
 
@@ -87,6 +89,20 @@ def test_max_tensors_only_limits_buckets_that_can_go_zero_copy():
 ])
 def test_cross_memory_attach_is_declared_as_narrowly_as_yama_allows(wanted, scope, parents, want):
     assert shm.plan_peers(wanted, scope, parents) == want
+
+
+def test_a_lost_peer_is_watched_only_in_this_ranks_pid_namespace():
+    """Note [A lost peer] in csrc/shm.c: (pid, parent, namespace, start) of each local rank;
+    a rank of another namespace, or one that could not say when it started, is not watched;
+    without a namespace of its own to compare, none is."""
+    procs = [(10, 1, 77, 500), (11, 1, 77, 501), (10, 1, 88, 900), (12, 1, 77, None)]
+    assert shm.watched(procs, 0) == ((10, 11, 0, 0), (500, 501, 0, 0))
+    assert shm.watched(procs, 2) == ((0, 0, 10, 0), (0, 0, 900, 0))
+    assert shm.watched([(10, 1, None, 5), (11, 1, None, 6)], 1) == ((0, 0), (0, 0))
+    pid, parent, namespace, start = shm.identity(extension())
+    assert (pid, parent) == (os.getpid(), os.getppid()) and namespace and start > 0
+    state, threads, again = extension().ShmContext.process_stat(pid)
+    assert state == "R" and threads >= 1 and again == start
 
 
 def test_yama_scope_reads_the_file(tmp_path):
