@@ -104,14 +104,19 @@ void shm_depart(char *ctrl, int rank) {
     __atomic_store_n(&mine->departed, 1, __ATOMIC_RELEASE);
 }
 
+/* 1 when rank q has not reached counter `second` (arrive2, else arrive1) of this call. */
+static int behind(const shm_call *c, int q, int second) {
+    const slot_t *s = slot_of(c, q);
+    return __atomic_load_n(second ? &s->arrive2 : &s->arrive1, __ATOMIC_ACQUIRE) < c->seq;
+}
+
 /* 1 when a rank that has shut down has not arrived at counter `second` of this call (and will
  * not: Note [A rank that has shut down]), those ranks marked in r->missing; else 0. */
 static int departed(const shm_call *c, int second, shm_result *r) {
     int any = 0;
     for (int q = 0; q < c->nranks; q++) {
-        slot_t *s = slot_of(c, q);
-        r->missing[q] = __atomic_load_n(&s->departed, __ATOMIC_ACQUIRE) &&
-                        __atomic_load_n(second ? &s->arrive2 : &s->arrive1, __ATOMIC_ACQUIRE) < c->seq;
+        r->missing[q] = __atomic_load_n(&slot_of(c, q)->departed, __ATOMIC_ACQUIRE) &&
+                        behind(c, q, second);
         any |= r->missing[q];
     }
     return any;
@@ -166,9 +171,7 @@ static int process_ended(pid_t pid, unsigned long long start) {
 static int lost(const shm_call *c, int second, shm_result *r) {
     int any = 0;
     for (int q = 0; q < c->nranks; q++) {
-        slot_t *s = slot_of(c, q);
-        r->missing[q] = q != c->rank && c->pids && c->pids[q] > 0 &&
-                        __atomic_load_n(second ? &s->arrive2 : &s->arrive1, __ATOMIC_ACQUIRE) < c->seq &&
+        r->missing[q] = q != c->rank && c->pids && c->pids[q] > 0 && behind(c, q, second) &&
                         process_ended((pid_t)c->pids[q], (unsigned long long)c->starts[q]);
         any |= r->missing[q];
     }
@@ -212,10 +215,7 @@ static int wait_all(const shm_call *c, int second, shm_result *r) {
                     next_poll = t + SHM_POLL_S;
                     nap_at = t + SHM_NAP_AFTER_S;
                 } else if (t > deadline) {
-                    for (int p = 0; p < c->nranks; p++) {
-                        uint64_t *cp = second ? &slot_of(c, p)->arrive2 : &slot_of(c, p)->arrive1;
-                        r->missing[p] = __atomic_load_n(cp, __ATOMIC_ACQUIRE) < c->seq;
-                    }
+                    for (int p = 0; p < c->nranks; p++) r->missing[p] = behind(c, p, second);
                     return -1;
                 } else if (!napping && t >= nap_at) {
                     napping = 1;

@@ -129,8 +129,9 @@ def c_context(comm, inline_bytes: int, max_bytes: int, board):
     MPI = mpi()
     ext = host_ops.EXTENSION
     sizes = {MPI._sizeof(t) for t in (MPI.Comm, MPI.Datatype, MPI.Request)}
-    if ext is None or not hasattr(ext, "CheckedContext") or len(sizes) != 1 or \
-            sizes.pop() not in (4, ctypes.sizeof(ctypes.c_void_p)) or \
+    size = sizes.pop() if len(sizes) == 1 else 0  # one size for all three, or none
+    if ext is None or not hasattr(ext, "CheckedContext") or \
+            size not in (4, ctypes.sizeof(ctypes.c_void_p)) or \
             comm.Get_errhandler() != MPI.ERRORS_RETURN:
         return None
     try:
@@ -140,8 +141,7 @@ def c_context(comm, inline_bytes: int, max_bytes: int, board):
                               "MPI_Irecv", "MPI_Wait"))
     except (IndexError, OSError, AttributeError):
         return None
-    pointers = MPI._sizeof(MPI.Comm) != 4
-    return ext.CheckedContext(fns, pointers, MPI._handleof(comm), MPI._handleof(MPI.BYTE),
+    return ext.CheckedContext(fns, size != 4, MPI._handleof(comm), MPI._handleof(MPI.BYTE),
                               comm.Get_rank(), comm.Get_size(), inline_bytes,
                               max(inline_bytes, max_bytes), CHUNK_BYTES, WINDOW, board)
 

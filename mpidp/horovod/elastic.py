@@ -45,7 +45,7 @@ import functools
 import math
 import random
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -85,8 +85,8 @@ class State:
     ``sync`` broadcasts; reset callbacks run after the group changed (``on_reset``)."""
 
     def __init__(self, bcast_object: Callable = broadcast_object,
-                 get_rank: Callable[[], int] = runtime.rank):
-        self._bcast_object, self._rank = bcast_object, get_rank
+                 get_rank: Optional[Callable[[], int]] = None):
+        self._bcast_object, self._rank = bcast_object, get_rank or (lambda: runtime.rank())
         self._reset_callbacks: list = []
         # the rank sync broadcasts from, set by run before each sync (an mpidp addition: a
         # State of a script's own broadcasts from it, Note [Elastic on in-job recovery])
@@ -133,7 +133,7 @@ class ObjectState(State):
     (an epoch, a batch number); ``sync`` broadcasts them as the holder committed them."""
 
     def __init__(self, bcast_object: Callable = broadcast_object,
-                 get_rank: Callable[[], int] = runtime.rank, **kwargs):
+                 get_rank: Optional[Callable[[], int]] = None, **kwargs):
         self._saved_state = kwargs
         self._set_attrs()
         super().__init__(bcast_object=bcast_object, get_rank=get_rank)
@@ -208,7 +208,8 @@ class ElasticSampler(torch.utils.data.Sampler):
 
 
 class _Handler:
-    """How a TorchState keeps one value of a kind (a model, an optimizer, a sampler)."""
+    """How a TorchState keeps one value of a kind (a model, an optimizer, a sampler): a copy
+    of its state_dict saved and loaded back; each kind says how it is synchronised."""
 
     def __init__(self, value):
         self.value = value
@@ -218,36 +219,24 @@ class _Handler:
         self.value = value
         self.save()
 
-
-class _ModelHandler(_Handler):
     def save(self) -> None:
         self._saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
         self.value.load_state_dict(self._saved)
 
+
+class _ModelHandler(_Handler):
     def sync(self, root: int) -> None:
         state_broadcast.broadcast_parameters(self.value.state_dict(), root)
 
 
 class _OptimizerHandler(_Handler):
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
-
     def sync(self, root: int) -> None:  # Note [Elastic on in-job recovery]: no zero step
         state_broadcast.broadcast_optimizer_state(self.value, root)
 
 
 class _SamplerHandler(_Handler):
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
-
     def sync(self, root: int) -> None:
         self.value.load_state_dict(broadcast_object(self.value.state_dict(), root))
 
@@ -283,7 +272,7 @@ class TorchState(ObjectState):
         object.__setattr__(self, "_handlers", handlers)
         for name, handler in handlers.items():
             object.__setattr__(self, name, handler.value)
-        super().__init__(bcast_object=broadcast_object, get_rank=runtime.rank, **rest)
+        super().__init__(bcast_object=broadcast_object, **rest)
 
     def save(self) -> None:
         for handler in self._handlers.values():
@@ -335,6 +324,9 @@ def run(func: Callable) -> Callable:
     commit restored, the group remade, the reset callbacks run and ``func`` called again
     (Note [Elastic on in-job recovery]). A collective outside ``func`` and its state's sync
     would meet a replacement's start: keep them inside, as Horovod asks."""
+    if not callable(func):
+        raise TypeError(f"hvd.elastic.run decorates a function of the state, got "
+                        f"{type(func).__name__}")
 
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):

@@ -260,3 +260,9 @@ def test_adopt_lets_the_users_own_mpidp_variables_win_and_refuses_at_the_next_re
     config.adopt(settings.mapped)  # nothing raised yet: mpidp.init's read reports it
     with pytest.raises(ValueError, match="HOROVOD_CYCLE_TIME='5': not supported"):
         config.get()
+
+
+def test_elastic_run_refuses_what_is_not_a_function():
+    with pytest.raises(TypeError, match="hvd.elastic.run decorates a function of the state, "
+                                        "got int"):
+        hvd.elastic.run(3)
