@@ -97,6 +97,7 @@ class Resources:
         """Starts the watching thread (collective; only where there is more than one rank)."""
         if self.topo.size > 1:
             self.watchdog = Watchdog(self.topo, timeout_s)
+            self.watchdog.waits_bounded_s = self.wait_timeout_s
 
     def shm(self) -> Optional[ShmContext]:
         """The node's shared-memory context (None without the C extension): collective on
@@ -145,6 +146,8 @@ class Resources:
         protocol, across nodes in the header exchange's receives (which then take the Python
         path, whose MPI waits are polled, rather than the one C call). This rank only."""
         self.wait_timeout_s = self.links.wait_timeout_s = timeout_s
+        if self.watchdog is not None:
+            self.watchdog.waits_bounded_s = timeout_s
         if self._shm is not None:
             self._shm.set_timeout(timeout_s)
         if self.c_exchange is not None:

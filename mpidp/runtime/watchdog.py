@@ -205,6 +205,10 @@ class Watchdog:
         self.interval_s = min(0.05 if getattr(g, "recovery", "off") != "off" else 1.0,
                               timeout_s / 4)
         self.grace_s = 2 * self.interval_s + 1.0
+        # a group's own timeout (Resources.set_wait_timeout): its waits end by themselves
+        # within it, raising where the user can catch it, so a rank that shut down is left to
+        # them for that long ("A rank that has shut down", Note [Watchdog])
+        self.waits_bounded_s: Optional[float] = None
         self.can_ask = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         self.comm = g.comm.Dup() if self.can_ask else None
         self.host, self.pid = socket.gethostname(), os.getpid()
@@ -324,10 +328,14 @@ class Watchdog:
     def _check_departed(self, now: float) -> None:
         """Ends the job where this rank has waited a whole interval in a collective that a
         rank which has shut down will never reach ("A rank that has shut down", Note
-        [Watchdog]); a collective of a shutdown waits for the others' shutdowns instead."""
+        [Watchdog]); a collective of a shutdown waits for the others' shutdowns instead, and
+        in a group with a timeout of its own the wait raises first (Note [A group's timeout]
+        in mpidp/backend/group.py)."""
         (seq, done), since = self.sampler.seen[COLLECTIVE]
         b = self.board
-        if seq == done or now - since < self.interval_s:
+        bounded = self.waits_bounded_s
+        if seq == done or now - since < self.interval_s or \
+                (bounded is not None and now - since < bounded + self.grace_s):
             return
         gone = {r: last for r, last in self.departed.items() if last < seq}
         what = describe(b.what, b.context)

@@ -578,6 +578,11 @@ def test_a_terminal_gets_whole_lines_in_order(tmp_path):
                 r"  step \d+/23 of epoch 1/1 \(\d+%\)  loss \d\.\d{4}  [\d,]+ samples/s",
                 r"epoch   1/1  train loss \d\.\d{4}  held-out acc +\d+\.\d\d%  [\d,]+ "
                 r"samples/s  comm +\d+\.\d%  \d+\.\d\d s",
+                # a loaded machine may slow one rank enough for the straggler line, which is
+                # ours and whole too (mpidp/train/stragglers.py); it may or may not come
+                r"straggler: rank \d on \S+ computes \d+\.\dx as long per sample as the median "
+                r"of the other ranks \(epoch 1\); in a synchronous job the others wait for it "
+                r"at every step",
                 r"\{\"amp\": .*\}",
                 r"mpidp\.train: done: \d+\.\d\d% held-out accuracy after 1 epoch on 2 "
                 r"rank\(s\); .* samples/s; JSON log .*run\.jsonl"]
@@ -586,7 +591,8 @@ def test_a_terminal_gets_whole_lines_in_order(tmp_path):
         kind = [i for i, p in enumerate(patterns) if re.fullmatch(p, line)]
         assert len(kind) == 1, f"a line not whole or not ours: {line!r}\n{text}"
         kinds.append(kind[0])
-    assert kinds == sorted(kinds) and set(kinds) == set(range(len(patterns))), kinds
+    optional = {5}  # the straggler line
+    assert kinds == sorted(kinds) and set(kinds) | optional == set(range(len(patterns))), kinds
 
 
 def test_help_is_printed_once_under_mpiexec():

@@ -222,15 +222,17 @@ def test_a_wait_for_a_rank_that_shut_down_ends_naming_it():
 
 def test_the_watchdog_ends_a_wait_for_a_rank_that_shut_down(monkeypatch):
     """After a whole interval in a collective beyond the last one a rank that shut down
-    completed, not before, and never for a collective of a shutdown."""
+    completed, not before, and never for a collective of a shutdown; in a group with a timeout
+    of its own, not before the timeout and the grace have passed."""
     from types import SimpleNamespace
 
     from mpidp.runtime import watchdog
     ended = []
     monkeypatch.setattr(watchdog, "abort_job", lambda text, code: ended.append((text, code)))
     b = Board()
-    dog = SimpleNamespace(board=b, sampler=Sampler(b, 120, 0.0), interval_s=1.0,
-                          departed={2: 5}, g=SimpleNamespace(rank=0, size=3), host="node7")
+    dog = SimpleNamespace(board=b, sampler=Sampler(b, 120, 0.0), interval_s=1.0, grace_s=3.0,
+                          waits_bounded_s=None, departed={2: 5},
+                          g=SimpleNamespace(rank=0, size=3), host="node7")
     check = watchdog.Watchdog._check_departed
 
     def sample_and_check(now):
@@ -262,6 +264,15 @@ def test_the_watchdog_ends_a_wait_for_a_rank_that_shut_down(monkeypatch):
     sample_and_check(20.0)
     sample_and_check(30.0)
     assert not ended  # its own shutdown waits for the others' shutdowns
+    b.done = b.seq
+    dog.departed = {2: b.done}
+    dog.waits_bounded_s = 1.0  # a torch group's timeout: its wait raises by itself
+    b.publish(header.header(ALLREDUCE, 3, 0, 2, 4, (4,)))
+    sample_and_check(40.0)
+    sample_and_check(43.9)
+    assert not ended  # left to the wait for its timeout and the grace
+    sample_and_check(44.1)
+    assert len(ended) == 1  # a wait the timeout did not end: the backstop
 
 
 def test_a_stamped_block_keeps_the_one_call_carrying_the_stamp_of_its_innermost_block():
