@@ -17,7 +17,31 @@ not set and an MPI launcher started the process (or mpidp is already initialised
 MASTER_ADDR set, as Lightning and torchrun-style launchers set it, ``env://`` is torch's own
 (taking rank and world size from the MPI launcher where RANK and WORLD_SIZE are not set).
 torch has no public way to extend ``env://``, so the fallback replaces its entry in torch's
-table of rendezvous handlers, keeping the original for every other case."""
+table of rendezvous handlers, keeping the original for every other case.
+
+Note [A lost process under torch]
+Where the job runs with fault tolerance (Open MPI's ULFM: Note [In-job recovery] in
+mpidp/runtime/recovery.py), a lost process does not end it. The backend's groups are made
+under in-job recovery as mpidp's own (every rank a node of its own to the engine, the
+watchdog listening for the loss). An operation that meets the loss raises torch's
+DistBackendError ("a process of the job was lost"), after revoking every communicator of
+mpidp's, so every survivor's operation raises wherever it waits — from the call, from
+``wait()``, or from ``backward()`` where DDP's reducer waited (torch's RuntimeError around
+it: the Work's future fails in C++ too, mpidp.backend.thread) — and every later operation
+of every group raises at once. torch has no way on within a job; the survivors take torch's
+own steps of a restart: ``dist.destroy_process_group()`` (which, after a loss, leaves the
+groups on this rank only: runtime.free_subgroup) and ``dist.init_process_group(...)``,
+whose rendezvous (``_recovered``) remakes the job (mpidp.runtime.world.recover: shrink, and
+under MPIDP_RECOVERY=respawn a replacement per lost rank, started with the script's own
+command line, whose own init_process_group joins) and makes a new store. The survivors come
+first, in their order, and the replacements after them (``keep_ranks=False``), so that rank
+0 is a survivor: torch's scripts take rank 0 for the holder of the state (DDP's constructor
+broadcasts its parameters; a checkpoint is read there). ``can_recover()`` tells a script
+whether to go on so; ``last_recovery()`` what was done. What the state is after a loss is
+the script's: a step may have completed on some survivors and not others, so a script
+keeps a copy of its state after each whole step (or a checkpoint) and broadcasts rank 0's
+after the new init (docs/recovery.md). On an MPI without fault tolerance (MPICH) a lost
+rank ends the job, as before."""
 from __future__ import annotations
 
 import functools
@@ -107,7 +131,7 @@ def _mpi_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwar
     from .. import runtime  # deferred for cost, as above
     from ..runtime import mpi  # deferred for cost, as above
     from .store import MPIStore
-    g = runtime.init()
+    g = _recovered() or runtime.init()
     query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
     for name, mine in (("rank", g.rank), ("world_size", g.size)):
         if name in query and int(query[name]) not in (-1, mine):
@@ -125,6 +149,56 @@ def _mpi_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwar
     g.resources.add_user(stop)
     yield store, g.rank, g.size
     raise RuntimeError("the mpidp:// rendezvous runs once per process")
+
+
+def can_recover() -> bool:
+    """Whether this process met a lost process of the job (torch's operations raised
+    DistBackendError) and the job runs with in-job recovery, so that ``init_process_group``
+    again, after ``destroy_process_group``, goes on with the survivors and the replacements
+    (Note [A lost process under torch]). Not collective."""
+    from .. import runtime  # deferred for cost, as above
+    from ..runtime import recovery
+    return runtime.is_initialized() and runtime.init_group().recovery != "off" and \
+        recovery.pending()
+
+
+def last_recovery() -> Optional[dict]:
+    """What the last recovery of this process's ``init_process_group`` did (Note [A lost
+    process under torch]): ``lost`` (the ranks lost, as they were numbered), ``before`` and
+    ``size`` (the world's sizes), ``replaced``, ``seconds``; None before any. This process's
+    own view: a replacement has none."""
+    return _last_recovery
+
+
+_last_recovery: Optional[dict] = None
+
+
+def _recovered():
+    """The job's group remade after a lost process (``can_recover``), the survivors first and
+    the replacements after them, its line on the new rank 0; None where there is nothing to
+    recover from. Every survivor calls it, in its init_process_group."""
+    global _last_recovery
+    if not can_recover():
+        return None
+    import time
+    import sys
+    from .. import runtime  # deferred for cost, as above
+    from ..runtime import recovery, world
+    start, before = time.perf_counter(), runtime.size()
+    g, lost, replaced, _ = world.recover(keep_ranks=False)
+    seconds = time.perf_counter() - start
+    _last_recovery = {"lost": list(lost), "before": before, "size": g.size,
+                      "replaced": replaced, "seconds": round(seconds, 3)}
+    if g.rank == 0:
+        new = list(range(g.size - len(lost), g.size))
+        after = "" if not replaced else (
+            f"; rank {new[0]} is the replacement" if len(new) == 1 else
+            f"; ranks {', '.join(map(str, new))} are the replacements")
+        sys.stderr.write(f"mpidp.backend: in-job recovery: "
+                         f"{recovery.describe(lost, before, g.size, replaced)}; the job remade "
+                         f"in {seconds:.2f} s, the survivors first (rank 0 is one){after}\n")
+        sys.stderr.flush()
+    return g
 
 
 def _destroy_torch_groups() -> None:

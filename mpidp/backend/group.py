@@ -63,11 +63,18 @@ import torch
 import torch.distributed as dist
 
 from .. import config, runtime
-from ..runtime import mpi
+from ..runtime import mpi, recovery, world
 from ..errors import MpidpError, WaitTimeoutError
 from ..comm import scheduler
 from . import ops, p2p, sparse, thread
 from .thread import Work, run_now
+
+
+LOST = "a process of the job was lost"
+# Note [A lost process under torch] in mpidp/backend/__init__.py
+GO_ON = ("Every operation of every group raises from now on; to go on, destroy the groups "
+         "(dist.destroy_process_group()) and call dist.init_process_group again on every "
+         "survivor: that remakes the job, rank 0 a survivor (docs/recovery.md)")
 
 
 class ProcessGroup(dist.ProcessGroup):
@@ -88,9 +95,10 @@ class ProcessGroup(dist.ProcessGroup):
         self._group_desc = ""
         self._global_ranks = tuple(global_ranks) or tuple(range(g.size))
         # Note [A group's timeout]: the waits' limit (None: the backstop's) and, once one
-        # was passed, what timed out
+        # was passed or a process lost (Note [A lost process under torch]), why every later
+        # operation raises
         self.timeout_s = _seconds(timeout)
-        self.timed_out: Optional[str] = None
+        self.unusable: Optional[str] = None
         if g.size > 1:
             g.resources.links_ready()  # the node's context, before the first wait (collective)
             g.resources.set_wait_timeout(self.timeout_s)
@@ -163,23 +171,35 @@ class ProcessGroup(dist.ProcessGroup):
     def _watched(self, fn) -> None:
         """Runs operation ``fn`` unless the group timed out before; a timeout makes the group
         unusable (Note [A group's timeout]). Either raises torch's DistBackendError."""
-        if self.timed_out is not None:
-            raise dist.DistBackendError(f"mpidp: rank {self._global_ranks[self.g.rank]}: "
-                                        f"{self._describe()} is unusable: {self.timed_out}")
+        me = self._global_ranks[self.g.rank]
+        if self.unusable is not None:
+            error = dist.DistBackendError(f"mpidp: rank {me}: {self._describe()} is unusable: "
+                                          f"{self.unusable}")
+            error.process_failure = self.unusable.startswith(LOST)
+            raise error
         try:
             fn()
         except WaitTimeoutError as exc:  # ranks named as torch's default group numbers them
             late = [self._global_ranks[q if exc.across else self.g.node_ranks[q]]
                     for q in exc.late]
-            self.timed_out = (
+            self.unusable = (
                 f"{exc.operation} timed out: after the timeout of {exc.timeout_s:g} s, "
                 f"{'rank' if len(late) == 1 else 'ranks'} {', '.join(map(str, late))} had "
                 "not reached it")
             raise dist.DistBackendError(
-                f"mpidp: rank {self._global_ranks[self.g.rank]}: {self._describe()}: "
-                f"{self.timed_out}. A collective cannot be taken back, so the group is "
+                f"mpidp: rank {me}: {self._describe()}: "
+                f"{self.unusable}. A collective cannot be taken back, so the group is "
                 "unusable from now on: destroy it on every rank "
                 "(dist.destroy_process_group(group)) or end the job") from exc
+        except Exception as exc:  # noqa: BLE001 - a lost process, else raised as it is
+            if self.g.recovery == "off" or not recovery.is_process_failure(exc):
+                raise
+            world.revoke_all()  # every survivor's waits end (Note [A lost process under torch])
+            self.unusable = f"{LOST} ({exc})"
+            error = dist.DistBackendError(f"mpidp: rank {me}: {self._describe()}: "
+                                          f"{self.unusable}. {GO_ON}")
+            error.process_failure = True  # recovery.is_process_failure knows it
+            raise error from exc
 
     def _describe(self) -> str:
         """"process group NAME (DESCRIPTION) of ranks [...]", in torch's words."""

@@ -39,7 +39,7 @@ from typing import Optional
 import numpy as np
 import torch.distributed as dist
 
-from ..runtime import mpi
+from ..runtime import mpi, recovery
 
 (SET, GET, ADD, COMPARE_SET, CHECK, WAIT, DELETE, NUM_KEYS, APPEND, MULTI_GET, MULTI_SET,
  STOP) = range(12)
@@ -172,9 +172,13 @@ class MPIStore(dist.Store):
 
     def close(self, timeout_s: float = 10.0) -> bool:
         """Ends rank 0's serving thread (this rank only); True once it has ended."""
-        if self._server is None:
+        if self._server is None or not self._server.is_alive():
             return True
-        mpi.send_bytes(self.comm, _encode(STOP, 0, []), 0, REQUEST)
+        try:
+            mpi.send_bytes(self.comm, _encode(STOP, 0, []), 0, REQUEST)
+        except Exception as exc:  # noqa: BLE001 - the job lost a process: the server ends
+            if not recovery.is_process_failure(exc):
+                raise
         self._server.join(timeout_s)
         return not self._server.is_alive()
 
@@ -199,7 +203,17 @@ def _value(value) -> bytes:
 
 
 def _serve(comm) -> None:
-    """Rank 0's loop: answers requests until STOP (Note [A store over MPI])."""
+    """Rank 0's loop: answers requests until STOP (Note [A store over MPI]), or until the
+    job lost a process (under fault tolerance: the store goes with the job's group, and the
+    next init_process_group makes a new one)."""
+    try:
+        _answer(comm)
+    except Exception as exc:  # noqa: BLE001 - a lost process ends it, else raised
+        if not recovery.is_process_failure(exc):
+            raise
+
+
+def _answer(comm) -> None:
     keys: dict = {}
     pending: list = []  # (source, reply tag, op, fields) waiting for keys
     sending: list = []  # (request, buffer): an answer whose client may have stopped waiting

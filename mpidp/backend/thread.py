@@ -24,6 +24,7 @@ class Work(dist.Work):
     def __init__(self, future: torch.futures.Future):
         super().__init__()
         self.future = future
+        self._chained: Optional[torch.futures.Future] = None
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         if timeout is not None and timeout.total_seconds() > 0:
@@ -34,6 +35,8 @@ class Work(dist.Work):
                                        f"{timeout.total_seconds():g} s")
                 time.sleep(POLL_S)
         self.future.wait()
+        while self._chained is not None and not self._chained.done():
+            time.sleep(0)  # its callback runs now, on the thread that completed the future
         return True
 
     def is_completed(self) -> bool:
@@ -50,10 +53,22 @@ class Work(dist.Work):
         return None
 
     def get_future(self) -> torch.futures.Future:
-        return self.future
+        """The future torch's C++ side waits on (DDP's reducer, a comm hook): one whose
+        failure C++ sees. Python's ``Future.set_exception`` completes the future with the
+        exception as its value, raised only when Python unwraps it; C++ would take that value
+        for the result (the reducer read it as a tensor and the process crashed), so the
+        future given out is chained, and a chained future's callback that raises fails it in
+        C++ too."""
+        if self._chained is None:
+            self._chained = self.future.then(_unwrapped)
+        return self._chained
 
     def result(self):
         return self.future.value()
+
+
+def _unwrapped(f: torch.futures.Future):
+    return f.value()  # raises what the operation raised
 
 
 def run_now(fn: Callable[[], None], result) -> Work:

@@ -54,6 +54,20 @@ from . import launcher
 
 REPLACEMENT = "mpidp-replaces"  # the -X option a replacement is started with (``respawn``)
 _lost = False  # this process's job lost a process: Note [Ending a job that lost a process]
+_revoked = False  # this process revoked its communicators and has not recovered yet
+
+
+def pending() -> bool:
+    """Whether this process met a lost process (it revoked mpidp's communicators: ``revoke``)
+    and the group has not been remade since (mpidp.runtime.world.recover): a group of then
+    is to be left, not freed collectively. Not collective."""
+    return _revoked
+
+
+def recovered() -> None:
+    """The group was remade (mpidp.runtime.world.recover): ``pending`` is False again."""
+    global _revoked
+    _revoked = False
 
 
 def lost_in_this_job() -> bool:
@@ -145,7 +159,10 @@ def is_process_failure(exc: Optional[BaseException]) -> bool:
 
 def revoke(comms) -> None:
     """Revokes each communicator of ``comms`` (None and freed ones passed over): every rank's
-    pending and later calls on it return MPI_ERR_REVOKED. This rank only; no waiting."""
+    pending and later calls on it return MPI_ERR_REVOKED; ``pending`` is True from now on.
+    This rank only; no waiting."""
+    global _revoked
+    _revoked = True
     MPI = mpi()
     for c in comms:
         if c is None or c == MPI.COMM_NULL:
@@ -184,19 +201,24 @@ def command() -> list:
     return [sys.executable, "-X", REPLACEMENT, *args]
 
 
-def respawn(survivors: Any, lost: tuple, argv: list) -> Any:
+def respawn(survivors: Any, lost: tuple, argv: list, keep_ranks: bool = True) -> Any:
     """The communicator of the survivors and one new process per rank of ``lost`` (running
     ``argv``), ordered so that every survivor keeps its rank of the communicator before the
-    loss and each replacement takes a lost rank (in order). ``survivors``: from ``shrink``,
-    whose ranks are the old ranks without ``lost``, in order. Collective over the survivors;
-    the replacements' side is ``join_parent``."""
+    loss and each replacement takes a lost rank (in order) — or, without ``keep_ranks``, the
+    survivors first in their order (rank 0 is a survivor) and the replacements after them.
+    ``survivors``: from ``shrink``, whose ranks are the old ranks without ``lost``, in order.
+    Collective over the survivors; the replacements' side is ``join_parent``."""
     inter = survivors.Spawn(argv[0], argv[1:], maxprocs=len(lost), root=0)
     merged = inter.Merge(high=False)
     inter.Disconnect()
-    plan = np.array(lost, np.int64)
+    kept = survivors.Get_size()
+    # each replacement's rank in the communicator made: the lost ones', or those after the
+    # survivors'
+    plan = np.array(lost if keep_ranks else range(kept, kept + len(lost)), np.int64)
     merged.Bcast(plan, root=0)
-    old_ranks = [r for r in range(survivors.Get_size() + len(lost)) if r not in lost]
-    ordered = merged.Split(0, old_ranks[survivors.Get_rank()])
+    old_ranks = [r for r in range(kept + len(lost)) if r not in lost]
+    mine = survivors.Get_rank()
+    ordered = merged.Split(0, old_ranks[mine] if keep_ranks else mine)
     merged.Free()
     return ordered
 

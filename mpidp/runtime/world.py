@@ -185,13 +185,22 @@ def _start_group(comm: Any, cfg: config.Config, recovery_mode: str) -> Group:
     return group
 
 
-def recover() -> tuple:
+def revoke_all() -> None:
+    """Revokes every communicator of mpidp's groups, sub-groups too, after a lost process
+    (recovery.revoke): every survivor's wait on them ends, wherever it is. This rank only."""
+    with _lock:
+        everyone = (*_subgroups, *([_group] if _group is not None else []))
+        recovery.revoke([c for g in everyone for c in (*g.comms(), *g.resources.comms())])
+
+
+def recover(keep_ranks: bool = True) -> tuple:
     """The survivors' side of Note [In-job recovery] (mpidp/runtime/recovery.py), after an
     MPI call reported a lost process (recovery.is_process_failure): revokes every
     communicator of mpidp's groups, leaves their resources (sub-groups gone: their users
     remake them), shrinks the job's communicator, respawns the lost ranks where the group's
-    mode is ``respawn``, and makes the group anew as ``init`` made it (the replacements'
-    ``init`` joins it). Returns (the new group, the ranks lost, whether they were replaced,
+    mode is ``respawn`` (each at the rank it replaces, or without ``keep_ranks`` after the
+    survivors: recovery.respawn), and makes the group anew as ``init`` made it (the
+    replacements' ``init`` joins it). Returns (the new group, the ranks lost, whether they were replaced,
     this rank's seconds in each phase: leave_s, shrink_s, spawn_s where respawned (the
     replacements' start and their joining), group_s).
     Every survivor calls it; RuntimeError where the group is not under in-job recovery."""
@@ -207,7 +216,7 @@ def recover() -> tuple:
             clock.append(time.perf_counter())
             return round(clock[-1] - clock[-2], 6)
         everyone = (*_subgroups, old)
-        recovery.revoke([c for g in everyone for c in (*g.comms(), *g.resources.comms())])
+        revoke_all()
         for g in everyone:
             g.resources.abandon()
         _subgroups.clear()
@@ -216,10 +225,11 @@ def recover() -> tuple:
         phases["shrink_s"] = lap()
         comm = survivors
         if old.recovery == "respawn" and lost:
-            comm = recovery.respawn(survivors, lost, recovery.command())
+            comm = recovery.respawn(survivors, lost, recovery.command(), keep_ranks)
             phases["spawn_s"] = lap()
         cfg = _agreed_settings(comm)
         _group = _start_group(comm, cfg, old.recovery)
+        recovery.recovered()
         phases["group_s"] = lap()
         return _group, lost, comm is not survivors, phases
 
@@ -230,7 +240,11 @@ def shutdown() -> None:
     with _lock:
         if _group is not None:
             MPI = mpi()
-            if not MPI.Is_finalized():
+            if recovery.pending():  # a lost process not recovered from: left, not freed
+                for g in (*_subgroups, _group):
+                    g.resources.abandon()
+                _subgroups.clear()
+            elif not MPI.Is_finalized():
                 # every group first: a rank another waits for on one group must not first
                 # wait on another group's shutdown (Note [A rank that has shut down] in
                 # csrc/shm.c)
@@ -326,7 +340,7 @@ def subgroup(ranks) -> Group:
         raise ValueError(f"rank {g.rank} is not one of the sub-group's ranks {ranks}")
     comm = g.user_comm.Create_group(g.user_comm.Get_group().Incl(ranks))
     cfg = config.get()
-    sub = Group(comm, cfg)
+    sub = Group(comm, cfg, g.recovery)  # under in-job recovery too (Note [In-job recovery])
     sub.resources.start_watchdog(cfg.timeout_s)
     with _lock:
         _subgroups.append(sub)
@@ -337,13 +351,16 @@ def free_subgroup(sub: Group) -> bool:
     """Frees sub-group ``sub`` now rather than at shutdown (torch's destroy_process_group:
     Note [Sub-groups]); True if this call freed it, False if it was freed already (by an
     earlier call or by shutdown). Collective over the sub-group's ranks, which free their
-    sub-groups in the same order."""
+    sub-groups in the same order — except after a lost process, before the recovery
+    (recovery.pending): then it is left, on this rank only."""
     with _lock:
         if sub not in _subgroups:
             return False
         _subgroups.remove(sub)
         MPI = mpi()
-        if not MPI.Is_finalized():
+        if recovery.pending():  # its ranks may be lost: left, this rank only
+            sub.resources.abandon()
+        elif not MPI.Is_finalized():
             sub.resources.stop_users()
             sub.free()
         return True

@@ -5,7 +5,9 @@ inputs: the list of tests/mpi/test_together.py), launched by horovodrun's comman
 (python -m mpidp.horovod.run); and in-job recovery with fault tolerance
 (ULFM): a rank killed mid-epoch and then another under the supervisor, the survivors shrink
 and respawn each, and the run ends bit for bit as the uninterrupted one; left behind
-(shrink), the others train to the end; asked of MPICH, one line and exit code 2 (Note
+(shrink), the others train to the end; a torch.distributed script (torch's own DDP on the
+mpidp backend) goes on after lost ranks, respawned bit for bit or shrunk; asked of MPICH,
+one line and exit code 2 (Note
 [In-job recovery] in mpidp/runtime/recovery.py, Note [Recovering a run] in
 mpidp/train/in_job.py).
 
@@ -186,6 +188,51 @@ def test_a_horovod_elastic_script_respawned_ends_bit_for_bit(open_mpi, tmp_path)
                "ranks; going on from the last commit" in out, out[-6000:]
     assert got == reference, out[-6000:]
     assert reference_steps <= steps <= reference_steps + 2 * 8, (steps, reference_steps)
+
+
+def torch_script(bin_dir: Path, env: dict) -> tuple:
+    """tests/mpi/bodies/torch_recovery.py on 3 ranks under fault tolerance: (its output,
+    the parameters' digest, the world's size at the end), every rank ended."""
+    proc = finished([str(bin_dir / "mpiexec"), *OPEN_MPI_FT_ARGS, "-n", "3",
+                     str(bin_dir / "python"), str(BODIES / "torch_recovery.py")],
+                    {**os.environ, **AS_ROOT, "PYTHONUNBUFFERED": "1", **env}, 150)
+    out = (proc.stdout + proc.stderr).replace("\0", "")
+    assert proc.returncode == 0, out[-6000:]
+    got = re.search(r"^torch: ranks (\d) recoveries \d+ sha256 (\w+)$", proc.stdout, re.M)
+    size = int(got.group(1))
+    assert sorted(re.findall(r"^ok (\d)$", proc.stdout, re.M)) == [str(r) for r in range(size)], \
+        out[-6000:]
+    return out, got.group(2), size
+
+
+def test_a_torch_script_goes_on_after_lost_ranks_and_ends_bit_for_bit(open_mpi):
+    """torch's own DistributedDataParallel on the mpidp backend under fault tolerance
+    (tests/mpi/bodies/torch_recovery.py): rank 0 killed inside a step (after its forward,
+    the others in the gradients' all-reduce), then the process started as rank 2 inside a
+    later step. Each time every survivor's backward raises (torch's RuntimeError around
+    mpidp's DistBackendError, not a crash of DDP's reducer), mpidp.backend.can_recover() says
+    so, destroy_process_group and init_process_group again remake the job with the survivors
+    first and a replacement last, and rank 0's copy of the last whole step is broadcast: the
+    run ends with the uninterrupted run's parameters (Note [A lost process under torch] in
+    mpidp/backend/__init__.py)."""
+    _, reference, _ = torch_script(open_mpi, {})
+    out, got, size = torch_script(open_mpi, {"DIE_RANK": "0,2", "DIE_STEP": "6,14"})
+    for victim in (0, 1):  # the process started as rank 2 is rank 1 after the first loss
+        assert (f"mpidp.backend: in-job recovery: lost rank(s) {victim} of 3; respawned, back "
+                "at 3 ranks; the job remade in ") in out, out[-6000:]
+    assert out.count("the survivors first (rank 0 is one); rank 2 is the replacement") == 2, \
+        out[-6000:]
+    assert (got, size) == (reference, 3), out[-6000:]
+
+
+def test_a_torch_script_left_behind_goes_on_with_the_survivors(open_mpi):
+    """The same script with MPIDP_RECOVERY=shrink: rank 1 lost, the two others go on to the
+    end as a world of 2."""
+    out, _, size = torch_script(open_mpi, {"DIE_RANK": "1", "DIE_STEP": "6",
+                                           "MPIDP_RECOVERY": "shrink"})
+    assert "mpidp.backend: in-job recovery: lost rank(s) 1 of 3; going on with 2; " in out, \
+        out[-6000:]
+    assert size == 2, out[-6000:]
 
 
 def test_left_behind_the_others_train_to_the_end(open_mpi, tmp_path):
