@@ -47,6 +47,8 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
+import time
 import warnings
 from datetime import timedelta
 from typing import Any, Optional
@@ -180,8 +182,6 @@ def _recovered():
     global _last_recovery
     if not can_recover():
         return None
-    import time
-    import sys
     from .. import runtime  # deferred for cost, as above
     from ..runtime import recovery, world
     start, before = time.perf_counter(), runtime.size()

@@ -99,6 +99,7 @@ class ProcessGroup(dist.ProcessGroup):
         # operation raises
         self.timeout_s = _seconds(timeout)
         self.unusable: Optional[str] = None
+        self._lost = False  # the reason is a lost process
         if g.size > 1:
             g.resources.links_ready()  # the node's context, before the first wait (collective)
             g.resources.set_wait_timeout(self.timeout_s)
@@ -169,14 +170,11 @@ class ProcessGroup(dist.ProcessGroup):
         return thread.submit(s, self.g.board, functools.partial(self._watched, fn), result)
 
     def _watched(self, fn) -> None:
-        """Runs operation ``fn`` unless the group timed out before; a timeout makes the group
-        unusable (Note [A group's timeout]). Either raises torch's DistBackendError."""
-        me = self._global_ranks[self.g.rank]
+        """Runs operation ``fn`` unless the group was made unusable before, by a timeout (Note
+        [A group's timeout]) or a lost process (Note [A lost process under torch]), either of
+        which makes it so. Each raises torch's DistBackendError."""
         if self.unusable is not None:
-            error = dist.DistBackendError(f"mpidp: rank {me}: {self._describe()} is unusable: "
-                                          f"{self.unusable}")
-            error.process_failure = self.unusable.startswith(LOST)
-            raise error
+            raise self._unusable_error(f"{self._describe()} is unusable: {self.unusable}")
         try:
             fn()
         except WaitTimeoutError as exc:  # ranks named as torch's default group numbers them
@@ -186,20 +184,23 @@ class ProcessGroup(dist.ProcessGroup):
                 f"{exc.operation} timed out: after the timeout of {exc.timeout_s:g} s, "
                 f"{'rank' if len(late) == 1 else 'ranks'} {', '.join(map(str, late))} had "
                 "not reached it")
-            raise dist.DistBackendError(
-                f"mpidp: rank {me}: {self._describe()}: "
-                f"{self.unusable}. A collective cannot be taken back, so the group is "
-                "unusable from now on: destroy it on every rank "
+            raise self._unusable_error(
+                f"{self._describe()}: {self.unusable}. A collective cannot be taken back, so "
+                "the group is unusable from now on: destroy it on every rank "
                 "(dist.destroy_process_group(group)) or end the job") from exc
         except Exception as exc:  # noqa: BLE001 - a lost process, else raised as it is
             if self.g.recovery == "off" or not recovery.is_process_failure(exc):
                 raise
             world.revoke_all()  # every survivor's waits end (Note [A lost process under torch])
-            self.unusable = f"{LOST} ({exc})"
-            error = dist.DistBackendError(f"mpidp: rank {me}: {self._describe()}: "
-                                          f"{self.unusable}. {GO_ON}")
-            error.process_failure = True  # recovery.is_process_failure knows it
-            raise error from exc
+            self.unusable, self._lost = f"{LOST} ({exc})", True
+            raise self._unusable_error(f"{self._describe()}: {self.unusable}. {GO_ON}") from exc
+
+    def _unusable_error(self, what: str) -> dist.DistBackendError:
+        """torch's error for ``what`` on this rank; after a lost process, one that
+        recovery.is_process_failure knows."""
+        error = dist.DistBackendError(f"mpidp: rank {self._global_ranks[self.g.rank]}: {what}")
+        error.process_failure = self._lost
+        return error
 
     def _describe(self) -> str:
         """"process group NAME (DESCRIPTION) of ranks [...]", in torch's words."""

@@ -35,8 +35,8 @@ class Work(dist.Work):
                                        f"{timeout.total_seconds():g} s")
                 time.sleep(POLL_S)
         self.future.wait()
-        while self._chained is not None and not self._chained.done():
-            time.sleep(0)  # its callback runs now, on the thread that completed the future
+        if self._chained is not None:  # its callback runs on the thread that completed it
+            self._chained.wait()
         return True
 
     def is_completed(self) -> bool:
