@@ -19,6 +19,7 @@ from typing import Any, Optional
 from .. import config
 from . import launcher, recovery, timeline
 from .abort import abort_job
+from .exit import FINALIZE_AFTER_LOSS_S
 from ..errors import ConfigError, LaunchError, MismatchError, NotInitializedError
 from ..engine.gpu.device import bind_if_visible
 from .resources import Resources
@@ -153,8 +154,19 @@ def init(comm: Any = None) -> Group:
         group = _start_group(comm, cfg, _recovery_mode(cfg))
         _group = group
         bind_if_visible(group.local_rank)  # before any CUDA work of the user's (imports nothing)
-        atexit.register(shutdown)
+        atexit.register(_at_exit)
         return group
+
+
+def _at_exit() -> None:
+    """mpidp's shutdown at the interpreter's exit; in a job that lost a process (a user's
+    script too: torch's, Horovod's elastic), MPI finalised here, within
+    FINALIZE_AFTER_LOSS_S, rather than left to wait for ever in mpi4py's finalisation (Note
+    [Ending a job that lost a process] in mpidp/runtime/recovery.py)."""
+    if recovery.lost_in_this_job():
+        finalize_within(FINALIZE_AFTER_LOSS_S)
+    else:
+        shutdown()
 
 
 def _start_group(comm: Any, cfg: config.Config, recovery_mode: str) -> Group:
@@ -200,8 +212,8 @@ def recover(keep_ranks: bool = True) -> tuple:
     remake them), shrinks the job's communicator, respawns the lost ranks where the group's
     mode is ``respawn`` (each at the rank it replaces, or without ``keep_ranks`` after the
     survivors: recovery.respawn), and makes the group anew as ``init`` made it (the
-    replacements' ``init`` joins it). Returns (the new group, the ranks lost, whether they were replaced,
-    this rank's seconds in each phase: leave_s, shrink_s, spawn_s where respawned (the
+    replacements' ``init`` joins it). Returns (the new group, the ranks lost, whether they
+    were replaced, this rank's seconds in each phase: leave_s, shrink_s, spawn_s where respawned (the
     replacements' start and their joining), group_s).
     Every survivor calls it; RuntimeError where the group is not under in-job recovery."""
     global _group
