@@ -31,9 +31,22 @@ adds nothing there: mpidp turns it off (Open MPI's async_mpi_finalize, as
 OMPI_MCA_async_mpi_finalize=1 in the process's environment before MPI starts, where the
 launcher set OMPI_MCA_mpi_ft_enable and the user did not choose:
 mpidp.runtime.launcher.mpi_start_settings), and 24 recovered runs of 24 then ended at once
-(12 respawned, 12 shrunk). As a last guard, should it wait anyway (a program that started
-MPI before mpidp.init, or another wait of the library's), the tools' last step
-(mpidp.runtime.exit's exit_now, by mpidp.runtime.world.finalize_within), in a process of
+(12 respawned, 12 shrunk). It waited in a second place too: where more than one
+communicator that spans processes of more than one launch (a respawned process and the
+others) is still allocated, Open MPI's MPI_Finalize first disconnects them all, a zero-byte
+synchronous send and a receive with every process of each (ompi_dpm_dyn_finalize). A job
+that lost a process keeps such communicators that it cannot free (a revoked one, its dead
+process in it, and the group's of then: freeing them made that function crash, a double
+free, in 8 runs of 8), and its processes do not hold them alike: in a torch.distributed
+script respawned twice (tests/mpi/bodies/torch_recovery.py, rank 0 lost, then rank 2) its
+three processes held 13, 13 and 2 at the end, and the replacement of the first loss waited
+there for ever in 10 runs of 17, the training done and exact. mpidp's traffic has ended by
+then (its shutdown), so that disconnection adds nothing: every process of such a job sets
+Open MPI's count of them to 0 just before MPI_Finalize (``leave_dynamic_communicators``),
+and 8 runs of 8 then ended at once. As a last guard, should it wait anyway (a program that
+started MPI before mpidp.init, or another wait of the library's), the tools' last step
+(mpidp.runtime.exit's exit_now, by mpidp.runtime.world.finalize_within), and any script's
+at the interpreter's exit (mpidp.init's atexit handler, world._at_exit), in a process of
 such a job (a survivor, after ``shrink``; a replacement, after ``join_parent``:
 ``lost_in_this_job``), runs mpidp's shutdown and MPI_Finalize itself under faulthandler's
 timer (a thread of C that needs no interpreter): where MPI_Finalize has not returned in
@@ -53,6 +66,7 @@ from ..engine.library import loaded_libmpi, mpi
 from . import launcher
 
 REPLACEMENT = "mpidp-replaces"  # the -X option a replacement is started with (``respawn``)
+FINALIZE_AFTER_LOSS_S = 10.0  # Note [Ending a job that lost a process]
 _lost = False  # this process's job lost a process: Note [Ending a job that lost a process]
 _revoked = False  # this process revoked its communicators and has not recovered yet
 
@@ -110,6 +124,19 @@ def _ft_symbol() -> Optional[int]:
         except ValueError:  # not this library's symbol
             continue
     return None
+
+
+def leave_dynamic_communicators() -> None:
+    """Open MPI's count of the communicators that span more than one launch (a respawned
+    process and the others) set to 0, so that this process's MPI_Finalize does not
+    disconnect them one by one: Note [Ending a job that lost a process]. Called by every
+    process of a job that lost a process, just before MPI_Finalize, mpidp's traffic ended;
+    nothing where the library has no such count (MPICH)."""
+    for lib in loaded_libmpi():
+        try:
+            ctypes.c_int.in_dll(lib, "ompi_comm_num_dyncomm").value = 0
+        except ValueError:  # not this library's symbol
+            continue
 
 
 def mode(asked: str) -> str:

@@ -19,7 +19,6 @@ from typing import Any, Optional
 from .. import config
 from . import launcher, recovery, timeline
 from .abort import abort_job
-from .exit import FINALIZE_AFTER_LOSS_S
 from ..errors import ConfigError, LaunchError, MismatchError, NotInitializedError
 from ..engine.gpu.device import bind_if_visible
 from .resources import Resources
@@ -161,10 +160,10 @@ def init(comm: Any = None) -> Group:
 def _at_exit() -> None:
     """mpidp's shutdown at the interpreter's exit; in a job that lost a process (a user's
     script too: torch's, Horovod's elastic), MPI finalised here, within
-    FINALIZE_AFTER_LOSS_S, rather than left to wait for ever in mpi4py's finalisation (Note
+    recovery.FINALIZE_AFTER_LOSS_S, rather than left to wait for ever in mpi4py's finalisation (Note
     [Ending a job that lost a process] in mpidp/runtime/recovery.py)."""
     if recovery.lost_in_this_job():
-        finalize_within(FINALIZE_AFTER_LOSS_S)
+        finalize_within(recovery.FINALIZE_AFTER_LOSS_S)
     else:
         shutdown()
 
@@ -213,8 +212,8 @@ def recover(keep_ranks: bool = True) -> tuple:
     mode is ``respawn`` (each at the rank it replaces, or without ``keep_ranks`` after the
     survivors: recovery.respawn), and makes the group anew as ``init`` made it (the
     replacements' ``init`` joins it). Returns (the new group, the ranks lost, whether they
-    were replaced, this rank's seconds in each phase: leave_s, shrink_s, spawn_s where respawned (the
-    replacements' start and their joining), group_s).
+    were replaced, this rank's seconds in each phase: leave_s, shrink_s, spawn_s where
+    respawned (the replacements' start and their joining), group_s).
     Every survivor calls it; RuntimeError where the group is not under in-job recovery."""
     global _group
     with _lock:
@@ -286,6 +285,7 @@ def finalize_within(seconds: float) -> None:
     faulthandler.dump_traceback_later(seconds, exit=True)
     shutdown()
     MPI = mpi()
+    recovery.leave_dynamic_communicators()
     if not MPI.Is_finalized():
         MPI.Finalize()
     faulthandler.cancel_dump_traceback_later()

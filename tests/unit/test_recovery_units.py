@@ -87,7 +87,7 @@ recovery._lost = sys.argv[1] != "none"
 if sys.argv[1] == "hangs":  # an MPI_Finalize that never returns (Open MPI's, now and then)
     world.mpi = lambda: types.SimpleNamespace(Is_finalized=lambda: False,
                                                  Finalize=lambda: time.sleep(60))
-exit.FINALIZE_AFTER_LOSS_S = 1.0
+recovery.FINALIZE_AFTER_LOSS_S = 1.0
 exit.exit_now(3)
 """
 
