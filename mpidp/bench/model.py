@@ -12,7 +12,7 @@ from typing import Optional
 
 from .. import files
 from ..errors import OutputError
-from . import costs
+from . import costs, loss
 from .calibration import calibrate, host_costs, load_measurements
 from .harness import parse_size
 
@@ -59,6 +59,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--backward-fraction", type=float, default=2 / 3, help="backward's share of compute")
     a("--compute-scale", type=float, default=1.0,
       help="divide the presets' P100 compute times by this (a faster GPU) in the predictions")
+    a("--loss-model", default="resnet50", help=f"the model of a lost node's cost, from "
+      f"{','.join(costs.MODELS)}")
+    a("--optimizer-slots", type=int, default=2,
+      help="optimizer state per parameter, in parameters (Adam: 2), handed over with it")
+    a("--checkpoint-every-s", type=float, default=600.0,
+      help="a relaunch's checkpoint interval: half of it, on average, is redone")
+    a("--read-GBps", type=float, default=2.0,
+      help="GB/s at which a relaunch's rank 0 reads the checkpoint")
     a("--json", metavar="FILE", help="write everything as JSON")
     a("--plot", metavar="FILE.png", help="plot the predictions (needs matplotlib)")
 
@@ -136,7 +144,28 @@ def predict(args, host: dict) -> dict:
                 dp.append({"system": name, "model": m, "nodes": k, "ranks": ranks,
                            "compute_s": compute[m], "step_s": step,
                            "efficiency": compute[m] / step, "efficiency_vs_node": one[m] / step})
-    return {"nodes": nodes, "allreduce": ar, "ddp": dp}
+    return {"nodes": nodes, "allreduce": ar, "ddp": dp, "lost_node": lost_node(args, host)}
+
+
+def lost_node(args, host: dict) -> list:
+    """The seconds per phase, after the loss is known, of a node lost on 2, 4 ... nodes of
+    every chosen system: in-job (shrunk, respawned) and a relaunch (mpidp/bench/loss.py)."""
+    model, rows = costs.MODELS[args.loss_model], []
+    state = model.params * 4 * (1 + args.optimizer_slots)
+    bucket = args.bucket_cap_mb * 2**20
+    for name in args.system_names:
+        s = costs.SYSTEMS[name]
+        g, m = per_node(s, args), machine(s, "mpi", args, host)
+        for k in (1 << i for i in range(1, args.nodes_max.bit_length())):
+            step = ddp(model, s, k, args, host, model.compute_s / args.compute_scale, bucket)
+            phases = {"shrink": loss.in_job_s(k * g, g, state, step, m, respawn=False),
+                      "respawn": loss.in_job_s(k * g, g, state, step, m),
+                      "relaunch": loss.relaunch_s(k * g, k, state, step, m,
+                                                  args.read_GBps * 1e9, args.checkpoint_every_s)}
+            rows.append({"system": name, "nodes": k, "ranks": k * g, "model": args.loss_model,
+                         "state_bytes": state, "step_s": step, "phases_s": phases,
+                         "total_s": {w: sum(p.values()) for w, p in phases.items()}})
+    return rows
 
 
 def published(args, host: dict) -> list:
@@ -203,6 +232,18 @@ def report(fits: list, host: dict, pred: dict, checks: list, args) -> str:
             f"{args.overlap:g}, P100 compute / {args.compute_scale:g})", table(
                 ["system", "nodes", "ranks"] + args.model_names,
                 _ddp_rows(pred["ddp"], args.model_names), "<>>" + ">" * len(args.model_names))]
+    out += ["", f"## a lost node, {args.loss_model} ({args.optimizer_slots} optimizer slots): "
+            "seconds from the loss known to the next step done (detection apart; a "
+            f"relaunch's redo: the failed step and {args.checkpoint_every_s / 2:g} s, half its "
+            "checkpoint interval)", table(
+                ["system", "nodes", "ranks", "shrunk", "respawned", "relaunch", "its redo",
+                 "all / respawned"],
+                [[r["system"], r["nodes"], r["ranks"]] + [
+                    f"{r['total_s'][w]:.3g}" for w in ("shrink", "respawn")] + [
+                    f"{r['total_s']['relaunch'] - r['phases_s']['relaunch']['redo_s']:.3g}",
+                    f"{r['phases_s']['relaunch']['redo_s']:.3g}",
+                    f"{r['total_s']['relaunch'] / r['total_s']['respawn']:.1f}x"]
+                 for r in pred["lost_node"]], "<>>>>>>>")]
     out += ["", "## model vs published (Horovod: NCCL ring, 64 MB fusion buffer, P100 compute)",
             table(["check", "setting", "model", "published", "gap", "source"],
                   [[c["check"], c["setting"], _fmt(c["model"], c["unit"]),
@@ -282,7 +323,10 @@ def _checked(ns) -> argparse.Namespace:
             ("--bucket-cap-mb", ns.bucket_cap_mb, 0 < ns.bucket_cap_mb < math.inf),
             ("--compute-scale", ns.compute_scale, 0 < ns.compute_scale < math.inf),
             ("--overlap", ns.overlap, 0 <= ns.overlap <= 1),
-            ("--backward-fraction", ns.backward_fraction, 0 < ns.backward_fraction <= 1)):
+            ("--backward-fraction", ns.backward_fraction, 0 < ns.backward_fraction <= 1),
+            ("--optimizer-slots", ns.optimizer_slots, ns.optimizer_slots >= 0),
+            ("--checkpoint-every-s", ns.checkpoint_every_s, 0 <= ns.checkpoint_every_s < math.inf),
+            ("--read-GBps", ns.read_GBps, 0 < ns.read_GBps < math.inf)):
         if not ok:  # NaN fails every comparison
             raise ValueError(f"{flag} {v!r} is out of range")
     if len(ns.label) > len(ns.calibrate):
@@ -291,7 +335,8 @@ def _checked(ns) -> argparse.Namespace:
         vars(ns), piece_bytes=parse_size(ns.ring_piece_bytes),
         short_bytes=parse_size(ns.short_msg_bytes), size_bytes=parse_size(ns.size),
         system_names=names(ns.systems, costs.SYSTEMS, "--systems"),
-        model_names=names(ns.models, costs.MODELS, "--models")))
+        model_names=names(ns.models, costs.MODELS, "--models"),
+        loss_model=names(ns.loss_model, costs.MODELS, "--loss-model")[0]))
 
 
 def run(ns) -> dict:

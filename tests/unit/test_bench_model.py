@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mpidp.bench import calibration, costs
+from mpidp.bench import calibration, costs, loss
 from mpidp.bench.__main__ import main as bench_main
 from mpidp.bench.costs import Machine, Terms
 
@@ -199,8 +199,43 @@ def test_the_command_calibrates_predicts_and_writes_json(tmp_path, capsys):
             assert r["efficiency_vs_node"] == 1.0
             assert r["efficiency"] == 1.0 or r["system"] == "nvlink8"  # 8 GPUs talk inside it
     assert len(data["published"]) == 8 and all(r["source"] for r in data["published"])
-    for title in ("## calibration", "## all-reduce of", "## DDP scaling", "## model vs published"):
+    lost = data["predictions"]["lost_node"]  # a node lost: on 2 and 4 nodes, not on 1
+    assert [(r["system"], r["nodes"]) for r in lost] == [(s, k) for s in ("25gbe", "nvlink8")
+                                                         for k in (2, 4)]
+    for r in lost:
+        assert r["state_bytes"] == costs.MODELS["resnet50"].params * 4 * 3  # Adam's 2 slots
+        assert r["total_s"] == {w: sum(p.values()) for w, p in r["phases_s"].items()}
+        assert r["phases_s"]["relaunch"]["redo_s"] == r["step_s"] + 300  # half of 600 s
+    for title in ("## calibration", "## all-reduce of", "## DDP scaling", "## a lost node",
+                  "## model vs published"):
         assert title in text
+
+
+def test_a_lost_nodes_phases_in_closed_form():
+    assert [loss.levels(k) for k in (0, 1, 2, 8, 9)] == [1, 1, 1, 3, 4]
+    assert loss.broadcast(N, 4) == Terms(messages=2 + 3, link_bytes=1.5 * N)
+    assert loss.broadcast(N, 1) == Terms()
+    assert loss.shrink(8) == Terms(messages=12)
+    m = Machine(alpha_s=1e-6, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-12)
+    ph = loss.Phases(spawn_s=2, group_s=0.5, handover_s=0.25, first_step_s=1, end_job_s=3,
+                     launch_s=0.125, imports_s=4)
+    # 16 ranks, a node of 4 lost: 4 tree levels over 16, 4 over the 12 left
+    shrunk = loss.in_job_s(16, 4, N, 0.75, m, ph, respawn=False)
+    assert shrunk == {"shrink_s": pytest.approx(16e-6), "group_s": pytest.approx(0.5 + 8e-6),
+                      "redo_s": 0.75}
+    respawned = loss.in_job_s(16, 4, N, 0.75, m, ph)
+    assert respawned == {"shrink_s": pytest.approx(16e-6), "spawn_s": pytest.approx(2 + 8e-6),
+                         "group_s": pytest.approx(0.5 + 8e-6),
+                         "state_s": pytest.approx(0.25 + (4 + 15) * 1e-6 + 2 * 15 / 16 * N * 1e-9),
+                         "first_step_s": 1, "redo_s": 0.75}
+    again = loss.relaunch_s(16, 4, N, 0.75, m, read_bytes_per_s=1e9, checkpoint_every_s=60,
+                            phases=ph)
+    assert again == {"end_s": 3, "launch_s": 0.25, "start_s": pytest.approx(4 + 4e-6),
+                     "load_s": pytest.approx(N / 1e9 + (4 + 15) * 1e-6 + 2 * 15 / 16 * N * 1e-9),
+                     "first_step_s": 1, "redo_s": 30.75}
+    for lost in (0, 16):
+        with pytest.raises(ValueError, match=f"lost {lost} of 16 ranks"):
+            loss.in_job_s(16, lost, N, 0.75, m)
 
 
 def test_the_command_plots(tmp_path, capsys):
@@ -217,6 +252,8 @@ def test_the_command_plots(tmp_path, capsys):
     (["--nodes-max", "0"], "--nodes-max 0 is out of range"),
     (["--systems", "25gbe,dialup"], "--systems '25gbe,dialup': accepted"),
     (["--label", "x"], "1 --label for 0 --calibrate files"),
+    (["--loss-model", "gpt5"], "--loss-model 'gpt5': accepted"),
+    (["--read-GBps", "0"], "--read-GBps 0.0 is out of range"),
 ])
 def test_bad_input_is_one_line_naming_it(tmp_path, capsys, argv, message):
     (tmp_path / "norows.json").write_text(json.dumps({"nranks": 2, "rows": []}))
