@@ -52,16 +52,33 @@ such a job (a survivor, after ``shrink``; a replacement, after ``join_parent``:
 timer (a thread of C that needs no interpreter): where MPI_Finalize has not returned in
 FINALIZE_AFTER_LOSS_S, the timer writes the process's stacks to stderr and ends it with exit
 code 1. (Ending without MPI_Finalize at all, ``os._exit``, makes the launcher count every
-process as ended improperly and the job's exit code 1.)"""
+process as ended improperly and the job's exit code 1.)
+
+Note [A replacement that cannot join]
+A replacement meets its job in MPI_Init (the connection to the survivors that spawned it),
+then in the merge and the group made with them (``join_parent``, mpidp.init). Where a
+survivor fails during the respawn, the others' MPI_Comm_spawn fails (measured: Open MPI
+5.0.11 returned MPI_ERR_INTERN to rank 0, and mpidp ended the job naming that rank and the
+error), but the replacement already started waits in MPI_Init for ever, and the launcher,
+its parent too, with it: the job never ended, and ``python -m mpidp.run`` could not relaunch
+it. So a replacement (its ``-X mpidp-replaces``) starts MPI and joins under faulthandler's
+timer, a thread of C that needs no interpreter (MPI_Init holds it), set to the job's
+MPIDP_TIMEOUT_S (Note [Watchdog] in mpidp/runtime/watchdog.py): where it has not joined by
+then, its stacks go to stderr (``Timeout (0:03:00)!``, the wait named in them) and it ends
+with exit code 1. The job then ends and the supervisor relaunches it from its newest
+checkpoint (docs/recovery.md). Once the group is made the watchdog takes over."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import faulthandler
 import os
 import sys
 from typing import Any, Optional
 
 import numpy as np
 
+from .. import config
 from ..engine.library import loaded_libmpi, mpi
 from . import launcher
 
@@ -124,6 +141,26 @@ def _ft_symbol() -> Optional[int]:
         except ValueError:  # not this library's symbol
             continue
     return None
+
+
+@contextlib.contextmanager
+def joined_within(joining: bool):
+    """In a replacement that is ``joining`` (mpidp.init's first call), the block (MPI's start,
+    the join, the group made) under a timer of MPIDP_TIMEOUT_S that ends the process with its
+    stacks on stderr: Note [A replacement that cannot join]. Elsewhere nothing."""
+    if not (joining and REPLACEMENT in sys._xoptions):
+        yield
+        return
+    try:
+        seconds = config.get().timeout_s
+    except ValueError:  # a bad MPIDP_* value: init reports it once MPI has started
+        seconds = config.Config().timeout_s
+    sys.stderr.flush()
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def leave_dynamic_communicators() -> None:

@@ -129,32 +129,40 @@ def init(comm: Any = None) -> Group:
     independent singletons (pass ``MPI.COMM_SELF`` to run one alone on purpose). ConfigError
     (a ValueError) on every rank where a rank's MPIDP_* value is bad, MismatchError where
     ranks' settings differ (``_agreed_settings``). Every rank of ``comm`` must call it."""
-    global _group
     with _lock:
         launcher.prepare_mpi_start()  # Note [PMI-1 lines under srun] in mpidp/runtime/launcher.py
-        MPI = mpi()
-        if comm is None and _group is not None:
-            return _group
-        if comm is None:  # a replacement of a lost rank joins the job: Note [In-job recovery]
-            comm = (recovery.join_parent() if recovery.REPLACEMENT in sys._xoptions else None) \
-                or MPI.COMM_WORLD
-        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
-            raise TypeError(f"comm must be an mpi4py Intracomm, got {comm!r}")
-        if _group is not None:
-            if MPI.Comm.Compare(_group.user_comm, comm) not in (MPI.IDENT, MPI.CONGRUENT):
-                raise ValueError("mpidp.init() was already called with another communicator")
-            return _group
-        if comm == MPI.COMM_WORLD:
-            # Note [Independent singletons] in mpidp/runtime/launcher.py
-            reason = launcher.independent_singletons(comm.Get_size())
-            if reason is not None:
-                raise LaunchError(f"mpidp: {reason}")
-        cfg = _agreed_settings(comm)
-        group = _start_group(comm, cfg, _recovery_mode(cfg))
-        _group = group
-        bind_if_visible(group.local_rank)  # before any CUDA work of the user's (imports nothing)
-        atexit.register(_at_exit)
-        return group
+        # a replacement that cannot join ends itself: Note [A replacement that cannot join]
+        with recovery.joined_within(_group is None and comm is None):
+            return _started(comm)
+
+
+def _started(comm: Any) -> Group:
+    """``init``'s work, under its lock: MPI started, the group (this process's, or ``comm``'s
+    where given) made or the one made before returned."""
+    global _group
+    MPI = mpi()
+    if comm is None and _group is not None:
+        return _group
+    if comm is None:  # a replacement of a lost rank joins the job: Note [In-job recovery]
+        comm = (recovery.join_parent() if recovery.REPLACEMENT in sys._xoptions else None) \
+            or MPI.COMM_WORLD
+    if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+        raise TypeError(f"comm must be an mpi4py Intracomm, got {comm!r}")
+    if _group is not None:
+        if MPI.Comm.Compare(_group.user_comm, comm) not in (MPI.IDENT, MPI.CONGRUENT):
+            raise ValueError("mpidp.init() was already called with another communicator")
+        return _group
+    if comm == MPI.COMM_WORLD:
+        # Note [Independent singletons] in mpidp/runtime/launcher.py
+        reason = launcher.independent_singletons(comm.Get_size())
+        if reason is not None:
+            raise LaunchError(f"mpidp: {reason}")
+    cfg = _agreed_settings(comm)
+    group = _start_group(comm, cfg, _recovery_mode(cfg))
+    _group = group
+    bind_if_visible(group.local_rank)  # before any CUDA work of the user's (imports nothing)
+    atexit.register(_at_exit)
+    return group
 
 
 def _at_exit() -> None:

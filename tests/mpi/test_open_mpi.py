@@ -4,7 +4,9 @@ ZeRO and torch's DDP, SyncBatchNorm, Join, the audit, compression, Horovod's API
 inputs: the list of tests/mpi/test_together.py), launched by horovodrun's command line
 (python -m mpidp.horovod.run); and in-job recovery with fault tolerance
 (ULFM): a rank killed mid-epoch and then another under the supervisor, the survivors shrink
-and respawn each, and the run ends bit for bit as the uninterrupted one; left behind
+and respawn each, and the run ends bit for bit as the uninterrupted one; a survivor lost
+during a respawn ends the job (no process left waiting) and the supervisor's relaunch ends
+bit for bit too; left behind
 (shrink), the others train to the end; a torch.distributed script (torch's own DDP on the
 mpidp backend) goes on after lost ranks, respawned bit for bit or shrunk; asked of MPICH,
 one line and exit code 2 (Note
@@ -90,11 +92,14 @@ def test_the_one_call_across_nodes_runs_on_open_mpis_handles(open_mpi):
         assert f"ok {r}" in proc.stdout, out[-6000:]
 
 
-def train_ft(bin_dir: Path, n: int, env=None, timeout_s=150, supervised=None):
+def train_ft(bin_dir: Path, n: int, env=None, timeout_s=150, supervised=None,
+             dataset=None):
     """``python -m mpidp.train FLAGS`` on n ranks under Open MPI with fault tolerance; under
     the supervisor (``python -m mpidp.run -n N -- ...``, which chooses the options) with the
-    checkpoint directory ``supervised`` (its JSON log beside it)."""
-    train = [str(bin_dir / "python"), "-m", "mpidp.train", *FLAGS]
+    checkpoint directory ``supervised`` (its JSON log beside it); ``dataset``, another
+    factory of user_factories than FLAGS' (the same digits)."""
+    flags = [dataset if dataset and f == FLAGS[1] else f for f in FLAGS]
+    train = [str(bin_dir / "python"), "-m", "mpidp.train", *flags]
     command = [str(bin_dir / "mpiexec"), *OPEN_MPI_FT_ARGS, "-n", str(n), *train] \
         if supervised is None else [str(bin_dir / "python"), "-m", "mpidp.run", "-n", str(n),
                                     "--", *train, "--checkpoint-dir", str(supervised),
@@ -113,6 +118,14 @@ def summary(proc) -> dict:
     return lines[0]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(open_mpi) -> dict:
+    """The summary of the run the recovered ones must end as: FLAGS on 3 ranks, no fault."""
+    reference = summary(train_ft(open_mpi, 3))
+    assert reference["ranks"] == 3
+    return reference
+
+
 def killed(bin_dir, tmp_path, victims: str, items: str, mode: str, supervised=None
            ) -> tuple:
     """A run with the ranks ``victims`` ("1,0") killed (SIGKILL) each at its item of
@@ -124,12 +137,11 @@ def killed(bin_dir, tmp_path, victims: str, items: str, mode: str, supervised=No
 
 
 def test_killed_ranks_are_respawned_one_after_another_and_the_run_ends_bit_for_bit(
-        open_mpi, tmp_path):
+        open_mpi, uninterrupted, tmp_path):
     """Rank 1 killed at its 300th item (epoch 1), then rank 0 at its 700th (epoch 2), under
     the supervisor, which chooses in-job recovery on this MPI: each respawned in the job, no
     relaunch; rank 0's replacement prints, writes the log and checkpoints from then on."""
-    reference = summary(train_ft(open_mpi, 3))
-    assert reference["ranks"] == 3
+    reference = uninterrupted
     proc, got = killed(open_mpi, tmp_path, "1,0", "300,700", "respawn", tmp_path / "ck")
     out = proc.stdout + proc.stderr
     assert proc.stderr.startswith("mpidp.run: in-job recovery (Open MPI 5"), out[-4000:]
@@ -156,6 +168,32 @@ def test_killed_ranks_are_respawned_one_after_another_and_the_run_ends_bit_for_b
     # the two epochs taken up part-way say whose loss they give
     parts = [l for l in proc.stdout.splitlines() if l.startswith("epoch ") and "(its last " in l]
     assert [l[:9] for l in parts] == ["epoch   1", "epoch   2"], out[-4000:]
+
+
+def test_a_survivor_lost_in_the_respawn_ends_the_job_and_the_relaunch_ends_bit_for_bit(
+        open_mpi, uninterrupted, tmp_path):
+    """Rank 1 killed at its 700th item (epoch 2), and rank 2 as the survivors respawn it: rank
+    0's MPI_Comm_spawn fails and it ends the job naming itself and the error; the replacement
+    already started, which could not join, ends itself after MPIDP_TIMEOUT_S rather than
+    keep the job for ever (Note [A replacement that cannot join] in
+    mpidp/runtime/recovery.py); the supervisor relaunches the job from its epoch-1
+    checkpoint, and the run ends bit for bit as the uninterrupted one."""
+    ck = tmp_path / "ck"
+    proc = train_ft(open_mpi, 3, {"DIE_RANK": "1", "DIE_AT_ITEM": "700", "DIE_IN_RESPAWN": "2",
+                                  "FAULT_ONCE_FILE": str(tmp_path / "struck"),
+                                  "MPIDP_TIMEOUT_S": "20"}, timeout_s=240, supervised=ck,
+                    dataset="user_factories:dying_in_respawn_digits")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert (tmp_path / "struck").exists() and (tmp_path / "struck-respawn").exists(), out[-6000:]
+    assert "mpidp: rank 0 of 3 on " in out and "; aborting the job" in out, out[-6000:]
+    assert "Timeout (0:00:20)!" in proc.stderr and "in _started" in proc.stderr, out[-6000:]
+    assert proc.stderr.count("; restart ") == 1 and "; restart 1 of " in proc.stderr, \
+        out[-6000:]
+    got = summary(proc)
+    assert re.search(r"ckpt-0+[1-9]\d*\.pt$", got["resumed_from"] or ""), got
+    assert got["ranks"] == 3 and got["global_step"] == uninterrupted["global_step"]
+    assert got["parameters_sha256"] == uninterrupted["parameters_sha256"], out[-6000:]
 
 
 def test_a_horovod_elastic_script_respawned_ends_bit_for_bit(open_mpi, tmp_path):

@@ -120,6 +120,21 @@ def dying_digits():
     return DyingDataset(train), test
 
 
+def dying_in_respawn_digits():
+    """dying_digits, and the rank DIE_IN_RESPAWN (a survivor) killed (SIGKILL) as it enters
+    the respawn of the lost one (mpidp.runtime.recovery.respawn), once (FAULT_ONCE_FILE and
+    "-respawn"): a failure during the respawn."""
+    if _rank_here() == os.environ.get("DIE_IN_RESPAWN"):
+        from mpidp.runtime import recovery
+        respawn = recovery.respawn
+
+        def dying(*args, **kwargs):
+            inject("kill", once=f"{os.environ['FAULT_ONCE_FILE']}-respawn")
+            return respawn(*args, **kwargs)
+        recovery.respawn = dying
+    return dying_digits()
+
+
 def slowly_written_digits():
     """dying_digits, and on rank 0 the checkpoint of global step SLOW_WRITE_AT (if set) stays
     half written for 60 s (its bytes written, before the rename): a fault then comes while it
