@@ -232,7 +232,8 @@ def report(fits: list, host: dict, pred: dict, checks: list, args) -> str:
             f"{args.overlap:g}, P100 compute / {args.compute_scale:g})", table(
                 ["system", "nodes", "ranks"] + args.model_names,
                 _ddp_rows(pred["ddp"], args.model_names), "<>>" + ">" * len(args.model_names))]
-    out += ["", f"## a lost node, {args.loss_model} ({args.optimizer_slots} optimizer slots): "
+    out += [] if not pred["lost_node"] else [
+        "", f"## a lost node, {args.loss_model} ({args.optimizer_slots} optimizer slots): "
             "seconds from the loss known to the next step done (detection apart; a "
             f"relaunch's redo: the failed step and {args.checkpoint_every_s / 2:g} s, half its "
             "checkpoint interval)", table(
@@ -315,6 +316,12 @@ def _checked(ns) -> argparse.Namespace:
         if bad or not got:
             raise ValueError(f"{what} {text!r}: accepted {', '.join(known)}")
         return got
+
+    def one(text, known, what):
+        got = names(text, known, what)
+        if len(got) > 1:
+            raise ValueError(f"{what} {text!r}: one of {', '.join(known)}")
+        return got[0]
     for flag, v, ok in (
             ("--nodes-max", ns.nodes_max, ns.nodes_max >= 1),
             ("--host-ranks-per-node", ns.host_ranks_per_node, ns.host_ranks_per_node >= 1),
@@ -336,7 +343,7 @@ def _checked(ns) -> argparse.Namespace:
         short_bytes=parse_size(ns.short_msg_bytes), size_bytes=parse_size(ns.size),
         system_names=names(ns.systems, costs.SYSTEMS, "--systems"),
         model_names=names(ns.models, costs.MODELS, "--models"),
-        loss_model=names(ns.loss_model, costs.MODELS, "--loss-model")[0]))
+        loss_model=one(ns.loss_model, costs.MODELS, "--loss-model")))
 
 
 def run(ns) -> dict:

@@ -25,8 +25,8 @@ def exit_now(code) -> None:
     """Ends this process with exit status ``code`` as ``sys.exit`` does, its last garbage
     collections skipping what is alive now (Note [Ending without the interpreter's
     teardown]). In a job that lost a process, MPI is finalised here, within
-    recovery.FINALIZE_AFTER_LOSS_S (Note [Ending a job that lost a process] in recovery.py). Does not
-    return."""
+    recovery.FINALIZE_AFTER_LOSS_S (Note [Ending a job that lost a process] in recovery.py).
+    Does not return."""
     gc.freeze()
     recovery = sys.modules.get(f"{__package__}.recovery")  # not imported: nothing was lost
     if recovery is not None and recovery.lost_in_this_job():

@@ -153,8 +153,13 @@ def joined_within(joining: bool):
         return
     try:
         seconds = config.get().timeout_s
-    except ValueError:  # a bad MPIDP_* value: init reports it once MPI has started
-        seconds = config.Config().timeout_s
+    except ValueError:  # a bad MPIDP_* value, which init reports once MPI has started
+        try:
+            seconds = config.from_env({k: v for k, v in os.environ.items()
+                                       if k == "MPIDP_TIMEOUT_S"}).timeout_s
+        except ValueError:
+            seconds = config.Config().timeout_s
+    # faulthandler has one such timer: none is armed here before (finalize_within's comes later)
     sys.stderr.flush()
     faulthandler.dump_traceback_later(seconds, exit=True)
     try:

@@ -254,6 +254,7 @@ def test_the_command_plots(tmp_path, capsys):
     (["--label", "x"], "1 --label for 0 --calibrate files"),
     (["--loss-model", "gpt5"], "--loss-model 'gpt5': accepted"),
     (["--read-GBps", "0"], "--read-GBps 0.0 is out of range"),
+    (["--loss-model", "resnet50,vgg16"], "--loss-model 'resnet50,vgg16': one of"),
 ])
 def test_bad_input_is_one_line_naming_it(tmp_path, capsys, argv, message):
     (tmp_path / "norows.json").write_text(json.dumps({"nranks": 2, "rows": []}))

@@ -123,12 +123,14 @@ def dying_digits():
 def dying_in_respawn_digits():
     """dying_digits, and the rank DIE_IN_RESPAWN (a survivor) killed (SIGKILL) as it enters
     the respawn of the lost one (mpidp.runtime.recovery.respawn), once (FAULT_ONCE_FILE and
-    "-respawn"): a failure during the respawn."""
+    "-respawn"), 1 s after it entered, the others inside MPI_Comm_spawn by then, its
+    replacement started: a failure during the respawn."""
     if _rank_here() == os.environ.get("DIE_IN_RESPAWN"):
         from mpidp.runtime import recovery
         respawn = recovery.respawn
 
         def dying(*args, **kwargs):
+            time.sleep(1.0)
             inject("kill", once=f"{os.environ['FAULT_ONCE_FILE']}-respawn")
             return respawn(*args, **kwargs)
         recovery.respawn = dying
