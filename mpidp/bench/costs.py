@@ -136,6 +136,15 @@ def shm(nbytes, ranks) -> Terms:
     return Terms(node_messages=1, node_bytes=2 * (g - 1) / g * n, reduced_bytes=(g - 1) / g * n)
 
 
+def broadcast(nbytes, ranks) -> Terms:
+    """MPICH's broadcast of a large buffer over p ranks of one link (a scatter down a binomial
+    tree, then a ring all-gather): ceil(log2 p) + p - 1 messages, 2 (p-1)/p n bytes."""
+    n, p = _nbytes(nbytes), _count("ranks", ranks)
+    if p == 1:
+        return Terms()
+    return Terms(messages=math.ceil(math.log2(p)) + p - 1, link_bytes=2 * (p - 1) / p * n)
+
+
 def node_broadcast(nbytes, ranks) -> Terms:
     """A broadcast of n bytes to g ranks of a node, at its lower bound: a binomial tree's
     ceil(log2 g) messages and a scatter + all-gather's 2 (g-1)/g n bytes."""

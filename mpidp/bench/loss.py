@@ -1,7 +1,7 @@
 """The scale model's cost of a lost node (docs/scale-model.md, "A lost node"): in-job recovery,
 shrunk or respawned, against a relaunch from the newest checkpoint, at any number of nodes.
 Pure functions of the phases measured here (bench/RESULTS.md) and a link's alpha and beta
-(mpidp.bench.costs): no MPI, no torch."""
+(mpidp.bench.costs, its broadcast's too): no MPI, no torch."""
 from __future__ import annotations
 
 import math
@@ -30,15 +30,6 @@ def levels(count: int) -> int:
     return max(1, math.ceil(math.log2(max(count, 1))))
 
 
-def broadcast(nbytes: float, ranks: int) -> costs.Terms:
-    """MPICH's broadcast of a large buffer (scatter, then a ring all-gather): ``levels``
-    messages, then the bytes twice through each link."""
-    if ranks <= 1:
-        return costs.Terms()
-    return costs.Terms(messages=levels(ranks) + ranks - 1,
-                       link_bytes=2 * (ranks - 1) / ranks * nbytes)
-
-
 def shrink(ranks: int) -> costs.Terms:
     """ULFM's revoke (a reliable broadcast over the group) and MPI_Comm_shrink's agreement (up
     and down a tree), then the fingerprint's all-reduce of 8 bytes: 4 tree depths."""
@@ -62,8 +53,8 @@ def in_job_s(ranks: int, lost: int, state_bytes: float, step_s: float,
     parts["group_s"] = phases.group_s + costs.seconds(
         costs.Terms(messages=2 * levels(ranks if respawn else left)), machine)
     if respawn:
-        parts["state_s"] = phases.handover_s + costs.seconds(broadcast(state_bytes, ranks),
-                                                              machine)
+        parts["state_s"] = phases.handover_s + costs.seconds(
+            costs.broadcast(state_bytes, ranks), machine)
         parts["first_step_s"] = phases.first_step_s
     parts["redo_s"] = step_s
     return parts
@@ -82,6 +73,6 @@ def relaunch_s(ranks: int, nodes: int, state_bytes: float, step_s: float,
             "start_s": phases.imports_s + costs.seconds(
                 costs.Terms(messages=levels(ranks)), machine),  # MPI's wire-up exchange
             "load_s": state_bytes / read_bytes_per_s + costs.seconds(
-                broadcast(state_bytes, ranks), machine),
+                costs.broadcast(state_bytes, ranks), machine),
             "first_step_s": phases.first_step_s,
             "redo_s": step_s + checkpoint_every_s / 2}

@@ -132,40 +132,53 @@ def enabled() -> bool:
     return launcher.fault_tolerance_asked(os.environ)
 
 
-def _ft_symbol() -> Optional[int]:
-    """Open MPI's own ``ompi_ftmpi_enabled`` (set at MPI_Init from ``mpi_ft_enable``), None
-    where the library has no such symbol (one built without ULFM)."""
+def _open_mpi_variable(kind, name: str):
+    """The ctypes view of Open MPI's exported variable ``name`` in a loaded MPI library, None
+    where none has it (MPICH; an Open MPI built without it)."""
     for lib in loaded_libmpi():
         try:
-            return int(ctypes.c_bool.in_dll(lib, "ompi_ftmpi_enabled").value)
+            return kind.in_dll(lib, name)
         except ValueError:  # not this library's symbol
             continue
     return None
 
 
+def _ft_symbol() -> Optional[int]:
+    """Open MPI's own ``ompi_ftmpi_enabled`` (set at MPI_Init from ``mpi_ft_enable``), None
+    where the library has no such symbol (one built without ULFM)."""
+    flag = _open_mpi_variable(ctypes.c_bool, "ompi_ftmpi_enabled")
+    return None if flag is None else int(flag.value)
+
+
+@contextlib.contextmanager
+def ended_after(seconds: float):
+    """The block under faulthandler's timer: where it has not ended in ``seconds``, this
+    process's stacks go to stderr and it ends with exit code 1 (a thread of C: it fires while
+    the main thread is inside MPI). The timer is cancelled once the block ends, not where it
+    raises: a process that failed there is still ended should its exit wait. One such timer
+    per process (finalize_within's, ``joined_within``'s)."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
 @contextlib.contextmanager
 def joined_within(joining: bool):
     """In a replacement that is ``joining`` (mpidp.init's first call), the block (MPI's start,
-    the join, the group made) under a timer of MPIDP_TIMEOUT_S that ends the process with its
-    stacks on stderr: Note [A replacement that cannot join]. Elsewhere nothing."""
+    the join, the group made) ``ended_after`` MPIDP_TIMEOUT_S: Note [A replacement that
+    cannot join]. Elsewhere nothing."""
     if not (joining and REPLACEMENT in sys._xoptions):
         yield
         return
-    try:
-        seconds = config.get().timeout_s
-    except ValueError:  # a bad MPIDP_* value, which init reports once MPI has started
-        try:
-            seconds = config.from_env({k: v for k, v in os.environ.items()
-                                       if k == "MPIDP_TIMEOUT_S"}).timeout_s
-        except ValueError:
-            seconds = config.Config().timeout_s
-    # faulthandler has one such timer: none is armed here before (finalize_within's comes later)
-    sys.stderr.flush()
-    faulthandler.dump_traceback_later(seconds, exit=True)
-    try:
+    try:  # that setting alone: init reports a bad MPIDP_* value once MPI has started
+        seconds = config.from_env({k: v for k, v in os.environ.items()
+                                   if k == "MPIDP_TIMEOUT_S"}).timeout_s
+    except ValueError:
+        seconds = config.Config().timeout_s
+    with ended_after(seconds):
         yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
 
 
 def leave_dynamic_communicators() -> None:
@@ -174,11 +187,9 @@ def leave_dynamic_communicators() -> None:
     disconnect them one by one: Note [Ending a job that lost a process]. Called by every
     process of a job that lost a process, just before MPI_Finalize, mpidp's traffic ended;
     nothing where the library has no such count (MPICH)."""
-    for lib in loaded_libmpi():
-        try:
-            ctypes.c_int.in_dll(lib, "ompi_comm_num_dyncomm").value = 0
-        except ValueError:  # not this library's symbol
-            continue
+    count = _open_mpi_variable(ctypes.c_int, "ompi_comm_num_dyncomm")
+    if count is not None:
+        count.value = 0
 
 
 def mode(asked: str) -> str:

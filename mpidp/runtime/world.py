@@ -7,7 +7,6 @@ import atexit
 import contextlib
 import contextvars
 import dataclasses
-import faulthandler
 import socket
 import sys
 import threading
@@ -168,8 +167,8 @@ def _started(comm: Any) -> Group:
 def _at_exit() -> None:
     """mpidp's shutdown at the interpreter's exit; in a job that lost a process (a user's
     script too: torch's, Horovod's elastic), MPI finalised here, within
-    recovery.FINALIZE_AFTER_LOSS_S, rather than left to wait for ever in mpi4py's finalisation (Note
-    [Ending a job that lost a process] in mpidp/runtime/recovery.py)."""
+    recovery.FINALIZE_AFTER_LOSS_S, rather than left to wait for ever in mpi4py's finalisation
+    (Note [Ending a job that lost a process] in mpidp/runtime/recovery.py)."""
     if recovery.lost_in_this_job():
         finalize_within(recovery.FINALIZE_AFTER_LOSS_S)
     else:
@@ -288,15 +287,12 @@ def finalize_within(seconds: float) -> None:
     stderr) where they have not returned in ``seconds``: Note [Ending a job that lost a
     process] in mpidp/runtime/recovery.py. Called once, last, by the main thread; collective
     as MPI_Finalize is."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    faulthandler.dump_traceback_later(seconds, exit=True)
-    shutdown()
-    MPI = mpi()
-    recovery.leave_dynamic_communicators()
-    if not MPI.Is_finalized():
-        MPI.Finalize()
-    faulthandler.cancel_dump_traceback_later()
+    with recovery.ended_after(seconds):
+        shutdown()
+        MPI = mpi()
+        recovery.leave_dynamic_communicators()
+        if not MPI.Is_finalized():
+            MPI.Finalize()
 
 
 def start_timeline(path: str, what: str = "start_timeline", asked: str = "MPIDP_TIMELINE"

@@ -213,8 +213,8 @@ def test_the_command_calibrates_predicts_and_writes_json(tmp_path, capsys):
 
 def test_a_lost_nodes_phases_in_closed_form():
     assert [loss.levels(k) for k in (0, 1, 2, 8, 9)] == [1, 1, 1, 3, 4]
-    assert loss.broadcast(N, 4) == Terms(messages=2 + 3, link_bytes=1.5 * N)
-    assert loss.broadcast(N, 1) == Terms()
+    assert costs.broadcast(N, 4) == Terms(messages=2 + 3, link_bytes=1.5 * N)
+    assert costs.broadcast(N, 1) == Terms()
     assert loss.shrink(8) == Terms(messages=12)
     m = Machine(alpha_s=1e-6, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-12)
     ph = loss.Phases(spawn_s=2, group_s=0.5, handover_s=0.25, first_step_s=1, end_job_s=3,
