@@ -57,9 +57,10 @@ process as ended improperly and the job's exit code 1.)
 Note [A replacement that cannot join]
 A replacement meets its job in MPI_Init (the connection to the survivors that spawned it),
 then in the merge and the group made with them (``join_parent``, mpidp.init). Where a
-survivor fails during the respawn, the others' MPI_Comm_spawn fails (measured: Open MPI
-5.0.11 returned MPI_ERR_INTERN to rank 0, and mpidp ended the job naming that rank and the
-error), but the replacement already started waits in MPI_Init for ever, and the launcher,
+survivor fails during the respawn, Open MPI 5.0.11 ends the others' MPI_Comm_spawn in more
+than one way (seen: MPI_ERR_INTERN returned to rank 0, and mpidp ended the job naming that
+rank and the error; a survivor crashed inside Open MPI with SIGSEGV); but where the
+replacement had started, it could wait in MPI_Init for ever, and the launcher,
 its parent too, with it: the job never ended, and ``python -m mpidp.run`` could not relaunch
 it. So a replacement (its ``-X mpidp-replaces``) starts MPI and joins under faulthandler's
 timer, a thread of C that needs no interpreter (MPI_Init holds it), set to the job's

@@ -118,7 +118,8 @@ def parser() -> argparse.ArgumentParser:
     a("--eval-every", type=int, default=d.eval_every,
       help="score held-out accuracy every N epochs (0: only at the end)")
     a("--threads-per-rank", type=int, default=d.threads_per_rank,
-      help="torch threads per rank (default: the node's cores / ranks on the node)")
+      help="torch threads per rank (default: the machine's cores / the job's ranks on "
+           "it, emulated nodes or not)")
     a("--num-ps", type=int, default=d.num_ps,
       help="--strategy ps: how many ranks are servers (the last ones; default 1)")
     a("--staleness", type=int, default=d.staleness,

@@ -79,13 +79,14 @@ class Trainer:
             resumed = setup.agree(g, lambda: setup.find_resume_point(
                 s, g.size, model, len(train_data), _warn) if g.rank == 0 else None,
                 name_rank=False)
-        torch.set_num_threads(s.threads_per_rank or setup.default_threads(g.local_size))
+        threads = s.threads_per_rank or setup.default_threads(g.host_size)
+        torch.set_num_threads(threads)
         device = torch.device(kind)  # mpidp.init bound this rank's GPU (Note [Training device])
         names = names or (type(model).__name__, type(train_data).__name__)
         report = Report(g.rank, g.size, s.progress, s.verbose, s.log_json)
         try:
             with recording_signals() if s.checkpoint_on_signal else contextlib.nullcontext():
-                report.line(f"training on {kind} ({why})" + (
+                report.line(f"training on {kind} ({why}), {threads} torch thread(s) per rank" + (
                     f", autocast {s.amp}" if s.amp != "off" else ""))
                 return self._train(g, model.to(device), train_data, test_data, loss_fn,
                                    sampler, resumed, report, names)
@@ -98,7 +99,7 @@ class Trainer:
         survivors (``in_job.rejoin``, collective with their recovery) and trained on."""
         s = self.settings
         kind, why = devices.decide(s.device, s.strategy, [torch_gpu(g.local_rank)] * g.size)
-        torch.set_num_threads(s.threads_per_rank or setup.default_threads(g.local_size))
+        torch.set_num_threads(s.threads_per_rank or setup.default_threads(g.host_size))
         report = Report(g.rank, g.size, s.progress, s.verbose, s.log_json)
         sampler = ShardSampler(len(train_data), g.rank, g.size, s.seed)
         try:

@@ -226,13 +226,17 @@ def find_resume_point(settings: TrainSettings, world_size: int, model, train_sam
     return found
 
 
-def default_threads(local_size: int) -> int:
+def default_threads(host_size: int) -> int:
     """Torch threads per rank: the cores the launcher bound this rank to, or, when it did not
-    bind (the whole machine is allowed), the node's cores shared among its ranks."""
+    bind (the whole machine is allowed), the machine's cores shared among the ``host_size``
+    ranks on it. The machine's, not the node's: where nodes are emulated on one host
+    (MPIDP_EMULATE_NODE_SIZE, and in-job recovery on Open MPI) a node's count would give every
+    rank all the cores, and the ranks' thread pools, spinning against one another, trained
+    digits 50x slower (406 samples/s against 20,261 with one thread each, 2 ranks)."""
     allowed = len(os.sched_getaffinity(0))
     if allowed < (os.cpu_count() or allowed):
         return allowed
-    return max(1, allowed // max(local_size, 1))
+    return max(1, allowed // max(host_size, 1))
 
 
 def changed_settings(saved: dict, settings: TrainSettings) -> list:

@@ -172,12 +172,14 @@ def test_killed_ranks_are_respawned_one_after_another_and_the_run_ends_bit_for_b
 
 def test_a_survivor_lost_in_the_respawn_ends_the_job_and_the_relaunch_ends_bit_for_bit(
         open_mpi, uninterrupted, tmp_path):
-    """Rank 1 killed at its 700th item (epoch 2), and rank 2 as the survivors respawn it: rank
-    0's MPI_Comm_spawn fails and it ends the job naming itself and the error; the replacement
-    already started, which could not join, ends itself after MPIDP_TIMEOUT_S rather than
-    keep the job for ever (Note [A replacement that cannot join] in
-    mpidp/runtime/recovery.py); the supervisor relaunches the job from its epoch-1
-    checkpoint, and the run ends bit for bit as the uninterrupted one."""
+    """Rank 1 killed at its 700th item (epoch 2), and rank 2 once its replacement's process
+    has started, as the survivors respawn it. Open MPI ends that respawn in more than one way
+    (seen here: rank 0's MPI_Comm_spawn returns MPI_ERR_INTERN and mpidp aborts the job
+    naming rank 0; a survivor crashes inside Open MPI; the replacement waits in MPI_Init and
+    ends itself after MPIDP_TIMEOUT_S, Note [A replacement that cannot join] in
+    mpidp/runtime/recovery.py, tested alone in tests/unit/test_recovery_units.py): whichever,
+    the job ends, the supervisor relaunches it once from a checkpoint, and the run ends bit
+    for bit as the uninterrupted one."""
     ck = tmp_path / "ck"
     proc = train_ft(open_mpi, 3, {"DIE_RANK": "1", "DIE_AT_ITEM": "700", "DIE_IN_RESPAWN": "2",
                                   "FAULT_ONCE_FILE": str(tmp_path / "struck"),
@@ -186,10 +188,12 @@ def test_a_survivor_lost_in_the_respawn_ends_the_job_and_the_relaunch_ends_bit_f
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert (tmp_path / "struck").exists() and (tmp_path / "struck-respawn").exists(), out[-6000:]
-    # rank 0's spawn failed (not a wait the watchdog ended): its own line, the MPI error named
-    assert re.search(r"^mpidp: rank 0 of 3 on \S+: uncaught Exception: MPI_ERR_\w+: .*; "
-                     r"aborting the job$", out, re.M), out[-6000:]
-    assert "Timeout (0:00:20)!" in proc.stderr and "in _started" in proc.stderr, out[-6000:]
+    # the first attempt ended (not waited on for ever), whichever way Open MPI ended it; a
+    # rank Open MPI kills mid-write can leave NUL bytes in front of the supervisor's line
+    assert re.search(r"^mpidp\.run: the job failed after [\d.]+ s \(exit \d+: .*\); "
+                     r"restart 1 of 3: 3 rank\(s\), from ckpt-0+[1-9]\d*\.pt$",
+                     out.replace("\0", ""), re.M), \
+        out[-6000:]
     assert proc.stderr.count("; restart ") == 1 and "; restart 1 of " in proc.stderr, \
         out[-6000:]
     got = summary(proc)

@@ -574,7 +574,7 @@ def test_a_terminal_gets_whole_lines_in_order(tmp_path):
     lines = text.replace("\r\n", "\n").splitlines()
     patterns = [r"mpidp\.train: starting \(loading PyTorch, then MPI\)",
                 r"mpidp\.train: mirrored on 2 rank\(s\), 1 node\(s\); .* parameters\)",
-                r"training on cpu \(.*\)",
+                r"training on cpu \(.*\), \d+ torch thread\(s\) per rank",
                 r"  step \d+/23 of epoch 1/1 \(\d+%\)  loss \d\.\d{4}  [\d,]+ samples/s",
                 r"epoch   1/1  train loss \d\.\d{4}  held-out acc +\d+\.\d\d%  [\d,]+ "
                 r"samples/s  comm +\d+\.\d%  \d+\.\d\d s",

@@ -1,6 +1,7 @@
 """The pure parts of in-job recovery (mpidp/runtime/recovery.py, mpidp/train/in_job.py): the
 replacement's command line, MPIDP_RECOVERY's values, the errors that mean a lost process,
 and the snapshots the run goes on from."""
+import os
 import sys
 import types
 
@@ -105,3 +106,30 @@ def test_a_process_of_a_job_that_lost_one_finalizes_last_and_within_its_time(cas
         return
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout.strip() == f"finalized at exit: {case == 'lost'}", proc.stdout
+
+
+JOINING = """
+import sys, time
+from mpidp.runtime import recovery
+with recovery.joined_within(True):
+    time.sleep(float(sys.argv[1]))
+print("joined", flush=True)
+"""
+
+
+@pytest.mark.parametrize("replacement", [True, False], ids=["replacement", "first-start"])
+def test_a_replacement_that_cannot_join_ends_itself_after_the_timeout(replacement):
+    """Note [A replacement that cannot join]: a replacement's join (here a sleep of 30 s) under
+    MPIDP_TIMEOUT_S=1 ends the process with exit code 1 and its stacks on stderr; a process
+    that is no replacement waits as long as its block takes (a 2 s sleep)."""
+    import subprocess
+    mark = ["-X", recovery.REPLACEMENT] if replacement else []
+    proc = subprocess.run([sys.executable, *mark, "-c", JOINING, "30" if replacement else "2"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MPIDP_TIMEOUT_S": "1"})
+    if replacement:
+        assert proc.returncode == 1 and "Timeout (0:00:01)!" in proc.stderr, proc.stderr
+        assert 'File "<string>", line 5 in <module>' in proc.stderr, proc.stderr
+        assert "joined" not in proc.stdout
+    else:
+        assert proc.returncode == 0 and proc.stdout == "joined\n", proc.stderr

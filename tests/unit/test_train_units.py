@@ -230,7 +230,7 @@ def test_help_documents_every_setting_with_its_default():
         assert "--" + name.replace("_", "-") in text
     assert "(default: 32)" in text and "(default: mirrored)" in text
     assert "(default: None)" not in text and "95% held-out" in text
-    assert "(default: none written)" in text and "cores / ranks on the node" in text
+    assert "(default: none written)" in text and "the machine's cores / the job's ranks on it" in text
 
 
 # ---- checkpoint files ------------------------------------------------------------------------

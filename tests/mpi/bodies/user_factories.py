@@ -120,17 +120,37 @@ def dying_digits():
     return DyingDataset(train), test
 
 
+def _replacement_started(timeout_s=60.0):
+    """Returns once a process of this test's job (its MPIDP_TEST_TAG) runs as a replacement
+    (``-X mpidp-replaces`` on its command line, mpidp.runtime.recovery.REPLACEMENT), or after
+    ``timeout_s``."""
+    from pathlib import Path
+    from mpidp.runtime.recovery import REPLACEMENT
+    tag = f"MPIDP_TEST_TAG={os.environ.get('MPIDP_TEST_TAG', '')}".encode()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and REPLACEMENT.encode() in \
+                        (entry / "cmdline").read_bytes().split(b"\0") and \
+                        tag in (entry / "environ").read_bytes().split(b"\0"):
+                    return
+            except OSError:
+                continue
+        time.sleep(0.05)
+
+
 def dying_in_respawn_digits():
     """dying_digits, and the rank DIE_IN_RESPAWN (a survivor) killed (SIGKILL) as it enters
     the respawn of the lost one (mpidp.runtime.recovery.respawn), once (FAULT_ONCE_FILE and
-    "-respawn"), 1 s after it entered, the others inside MPI_Comm_spawn by then, its
-    replacement started: a failure during the respawn."""
+    "-respawn"), once the replacement's process has started (the others inside
+    MPI_Comm_spawn by then): a failure during the respawn."""
     if _rank_here() == os.environ.get("DIE_IN_RESPAWN"):
         from mpidp.runtime import recovery
         respawn = recovery.respawn
 
         def dying(*args, **kwargs):
-            time.sleep(1.0)
+            _replacement_started()
             inject("kill", once=f"{os.environ['FAULT_ONCE_FILE']}-respawn")
             return respawn(*args, **kwargs)
         recovery.respawn = dying
