@@ -93,12 +93,12 @@ def test_the_one_call_across_nodes_runs_on_open_mpis_handles(open_mpi):
 
 
 def train_ft(bin_dir: Path, n: int, env=None, timeout_s=150, supervised=None,
-             dataset=None):
+             dataset=None, more=()):
     """``python -m mpidp.train FLAGS`` on n ranks under Open MPI with fault tolerance; under
     the supervisor (``python -m mpidp.run -n N -- ...``, which chooses the options) with the
     checkpoint directory ``supervised`` (its JSON log beside it); ``dataset``, another
-    factory of user_factories than FLAGS' (the same digits)."""
-    flags = [dataset if dataset and f == FLAGS[1] else f for f in FLAGS]
+    factory of user_factories than FLAGS' (the same digits); ``more``, flags after FLAGS."""
+    flags = [dataset if dataset and f == FLAGS[1] else f for f in FLAGS] + list(more)
     train = [str(bin_dir / "python"), "-m", "mpidp.train", *flags]
     command = [str(bin_dir / "mpiexec"), *OPEN_MPI_FT_ARGS, "-n", str(n), *train] \
         if supervised is None else [str(bin_dir / "python"), "-m", "mpidp.run", "-n", str(n),
@@ -168,6 +168,30 @@ def test_killed_ranks_are_respawned_one_after_another_and_the_run_ends_bit_for_b
     # the two epochs taken up part-way say whose loss they give
     parts = [l for l in proc.stdout.splitlines() if l.startswith("epoch ") and "(its last " in l]
     assert [l[:9] for l in parts] == ["epoch   1", "epoch   2"], out[-4000:]
+
+
+def test_a_rank_killed_inside_the_gradients_all_reduce_is_respawned_and_ends_bit_for_bit(
+        open_mpi, tmp_path):
+    """mpidp's pipelined ring (--algorithm ring, 8 KiB pieces: the 340 KB of gradients in 14
+    pieces a chunk), rank 1 killed inside its 20th all-reduce of them (epoch 2), after its
+    reduce-scatter: its neighbours are mid-collective, their gradients half reduced. The
+    survivors learn of it inside the collective, respawn it and redo that step whole, never
+    half of it: the run ends as the uninterrupted one on the same ring, bit for bit."""
+    ring, pieces = ("--algorithm", "ring"), {"MPIDP_RING_PIECE_BYTES": "8192"}
+    reference = summary(train_ft(open_mpi, 3, pieces, more=ring))
+    proc = train_ft(open_mpi, 3, {**pieces, "DIE_RANK": "1", "DIE_AT_CALL": "20",
+                                  "FAULT_ONCE_FILE": str(tmp_path / "struck"),
+                                  "MPIDP_RECOVERY": "respawn"},
+                    dataset="user_factories:dying_in_allreduce_digits", more=ring)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and (tmp_path / "struck").exists(), out[-6000:]
+    recoveries = [l for l in proc.stdout.splitlines() if "in-job recovery: lost" in l]
+    assert len(recoveries) == 1 and recoveries[0].startswith(
+        "in-job recovery: lost rank(s) 1 of 3; respawned, back at 3 ranks; redoing from step "), \
+        out[-6000:]
+    got = summary(proc)
+    assert got["ranks"] == 3 and got["global_step"] == reference["global_step"]
+    assert got["parameters_sha256"] == reference["parameters_sha256"], out[-6000:]
 
 
 def test_a_survivor_lost_in_the_respawn_ends_the_job_and_the_relaunch_ends_bit_for_bit(

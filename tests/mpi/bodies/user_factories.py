@@ -157,6 +157,25 @@ def dying_in_respawn_digits():
     return dying_digits()
 
 
+def dying_in_allreduce_digits():
+    """The digits, and the rank DIE_RANK killed (SIGKILL) inside its DIE_AT_CALL-th ring
+    all-reduce of more than 16 KiB (a bucket of the step's gradients, not a scalar), between
+    its reduce-scatter and its all-gather (mpidp.engine.ring): its ring neighbours are in the
+    middle of the collective, their gradients half reduced. Once (FAULT_ONCE_FILE)."""
+    if _rank_here() == os.environ.get("DIE_RANK"):
+        from mpidp.engine import ring
+        allgather, at, calls = ring.allgather_phase, int(os.environ["DIE_AT_CALL"]), [0]
+
+        def dying(buf, transport, chunks):
+            if buf.nbytes > 16 << 10:
+                calls[0] += 1
+                if calls[0] == at:
+                    inject("kill")
+            return allgather(buf, transport, chunks)
+        ring.allgather_phase = dying
+    return data.digits()
+
+
 def slowly_written_digits():
     """dying_digits, and on rank 0 the checkpoint of global step SLOW_WRITE_AT (if set) stays
     half written for 60 s (its bytes written, before the rename): a fault then comes while it
