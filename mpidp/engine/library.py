@@ -39,3 +39,22 @@ def loaded_libmpi() -> list:
         except OSError:  # unmapped since
             continue
     return found
+
+
+def wait_all(requests: list) -> None:
+    """MPI_Waitall on ``requests``; where one of them failed, its own error is raised (an
+    ``MPI.Exception`` of its class, from MPI's), not MPI_ERR_IN_STATUS, which names none: a
+    lost peer's MPI_ERR_PROC_FAILED in a wait on a send and a receive reaches in-job
+    recovery as a lost process (mpidp.runtime.recovery.is_process_failure)."""
+    MPI = mpi()
+    statuses = [MPI.Status() for _ in requests]
+    try:
+        MPI.Request.Waitall(requests, statuses)
+    except MPI.Exception as exc:
+        if exc.Get_error_class() != MPI.ERR_IN_STATUS:
+            raise
+        for status in statuses:
+            code = status.Get_error()
+            if code not in (MPI.SUCCESS, MPI.ERR_PENDING):
+                raise MPI.Exception(code) from exc
+        raise

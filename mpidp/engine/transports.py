@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from ..errors import WaitTimeoutError
-from .library import mpi
+from .library import mpi, wait_all
 
 RING_TAG = 0x6D70   # "mp": keeps the ring's messages apart from a user's own traffic
 CHECK_TAG = 0x6D63  # "mc": the records of the checked exchange (mpidp.engine.doubling)
@@ -35,8 +35,7 @@ class MPITransport:
         return reqs
 
     def wait(self, handle) -> None:
-        MPI = mpi()
-        MPI.Request.Waitall(handle)
+        wait_all(handle)
 
     # records of any length (mpidp.engine.doubling): the receiver learns the length from the message
     def swap(self, msg: np.ndarray, peer: int) -> np.ndarray:

@@ -126,6 +126,10 @@ def independent_singletons(size: int, env: Mapping[str, str] | None = None) -> O
 # two: a site that launches with srun there should use an MPI built for its Slurm.
 NETMOD_VARIABLES = ("MPIR_CVAR_CH4_NETMOD", "MPICH_CH4_NETMOD", "MPIR_PARAM_CH4_NETMOD")
 FINALIZE_WITHOUT_FENCE = "OMPI_MCA_async_mpi_finalize"  # Open MPI's; set by --with-ft ulfm
+# Open MPI's tcp transport without its RDMA put (its default flags less put and hetero-rdma):
+# Note [A peer lost mid-transfer] in mpidp/runtime/recovery.py
+TCP_FLAGS = "OMPI_MCA_btl_tcp_flags"
+TCP_FLAGS_WITHOUT_PUT = "send,inplace,need-ack,need-csum"
 
 
 def fault_tolerance_asked(env: Mapping[str, str]) -> bool:
@@ -138,10 +142,13 @@ def mpi_start_settings(env: Mapping[str, str], mpich_wheel: bool) -> dict:
     """The variables to set in ``env`` before MPI starts (Note [PMI-1 lines under srun]):
     MPICH's ofi netmod under an srun step whose PMI is Slurm's pmi2 plugin, with the mpich
     wheel and no netmod chosen; under Open MPI with fault tolerance on, no process-manager
-    fence in MPI_Finalize unless the user chose (Note [Ending a job that lost a process] in
-    mpidp/runtime/recovery.py); nothing elsewhere."""
-    if fault_tolerance_asked(env) and FINALIZE_WITHOUT_FENCE not in env:
-        return {FINALIZE_WITHOUT_FENCE: "1"}
+    fence in MPI_Finalize and no RDMA put over tcp, each unless the user chose (Note [Ending a
+    job that lost a process], Note [A peer lost mid-transfer] in mpidp/runtime/recovery.py);
+    nothing elsewhere."""
+    if fault_tolerance_asked(env):
+        return {name: value for name, value in ((FINALIZE_WITHOUT_FENCE, "1"),
+                                                (TCP_FLAGS, TCP_FLAGS_WITHOUT_PUT))
+                if name not in env}
     view = launcher_view(env)
     if not mpich_wheel or view is None or view.launcher != "Slurm (PMI2)" \
             or "PMI_FD" not in env or any(name in env for name in NETMOD_VARIABLES):

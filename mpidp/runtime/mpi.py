@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..engine.library import mpi as _mpi  # Note [MPI imported once]
+from ..engine.library import wait_all as _wait_all
 from . import recovery
 
 
@@ -307,7 +308,8 @@ def test_all(requests: list) -> bool:
 
 
 def wait_all(requests: list) -> None:
-    _mpi().Request.Waitall(requests)
+    """Every request of ``requests`` completed; a failed one raises its own error."""
+    _wait_all(requests)
 
 
 def cancel(requests: list) -> None:

@@ -67,7 +67,26 @@ timer, a thread of C that needs no interpreter (MPI_Init holds it), set to the j
 MPIDP_TIMEOUT_S (Note [Watchdog] in mpidp/runtime/watchdog.py): where it has not joined by
 then, its stacks go to stderr (``Timeout (0:03:00)!``, the wait named in them) and it ends
 with exit code 1. The job then ends and the supervisor relaunches it from its newest
-checkpoint (docs/recovery.md). Once the group is made the watchdog takes over."""
+checkpoint (docs/recovery.md). Once the group is made the watchdog takes over.
+
+Note [A peer lost mid-transfer]
+A rank killed while a large message to or from it was in flight (an all-reduce of 16 to 64
+MiB, MPI's own or mpidp's ring, over Open MPI 5.0.11's tcp transport) left a survivor
+waiting for ever in 13 of 32 runs at 3 ranks and 64 MiB, 2 of 8 at 4 ranks and 16 MiB
+(2026-12-04, this project's 2-core machine), inside the MPI call itself:
+above the eager limit (64 KiB) ob1 moves a message by the transport's RDMA put, then sends a
+FIN; the send that meets the closed socket closes the endpoint, and the error path sends that
+FIN over the endpoint whose lock it already holds (the stack: PMPI_Testall, opal_progress,
+mca_btl_tcp_frag_send, mca_btl_tcp_endpoint_close, mca_pml_ob1_send_fin,
+mca_btl_tcp_endpoint_send, pthread_mutex_lock). Without put, the same messages go as a
+pipeline of sends with no FIN, and 68 runs of 68 ended with every survivor told of the loss
+(the cost, 64 MiB over 3 ranks, medians of 3 launches: MPI's all-reduce 134 -> 137 ms,
+mpidp's ring 69 -> 79 ms). So under fault tolerance mpidp starts MPI with the tcp flags
+less put (OMPI_MCA_btl_tcp_flags, mpidp.runtime.launcher.mpi_start_settings) unless the user
+chose them. MPI_Waitall reports a failed request of several as MPI_ERR_IN_STATUS, which names
+no cause; mpidp's waits raise the failed request's own error instead
+(mpidp.engine.library.wait_all), so that a wait on a send to a dead peer and a receive from a
+live one is known for a lost process (``is_process_failure``)."""
 from __future__ import annotations
 
 import contextlib

@@ -17,7 +17,9 @@ the parameters broadcast, the optimizer's state broadcast, each survivor's gener
 own, the position and the run's totals broadcast; then a new strategy (its buckets, its DDP)
 on the new group and a new data shard for this rank: from the epoch's sample cursor, as a
 resume on another number of ranks (Note [Sample cursor]), so each remaining sample of the
-epoch is seen once. Respawned to the same number of ranks, each rank takes its old shard and
+epoch is seen once (the snapshot of an epoch's last step is where the next epoch starts once
+that epoch's end, its score, event and checkpoint, is done; before that, going on from it
+redoes the end alone). Respawned to the same number of ranks, each rank takes its old shard and
 the run ends bit for bit as the uninterrupted one. A replacement starts the generators of
 its rank afresh (seeded): a model that draws random numbers at each step (dropout) is then
 not bit for bit on that rank. In-job recovery covers ``--strategy mirrored`` without
@@ -69,6 +71,13 @@ class Snapshots:
             self.pending["next_step_s"] = round(time.time() - self.pending["began_at"], 6)
             run.report.record(self.pending)
             self.pending = None
+
+    def epoch_done(self, epoch: int) -> None:
+        """Epoch ``epoch``'s end (its score, event, checkpoint) is done too: the snapshot of
+        its last step is where epoch ``epoch + 1`` starts (a loss in that epoch's first step
+        goes on from there, not into the end again)."""
+        if self.kept and self.kept[-1]["position"][0] == epoch:
+            self.kept[-1] = {**self.kept[-1], "position": (epoch + 1, 0, 0)}
 
     def newest(self) -> int:
         return self.kept[-1]["global_step"] if self.kept else -1

@@ -98,6 +98,7 @@ class Trainer:
         mpidp/train/in_job.py): this rank's own set-up, then the run taken up from the
         survivors (``in_job.rejoin``, collective with their recovery) and trained on."""
         s = self.settings
+        s.check()  # the defaults it fills in (the learning rate): the survivors' settings
         kind, why = devices.decide(s.device, s.strategy, [torch_gpu(g.local_rank)] * g.size)
         torch.set_num_threads(s.threads_per_rank or setup.default_threads(g.host_size))
         report = Report(g.rank, g.size, s.progress, s.verbose, s.log_json)
@@ -303,8 +304,11 @@ class _Run:
         """Epoch ``epoch`` from sample position ``cursor`` (Note [Sample cursor]): its steps,
         the held-out score when due, the epoch's event from every rank's figures, the
         end-of-epoch checkpoint."""
-        first = self.steps - self.strategy.steps_left(self.sampler, epoch, cursor,
-                                                      self.settings.batch_size, self.steps)
+        # a cursor past the epoch's samples: its steps all done, its end not (a recovery that
+        # went on from its last step: Note [Recovering a run] in mpidp/train/in_job.py)
+        first = self.steps if cursor >= self.sampler.length else \
+            self.steps - self.strategy.steps_left(self.sampler, epoch, cursor,
+                                                  self.settings.batch_size, self.steps)
         self.report.start_epoch(epoch, self.settings.epochs, self.steps, first)
         figures = self._train_steps(epoch, first, cursor)
         self.accuracy = self._evaluate_if_due(epoch)
@@ -313,6 +317,8 @@ class _Run:
         self._report_straggler(epoch)
         if self.settings.checkpoint_dir:
             self._save((epoch + 1, 0, 0))
+        if self.snapshots is not None:
+            self.snapshots.epoch_done(epoch)
         if self.stop_signum and epoch + 1 < self.settings.epochs:
             self._stop()
 
@@ -324,8 +330,8 @@ class _Run:
         t_epoch = time.perf_counter()
         step0 = self.global_step
         figures.compute_s += self.strategy.serve_epoch(epoch, self.steps)
-        for b, (x, y) in self.strategy.epoch_batches(self.train_data, self.sampler, epoch,
-                                                     first, self.settings.batch_size, cursor):
+        for b, (x, y) in () if first == self.steps else self.strategy.epoch_batches(
+                self.train_data, self.sampler, epoch, first, self.settings.batch_size, cursor):
             self._step(epoch, b, x, y, figures, self.sampler.cursor_after(
                 cursor, b + 1 - first, self.settings.batch_size))
         t_end = time.perf_counter()

@@ -4,7 +4,10 @@ ZeRO and torch's DDP, SyncBatchNorm, Join, the audit, compression, Horovod's API
 inputs: the list of tests/mpi/test_together.py), launched by horovodrun's command line
 (python -m mpidp.horovod.run); and in-job recovery with fault tolerance
 (ULFM): a rank killed mid-epoch and then another under the supervisor, the survivors shrink
-and respawn each, and the run ends bit for bit as the uninterrupted one; a survivor lost
+and respawn each, and the run ends bit for bit as the uninterrupted one, from mpidp.fit in a
+script too; a rank killed inside
+the ring all-reduce of the gradients, respawned, bit for bit too; ranks lost inside large
+all-reduces (MPI's and the ring), every survivor told; a survivor lost
 during a respawn ends the job (no process left waiting) and the supervisor's relaunch ends
 bit for bit too; left behind
 (shrink), the others train to the end; a torch.distributed script (torch's own DDP on the
@@ -170,6 +173,20 @@ def test_killed_ranks_are_respawned_one_after_another_and_the_run_ends_bit_for_b
     assert [l[:9] for l in parts] == ["epoch   1", "epoch   2"], out[-4000:]
 
 
+def respawned_once_bit_for_bit(proc, struck: Path, reference: dict) -> None:
+    """``proc``, a 3-rank run, lost rank 1 once (``struck`` written by the fault), respawned
+    it in the job and ended with the parameters of ``reference``, a run's summary."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and struck.exists(), out[-6000:]
+    recoveries = [l for l in proc.stdout.splitlines() if "in-job recovery: lost" in l]
+    assert len(recoveries) == 1 and recoveries[0].startswith(
+        "in-job recovery: lost rank(s) 1 of 3; respawned, back at 3 ranks; redoing from step "), \
+        out[-6000:]
+    got = summary(proc)
+    assert got["ranks"] == 3 and got["global_step"] == reference["global_step"]
+    assert got["parameters_sha256"] == reference["parameters_sha256"], out[-6000:]
+
+
 def test_a_rank_killed_inside_the_gradients_all_reduce_is_respawned_and_ends_bit_for_bit(
         open_mpi, tmp_path):
     """mpidp's pipelined ring (--algorithm ring, 8 KiB pieces: the 340 KB of gradients in 14
@@ -183,15 +200,44 @@ def test_a_rank_killed_inside_the_gradients_all_reduce_is_respawned_and_ends_bit
                                   "FAULT_ONCE_FILE": str(tmp_path / "struck"),
                                   "MPIDP_RECOVERY": "respawn"},
                     dataset="user_factories:dying_in_allreduce_digits", more=ring)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and (tmp_path / "struck").exists(), out[-6000:]
-    recoveries = [l for l in proc.stdout.splitlines() if "in-job recovery: lost" in l]
-    assert len(recoveries) == 1 and recoveries[0].startswith(
-        "in-job recovery: lost rank(s) 1 of 3; respawned, back at 3 ranks; redoing from step "), \
-        out[-6000:]
-    got = summary(proc)
-    assert got["ranks"] == 3 and got["global_step"] == reference["global_step"]
-    assert got["parameters_sha256"] == reference["parameters_sha256"], out[-6000:]
+    respawned_once_bit_for_bit(proc, tmp_path / "struck", reference)
+
+
+def test_a_script_on_mpidp_fit_is_respawned_and_ends_bit_for_bit(open_mpi, uninterrupted,
+                                                                 tmp_path):
+    """mpidp.fit from a user's script (tests/mpi/bodies/fit_digits.py: FLAGS' run, written as
+    a script), rank 1 killed at its 500th item, in the first step of epoch 2: respawned in
+    the job (the replacement runs the script anew and joins at its own mpidp.fit, its
+    settings' defaults filled in), the survivors go on from the snapshot of epoch 1's last
+    step as the start of epoch 2 (not into epoch 1's end again), and the run ends with the
+    parameters of python -m mpidp.train's uninterrupted run."""
+    proc = finished([str(open_mpi / "mpiexec"), *OPEN_MPI_FT_ARGS, "-n", "3",
+                     str(open_mpi / "python"), str(BODIES / "fit_digits.py")],
+                    {**os.environ, **AS_ROOT, "PYTHONPATH": str(BODIES), "PYTHONUNBUFFERED": "1",
+                     "DIE_RANK": "1", "DIE_AT_ITEM": "500",
+                     "FAULT_ONCE_FILE": str(tmp_path / "struck")}, 150)
+    proc.stdout = proc.stdout.replace("\0", "")
+    respawned_once_bit_for_bit(proc, tmp_path / "struck", uninterrupted)
+
+
+def test_ranks_lost_inside_large_all_reduces_are_learned_of_by_every_survivor(open_mpi):
+    """tests/mpi/bodies/lost_mid_transfer.py at 4 ranks, shrinking: a rank killed at a random
+    moment into the transfers of a 16 MiB all-reduce, first MPI's own, then mpidp's ring (with
+    Open MPI's RDMA put over tcp a survivor waited for ever in 2 runs of 8: Note [A peer lost
+    mid-transfer] in mpidp/runtime/recovery.py). Every survivor learns of each loss as a lost
+    process (never MPI_ERR_IN_STATUS), shrinks with the others and goes on, exact."""
+    proc = finished([str(open_mpi / "mpiexec"), *OPEN_MPI_FT_ARGS, "-n", "4",
+                     str(open_mpi / "python"), str(BODIES / "lost_mid_transfer.py")],
+                    {**os.environ, **AS_ROOT, "PYTHONUNBUFFERED": "1",
+                     "MPIDP_RECOVERY": "shrink"}, 120)
+    stdout = proc.stdout.replace("\0", "")
+    out = stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    for algorithm, survivors in (("mpi", 3), ("ring", 2)):
+        learned = re.findall(rf"^lost_mid_transfer: {algorithm}: rank (\d) learned of the loss "
+                             r"after \d+ calls: MPI_ERR_(?:PROC_FAILED|REVOKED)", stdout, re.M)
+        assert sorted(learned) == [str(r) for r in range(survivors)], (algorithm, out[-6000:])
+    assert sorted(re.findall(r"^ok (\d)$", stdout, re.M)) == ["0", "1"], out[-6000:]
 
 
 def test_a_survivor_lost_in_the_respawn_ends_the_job_and_the_relaunch_ends_bit_for_bit(

@@ -141,12 +141,19 @@ def test_mpich_under_srun_pmi2_gets_the_ofi_netmod():
     assert launcher.mpi_start_settings({}, True) == {}
 
 
-def test_open_mpi_with_fault_tolerance_finalizes_without_the_fence():
-    """Note [Ending a job that lost a process] in mpidp/runtime/recovery.py: unless the user
-    chose."""
+def test_open_mpi_with_fault_tolerance_finalizes_without_the_fence_and_sends_without_put():
+    """Note [Ending a job that lost a process] and Note [A peer lost mid-transfer] in
+    mpidp/runtime/recovery.py: each unless the user chose."""
     ft = {"OMPI_MCA_mpi_ft_enable": "1", "OMPI_COMM_WORLD_RANK": "0"}
-    assert launcher.mpi_start_settings(ft, False) == {"OMPI_MCA_async_mpi_finalize": "1"}
-    assert launcher.mpi_start_settings({**ft, "OMPI_MCA_async_mpi_finalize": "0"}, False) == {}
+    no_put = {"OMPI_MCA_btl_tcp_flags": "send,inplace,need-ack,need-csum"}
+    assert launcher.mpi_start_settings(ft, False) == {"OMPI_MCA_async_mpi_finalize": "1",
+                                                      **no_put}
+    assert launcher.mpi_start_settings({**ft, "OMPI_MCA_async_mpi_finalize": "0"}, False) == \
+        no_put
+    assert launcher.mpi_start_settings({**ft, "OMPI_MCA_btl_tcp_flags": "send,put"}, False) == \
+        {"OMPI_MCA_async_mpi_finalize": "1"}
+    assert launcher.mpi_start_settings({**ft, **no_put, "OMPI_MCA_async_mpi_finalize": "1"},
+                                       True) == {}
     assert launcher.mpi_start_settings({**ft, "OMPI_MCA_mpi_ft_enable": "0"}, False) == {}
 
 
