@@ -72,16 +72,18 @@ checkpoint (docs/recovery.md). Once the group is made the watchdog takes over.
 Note [A peer lost mid-transfer]
 A rank killed while a large message to or from it was in flight (an all-reduce of 16 to 64
 MiB, MPI's own or mpidp's ring, over Open MPI 5.0.11's tcp transport) left a survivor
-waiting for ever in 13 of 32 runs at 3 ranks and 64 MiB, 2 of 8 at 4 ranks and 16 MiB
-(2026-12-04, this project's 2-core machine), inside the MPI call itself:
+waiting for ever in 13 of 32 runs at 3 ranks and 64 MiB, and in 4 of 16 at 4 ranks and 16
+MiB (tests/mpi/bodies/lost_mid_transfer.py; 2026-12-04, this project's 2-core machine),
+inside the MPI call itself:
 above the eager limit (64 KiB) ob1 moves a message by the transport's RDMA put, then sends a
 FIN; the send that meets the closed socket closes the endpoint, and the error path sends that
 FIN over the endpoint whose lock it already holds (the stack: PMPI_Testall, opal_progress,
 mca_btl_tcp_frag_send, mca_btl_tcp_endpoint_close, mca_pml_ob1_send_fin,
 mca_btl_tcp_endpoint_send, pthread_mutex_lock). Without put, the same messages go as a
-pipeline of sends with no FIN, and 68 runs of 68 ended with every survivor told of the loss
-(the cost, 64 MiB over 3 ranks, medians of 3 launches: MPI's all-reduce 134 -> 137 ms,
-mpidp's ring 69 -> 79 ms). So under fault tolerance mpidp starts MPI with the tcp flags
+pipeline of sends with no FIN, and 76 runs of 76 ended with every survivor told of the loss;
+the cost, a 64 MiB all-reduce at 3 ranks about 10% slower (MPI's 115 -> 127 ms, mpidp's
+ring 62 -> 68 ms, medians of 3 alternating launches: bench/resilience/mid_transfer.py,
+bench/RESULTS.md). So under fault tolerance mpidp starts MPI with the tcp flags
 less put (OMPI_MCA_btl_tcp_flags, mpidp.runtime.launcher.mpi_start_settings) unless the user
 chose them. MPI_Waitall reports a failed request of several as MPI_ERR_IN_STATUS, which names
 no cause; mpidp's waits raise the failed request's own error instead

@@ -223,7 +223,7 @@ def test_a_script_on_mpidp_fit_is_respawned_and_ends_bit_for_bit(open_mpi, unint
 def test_ranks_lost_inside_large_all_reduces_are_learned_of_by_every_survivor(open_mpi):
     """tests/mpi/bodies/lost_mid_transfer.py at 4 ranks, shrinking: a rank killed at a random
     moment into the transfers of a 16 MiB all-reduce, first MPI's own, then mpidp's ring (with
-    Open MPI's RDMA put over tcp a survivor waited for ever in 2 runs of 8: Note [A peer lost
+    Open MPI's RDMA put over tcp a survivor waited for ever in 4 runs of 16: Note [A peer lost
     mid-transfer] in mpidp/runtime/recovery.py). Every survivor learns of each loss as a lost
     process (never MPI_ERR_IN_STATUS), shrinks with the others and goes on, exact."""
     proc = finished([str(open_mpi / "mpiexec"), *OPEN_MPI_FT_ARGS, "-n", "4",
