@@ -5,7 +5,7 @@ inputs: the list of tests/mpi/test_together.py), launched by horovodrun's comman
 (python -m mpidp.horovod.run); and in-job recovery with fault tolerance
 (ULFM): a rank killed mid-epoch and then another under the supervisor, the survivors shrink
 and respawn each, and the run ends bit for bit as the uninterrupted one, from mpidp.fit in a
-script too; a rank killed inside
+script too, and from an epoch's end; a rank killed inside
 the ring all-reduce of the gradients, respawned, bit for bit too; ranks lost inside large
 all-reduces (MPI's and the ring), every survivor told; a survivor lost
 during a respawn ends the job (no process left waiting) and the supervisor's relaunch ends
@@ -218,6 +218,20 @@ def test_a_script_on_mpidp_fit_is_respawned_and_ends_bit_for_bit(open_mpi, unint
                      "FAULT_ONCE_FILE": str(tmp_path / "struck")}, 150)
     proc.stdout = proc.stdout.replace("\0", "")
     respawned_once_bit_for_bit(proc, tmp_path / "struck", uninterrupted)
+
+
+def test_a_rank_killed_in_an_epochs_end_is_respawned_and_the_end_redone(open_mpi,
+                                                                        uninterrupted,
+                                                                        tmp_path):
+    """Rank 1 killed at its 50th held-out item, inside epoch 1's score (its steps all done):
+    the survivors go on from the snapshot of the epoch's last step, with no step left of it,
+    and redo its end alone; the run ends with the uninterrupted run's parameters."""
+    proc = train_ft(open_mpi, 3, {"DIE_RANK": "1", "DIE_AT_ITEM": "50",
+                                  "FAULT_ONCE_FILE": str(tmp_path / "struck")},
+                    dataset="user_factories:dying_in_eval_digits")
+    respawned_once_bit_for_bit(proc, tmp_path / "struck", uninterrupted)
+    ends = [l for l in proc.stdout.splitlines() if l.startswith("epoch   1/3")]
+    assert len(ends) == 1 and "(its last 0 of " in ends[0], proc.stdout[-4000:]
 
 
 def test_ranks_lost_inside_large_all_reduces_are_learned_of_by_every_survivor(open_mpi):

@@ -120,6 +120,13 @@ def dying_digits():
     return DyingDataset(train), test
 
 
+def dying_in_eval_digits():
+    """The digits, and DyingDataset around the held-out set: DIE_RANK dies at its
+    DIE_AT_ITEM-th held-out item, in an epoch's end (its score), its steps all done."""
+    train, test = data.digits()
+    return train, DyingDataset(test)
+
+
 def _replacement_started(timeout_s=60.0):
     """Returns once a process of this test's job (its MPIDP_TEST_TAG) runs as a replacement
     (``-X mpidp-replaces`` on its command line, mpidp.runtime.recovery.REPLACEMENT), or after
