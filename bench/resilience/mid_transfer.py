@@ -3,8 +3,9 @@ default flags, set on the command line, which mpidp then leaves alone) and witho
 setting under fault tolerance: Note [A peer lost mid-transfer] in mpidp/runtime/recovery.py).
 Per setting: REPEATS runs of tests/mpi/bodies/lost_mid_transfer.py (4 ranks, shrinking; a
 rank killed at a random moment into a 16 MiB all-reduce, MPI's then mpidp's ring), each
-counted as ended (every survivor told of both losses, exact) or hung (a survivor still
-waiting after BODY_HANG_S, its stacks written); and the cost, ``python -m mpidp.bench
+counted as ended (every survivor told of both losses, exact) or hung (the body still
+running after BODY_HANG_S, 20 s here against a few seconds a run, its stacks written); and
+the cost, ``python -m mpidp.bench
 allreduce`` of 64 MiB at 3 ranks under fault tolerance, MPI's and the ring, in launches that
 alternate between the two settings. Needs a Python whose environment has Open MPI's wheel
 and sees mpidp (docs/recovery.md, "Set-up"); as root, OMPI_ALLOW_RUN_AS_ROOT* are set.
@@ -54,7 +55,9 @@ def trial(python: Path, flags: tuple) -> str:
 
 
 def cost(python: Path, flags: tuple, work: Path) -> dict:
-    """Median µs of a 64 MiB all-reduce at 3 ranks under fault tolerance, per algorithm."""
+    """µs per call of a 64 MiB all-reduce at 3 ranks under fault tolerance, per algorithm:
+    the bench's average over the ranks of its repeats' medians (main takes the median over
+    launches)."""
     out = work / "allreduce.json"
     line = [str(python.with_name("mpiexec")), *OPEN_MPI_FT_ARGS, *flags, "-n", "3",
             str(python), "-m", "mpidp.bench", "allreduce", "--algorithms", "mpi,ring",

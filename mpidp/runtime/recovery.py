@@ -86,9 +86,11 @@ ring 62 -> 68 ms, medians of 3 alternating launches: bench/resilience/mid_transf
 bench/RESULTS.md). So under fault tolerance mpidp starts MPI with the tcp flags
 less put (OMPI_MCA_btl_tcp_flags, mpidp.runtime.launcher.mpi_start_settings) unless the user
 chose them. MPI_Waitall reports a failed request of several as MPI_ERR_IN_STATUS, which names
-no cause; mpidp's waits raise the failed request's own error instead
-(mpidp.engine.library.wait_all), so that a wait on a send to a dead peer and a receive from a
-live one is known for a lost process (``is_process_failure``)."""
+no cause; mpidp's MPI_Waitall (mpidp.engine.library.wait_all: the ring's waits, the
+runtime's ``wait_all``) raises the failed request's own error instead, so that a wait on a
+send to a dead peer and a receive from a live one is known for a lost process
+(``is_process_failure``). Its polls (MPI_Testall: the backend's monitoredBarrier, the
+watchdog's notices) do not yet."""
 from __future__ import annotations
 
 import contextlib

@@ -64,7 +64,10 @@ class Topology:
             if not hosts[node_of[r]]:
                 host = machines[r].decode(errors="replace")
                 hosts[node_of[r]] = f"{host}/{node_of[r]}" if emulate_node_size > 0 else host
-        return node_of, tuple(hosts), machines.count(name)
+        # the ranks on this machine: its node's, unless nodes are emulated on it (the names
+        # of two machines may be alike, a container's "localhost": counted by name only here)
+        return node_of, tuple(hosts), machines.count(name) if emulate_node_size > 0 \
+            else self.local_size
 
     @property
     def single_node(self) -> bool:

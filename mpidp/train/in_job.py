@@ -72,12 +72,14 @@ class Snapshots:
             run.report.record(self.pending)
             self.pending = None
 
-    def epoch_done(self, epoch: int) -> None:
+    def epoch_done(self, epoch: int, samples_total: int) -> None:
         """Epoch ``epoch``'s end (its score, event, checkpoint) is done too: the snapshot of
         its last step is where epoch ``epoch + 1`` starts (a loss in that epoch's first step
-        goes on from there, not into the end again)."""
+        goes on from there, not into the end again), with the run's samples counted by the
+        epoch's event (``samples_total``)."""
         if self.kept and self.kept[-1]["position"][0] == epoch:
-            self.kept[-1] = {**self.kept[-1], "position": (epoch + 1, 0, 0)}
+            self.kept[-1] = {**self.kept[-1], "position": (epoch + 1, 0, 0),
+                             "samples_total": samples_total}
 
     def newest(self) -> int:
         return self.kept[-1]["global_step"] if self.kept else -1

@@ -318,7 +318,7 @@ class _Run:
         if self.settings.checkpoint_dir:
             self._save((epoch + 1, 0, 0))
         if self.snapshots is not None:
-            self.snapshots.epoch_done(epoch)
+            self.snapshots.epoch_done(epoch, self.samples_total)
         if self.stop_signum and epoch + 1 < self.settings.epochs:
             self._stop()
 

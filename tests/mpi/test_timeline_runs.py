@@ -2,9 +2,9 @@
 parameter server on 3): the merged trace must hold every rank's spans (the recorder, clock
 alignment and merge alone: tests/unit/test_timeline.py)."""
 import json
-import os
 from pathlib import Path
 
+from mpidp.train import setup
 from mpirun import run
 
 
@@ -35,8 +35,9 @@ def train(n, tmp_path, *flags, env=None):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert [p.name for p in tmp_path.iterdir()] == ["timeline.json"]  # no temporary left
     assert f"mpidp: timeline of {n} rank(s) written to {path} (open it in" in proc.stderr
-    # the machine's cores shared among its ranks, emulated nodes or not (default_threads)
-    threads = max(1, len(os.sched_getaffinity(0)) // n)
+    # the machine's cores shared among its ranks, emulated nodes or not (the launcher binds
+    # no rank here: the ranks are allowed what this process is)
+    threads = setup.default_threads(n)
     assert f", {threads} torch thread(s) per rank" in proc.stdout + proc.stderr, proc.stdout
     return trace_of(path)
 

@@ -6,8 +6,8 @@ third call's transfers; every survivor must learn of it (an MPI error of a lost 
 never a wait for ever: Note [A peer lost mid-transfer] in mpidp/runtime/recovery.py), shrink
 with the others, and go on. Each survivor prints 'lost_mid_transfer: <algorithm>: rank <r>
 learned of the loss after <n> calls: <error>' per phase and, at the end, 'ok <rank>' once an
-all-reduce on the 2 left is exact. A wait past BODY_HANG_S (60 s) writes the stacks and
-exits 1."""
+all-reduce on the 2 left is exact. A body still running after BODY_HANG_S (60 s: a whole
+run takes a few seconds) writes its stacks, the wait among them, and exits 1."""
 import faulthandler
 import os
 import random
