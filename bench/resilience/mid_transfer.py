@@ -95,7 +95,8 @@ def main() -> int:
                 found[name]["cost_us"].append(cost(args.python, flags, Path(tmp)))
                 print(f"mid_transfer: cost {k + 1}/{args.pairs} {name}: "
                       f"{found[name]['cost_us'][-1]}", flush=True)
-    print("| tcp transport | runs ended | runs hung | 64 MiB MPI_Allreduce, µs | 64 MiB ring, µs |")
+    print("| tcp transport | runs ended | runs hung | 64 MiB MPI_Allreduce, µs "
+          "| 64 MiB ring, µs |")
     print("|---|---|---|---|---|")
     for name, f in found.items():
         medians = [statistics.median(c[a] for c in f["cost_us"] if a in c)

@@ -107,9 +107,23 @@ def train_ft(bin_dir: Path, n: int, env=None, timeout_s=150, supervised=None,
         if supervised is None else [str(bin_dir / "python"), "-m", "mpidp.run", "-n", str(n),
                                     "--", *train, "--checkpoint-dir", str(supervised),
                                     "--log-json", str(supervised.parent / "log.json")]
-    full = {**os.environ, **AS_ROOT, "PYTHONPATH": str(BODIES), "PYTHONUNBUFFERED": "1",
+    proc = finished(command, ft_env(env), timeout_s)
+    proc.stdout = proc.stdout.replace("\0", "")
+    return proc
+
+
+def ft_env(env=None) -> dict:
+    """The environment of a job under fault tolerance here: as root, unbuffered, the bodies
+    (user_factories) importable, and ``env``."""
+    return {**os.environ, **AS_ROOT, "PYTHONPATH": str(BODIES), "PYTHONUNBUFFERED": "1",
             **(env or {})}
-    proc = finished(command, full, timeout_s)
+
+
+def script_ft(bin_dir: Path, n: int, script: str, env=None, timeout_s=150):
+    """tests/mpi/bodies/``script`` on n ranks under Open MPI with fault tolerance
+    (OPEN_MPI_FT_ARGS); its stdout without the NUL bytes Open MPI leaves in it now and then."""
+    proc = finished([str(bin_dir / "mpiexec"), *OPEN_MPI_FT_ARGS, "-n", str(n),
+                     str(bin_dir / "python"), str(BODIES / script)], ft_env(env), timeout_s)
     proc.stdout = proc.stdout.replace("\0", "")
     return proc
 
@@ -211,12 +225,8 @@ def test_a_script_on_mpidp_fit_is_respawned_and_ends_bit_for_bit(open_mpi, unint
     settings' defaults filled in), the survivors go on from the snapshot of epoch 1's last
     step as the start of epoch 2 (not into epoch 1's end again), and the run ends with the
     parameters of python -m mpidp.train's uninterrupted run."""
-    proc = finished([str(open_mpi / "mpiexec"), *OPEN_MPI_FT_ARGS, "-n", "3",
-                     str(open_mpi / "python"), str(BODIES / "fit_digits.py")],
-                    {**os.environ, **AS_ROOT, "PYTHONPATH": str(BODIES), "PYTHONUNBUFFERED": "1",
-                     "DIE_RANK": "1", "DIE_AT_ITEM": "500",
-                     "FAULT_ONCE_FILE": str(tmp_path / "struck")}, 150)
-    proc.stdout = proc.stdout.replace("\0", "")
+    proc = script_ft(open_mpi, 3, "fit_digits.py", {
+        "DIE_RANK": "1", "DIE_AT_ITEM": "500", "FAULT_ONCE_FILE": str(tmp_path / "struck")})
     respawned_once_bit_for_bit(proc, tmp_path / "struck", uninterrupted)
 
 
@@ -240,18 +250,14 @@ def test_ranks_lost_inside_large_all_reduces_are_learned_of_by_every_survivor(op
     Open MPI's RDMA put over tcp a survivor waited for ever in 4 runs of 16: Note [A peer lost
     mid-transfer] in mpidp/runtime/recovery.py). Every survivor learns of each loss as a lost
     process (never MPI_ERR_IN_STATUS), shrinks with the others and goes on, exact."""
-    proc = finished([str(open_mpi / "mpiexec"), *OPEN_MPI_FT_ARGS, "-n", "4",
-                     str(open_mpi / "python"), str(BODIES / "lost_mid_transfer.py")],
-                    {**os.environ, **AS_ROOT, "PYTHONUNBUFFERED": "1",
-                     "MPIDP_RECOVERY": "shrink"}, 120)
-    stdout = proc.stdout.replace("\0", "")
-    out = stdout + proc.stderr
+    proc = script_ft(open_mpi, 4, "lost_mid_transfer.py", {"MPIDP_RECOVERY": "shrink"}, 120)
+    out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     for algorithm, survivors in (("mpi", 3), ("ring", 2)):
         learned = re.findall(rf"^lost_mid_transfer: {algorithm}: rank (\d) learned of the loss "
-                             r"after \d+ calls: MPI_ERR_(?:PROC_FAILED|REVOKED)", stdout, re.M)
+                             r"after \d+ calls: MPI_ERR_(?:PROC_FAILED|REVOKED)", proc.stdout, re.M)
         assert sorted(learned) == [str(r) for r in range(survivors)], (algorithm, out[-6000:])
-    assert sorted(re.findall(r"^ok (\d)$", stdout, re.M)) == ["0", "1"], out[-6000:]
+    assert sorted(re.findall(r"^ok (\d)$", proc.stdout, re.M)) == ["0", "1"], out[-6000:]
 
 
 def test_a_survivor_lost_in_the_respawn_ends_the_job_and_the_relaunch_ends_bit_for_bit(
@@ -297,10 +303,7 @@ def test_a_horovod_elastic_script_respawned_ends_bit_for_bit(open_mpi, tmp_path)
     loss, where a restart would redo dozens), and the run ends with the uninterrupted run's
     parameters (Note [Elastic on in-job recovery] in mpidp/horovod/elastic.py)."""
     def elastic(env=None):
-        proc = finished([str(open_mpi / "mpiexec"), *OPEN_MPI_FT_ARGS, "-n", "3",
-                         str(open_mpi / "python"), str(BODIES / "elastic_digits.py")],
-                        {**os.environ, **AS_ROOT, "PYTHONPATH": str(BODIES),
-                         "PYTHONUNBUFFERED": "1", "COMMIT_EVERY": "8", **(env or {})}, 150)
+        proc = script_ft(open_mpi, 3, "elastic_digits.py", {"COMMIT_EVERY": "8", **(env or {})})
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-6000:]
         assert sorted(re.findall(r"^ok (\d)$", proc.stdout, re.M)) == ["0", "1", "2"], \
@@ -321,9 +324,7 @@ def test_a_horovod_elastic_script_respawned_ends_bit_for_bit(open_mpi, tmp_path)
 def torch_script(bin_dir: Path, env: dict) -> tuple:
     """tests/mpi/bodies/torch_recovery.py on 3 ranks under fault tolerance: (its output,
     the parameters' digest, the world's size at the end), every rank ended."""
-    proc = finished([str(bin_dir / "mpiexec"), *OPEN_MPI_FT_ARGS, "-n", "3",
-                     str(bin_dir / "python"), str(BODIES / "torch_recovery.py")],
-                    {**os.environ, **AS_ROOT, "PYTHONUNBUFFERED": "1", **env}, 150)
+    proc = script_ft(bin_dir, 3, "torch_recovery.py", env)
     out = (proc.stdout + proc.stderr).replace("\0", "")
     assert proc.returncode == 0, out[-6000:]
     got = re.search(r"^torch: ranks (\d) recoveries \d+ sha256 (\w+)$", proc.stdout, re.M)
